@@ -1,0 +1,95 @@
+"""Host-side batch-norm algebra (DESIGN.md 2.1, 2.2, 2.4, 2.5): small tensors, torch ops, no kernels.
+
+Everything here works on per-channel or per-(n, c) tensors (size O(N*C)) or on the weights
+(size O(Cin*Cout*k^3)), in float64, on whatever device they live on. The kernels do the O(volume)
+work; this module turns their reductions into batch-norm statistics and folds those back into
+weights.
+
+* ``bn_scale``          a_c = gamma_c / sqrt(var_c + eps)   (gamma = 1 without affine)
+* ``fold_weights``      W'[ci, oc, k] = a_{group(ci)*OPG + oc} * W[ci, oc, k]
+* ``gather_weights``    W' transposed to (CI, KD, KH, KW, OPG padded) for the gather kernel
+* ``batch_statistics``  mu_c, var_c from per-(n, c) means and centred sums of squares (law of
+                        total variance; both terms are centred, so nothing cancels)
+* ``update_running_stats`` PyTorch's running-mean/var update, in place on the module's buffers
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def bn_scale(bn: nn.BatchNorm3d, var: torch.Tensor) -> torch.Tensor:
+    """a_c = gamma_c / sqrt(var_c + eps) in float64."""
+    inv_std = torch.rsqrt(var.to(torch.float64) + bn.eps)
+    if bn.affine:
+        return bn.weight.detach().to(torch.float64) * inv_std
+    return inv_std
+
+
+def fold_weights(weight: torch.Tensor, scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """Scale each output channel of a ConvTranspose3d weight (CI, OPG, kD, kH, kW)."""
+    ci, opg = weight.shape[:2]
+    per_ci = scale.view(groups, 1, opg).expand(groups, ci // groups, opg).reshape(ci, opg)
+    return (weight.to(torch.float64) * per_ci[:, :, None, None, None]).to(weight.dtype)
+
+
+def gather_weights(weight: torch.Tensor, channel_tile: int) -> torch.Tensor:
+    """(CI, OPG, KD, KH, KW) -> contiguous (CI, KD, KH, KW, OPGP), zero-padded to whole tiles."""
+    ci, opg = weight.shape[:2]
+    padded = -(-opg // channel_tile) * channel_tile
+    wt = weight.detach().permute(0, 2, 3, 4, 1)
+    if padded != opg:
+        wt = torch.nn.functional.pad(wt, (0, padded - opg))
+    return wt.contiguous()
+
+
+def batch_statistics(means: torch.Tensor, css: torch.Tensor, volume: int):
+    """Per-channel batch mean and biased variance from per-(n, c) statistics.
+
+    ``means`` (N, C): spatial means m[n, c]; ``css`` (N, C): sum_o (y - m[n, c])^2;
+    ``volume``: S, the output voxels per (n, c). Law of total variance (DESIGN.md 2.4):
+
+        mu_c  = mean_n m[n, c]
+        var_c = sum_n css[n, c] / (N*S) + mean_n (m[n, c] - mu_c)^2
+    """
+    means = means.to(torch.float64)
+    mu = means.mean(dim=0)
+    within = css.to(torch.float64).sum(dim=0) / (means.shape[0] * volume)
+    between = ((means - mu) ** 2).mean(dim=0)
+    return mu, within + between
+
+
+def check_batch_size(batch: int, volume: int, channels: int) -> None:
+    """PyTorch refuses training batch norm with one value per channel; so do we."""
+    if batch * volume <= 1:
+        raise ValueError(
+            "Expected more than 1 value per channel when training, got input size "
+            f"({batch}, {channels}, ...) with {volume} output voxel(s) per channel")
+
+
+def uses_batch_statistics(bn: nn.BatchNorm3d, training: bool) -> bool:
+    """Batch statistics in training, and always when the module keeps no running statistics."""
+    return training or not bn.track_running_stats or bn.running_mean is None
+
+
+@torch.no_grad()
+def update_running_stats(bn: nn.BatchNorm3d, mu: torch.Tensor, var: torch.Tensor,
+                         count: int) -> None:
+    """PyTorch's update (DESIGN.md 2.5), in place on ``bn``'s buffers.
+
+    num_batches_tracked += 1; factor = momentum, or 1/num_batches_tracked when momentum is None;
+    running_mean <- (1-f) running_mean + f mu; running_var <- (1-f) running_var + f var*M/(M-1).
+    """
+    if not bn.track_running_stats or bn.running_mean is None:
+        return
+    if bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    if bn.momentum is None:  # cumulative average; a 0-d tensor, so no device sync
+        factor = 1.0 / bn.num_batches_tracked.to(torch.float64)
+    else:
+        factor = float(bn.momentum)
+    unbiased = var * (count / (count - 1))
+    rm, rv = bn.running_mean, bn.running_var
+    rm.copy_((1 - factor) * rm.to(torch.float64) + factor * mu)
+    rv.copy_((1 - factor) * rv.to(torch.float64) + factor * unbiased)

@@ -1,0 +1,11 @@
+"""``@cuda.jit`` kernels, one file per idea, each with its launcher.
+
+* ``warp``          - warp- and block-level reductions built on ``shfl_down_sync`` (shared by all).
+* ``scatter``       - transposed convolution, one thread per input voxel, atomics into the output.
+* ``gather``        - transposed convolution split into stride**3 dense phase classes, register
+                      tiles, fused BN/mean epilogue: the fast path.
+* ``box_sums``      - per-tap input box sums, giving the output's spatial mean before the conv.
+* ``spatial_reduce``- per-(n, c) mean and centred sum of squares of a stored tensor (warp shuffles).
+* ``epilogue``      - elementwise ``out = scale_c * (y - mean_nc)`` and channel fills.
+* ``launch``        - the few calls that differ between a GPU and the simulator (views, streams).
+"""

@@ -1,0 +1,34 @@
+"""``ModelNew``: a drop-in ``nn.Module`` for the reference ``Model`` whose forward runs the pipeline.
+
+Same constructor signature, parameters, buffers and ``state_dict`` keys (``conv_transpose.*``,
+``batch_norm.*``) as ``numba_deconv.reference.Model``, so
+
+    new = ModelNew(*get_init_inputs()); new.load_state_dict(Model(*get_init_inputs()).state_dict())
+
+works, and ``.train()`` / ``.eval()`` / ``.to(device)`` behave as on the reference. The forward is
+inference-only: no autograd graph is recorded through the kernels.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .pipeline import Pipeline
+
+
+class ModelNew(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, stride, padding, bias=True,
+                 *, conv_impl: str = "gather"):
+        super().__init__()
+        self.conv_transpose = nn.ConvTranspose3d(
+            in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
+        self.batch_norm = nn.BatchNorm3d(out_channels)
+        # The pipeline holds references to the two modules above, never copies of them.
+        self._pipeline = Pipeline(self.conv_transpose, self.batch_norm, conv_impl=conv_impl)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._pipeline
+
+    def forward(self, x):
+        return self._pipeline.train(self.training)(x)

@@ -1,0 +1,378 @@
+"""``Pipeline``: ConvTranspose3d -> BatchNorm3d -> subtract the spatial mean, as a few kernel launches.
+
+The pipeline only orchestrates: it validates inputs, picks the kernels, owns the buffers and the
+launch configurations (cached per input shape), and hands the small per-channel algebra to
+``folding``. Two strategies, selected with ``conv=``:
+
+``"gather"`` (default, the fast path; DESIGN.md 2.3, 2.4, 2.6)
+    box_sums -> mean_from_box_sums -> conv_transpose3d_gather with the fused epilogue.
+    Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
+    convolution, so the output is written once, final. Training: the epilogue writes
+    ``y - mean`` and per-block centred sums of squares; ``folding.batch_statistics`` turns those
+    into the batch variance, and one light pass scales each channel.
+
+``"scatter"`` (the teaching baseline)
+    fill bias -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
+
+Inputs: torch tensors (zero copy, launches on torch's current stream), numba device arrays and
+numpy arrays; the output is of the same kind. Under the CUDA simulator "device" tensors are CPU
+tensors. The input is never modified.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from numba import cuda
+from torch import nn
+
+from . import folding
+from .geometry import ConvGeometry
+from .kernels import box_sums, epilogue, gather, scatter, spatial_reduce
+from .kernels.launch import device_array, launch_stream, tensor_device
+from .simulator import is_simulator
+
+CONV_STRATEGIES = ("gather", "scatter")
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+_VIEW_CACHE_SIZE = 64
+
+
+@dataclass
+class _ShapePlan:
+    """Launch configuration and scratch buffers for one (input shape, dtype, device, stream)."""
+
+    batch: int
+    out_spatial: tuple[int, int, int]
+    volume: int
+    box_lo: Any = None
+    box_hi: Any = None
+    rows: Any = None
+    planes: Any = None
+    boxes: Any = None
+    means: Any = None
+    css: Any = None
+    zero_bias: Any = None
+    zero_means: Any = None
+    gather: gather.GatherLaunch | None = None
+    taps: tuple = ()
+    dims: Any = None
+    ss: Any = None
+
+
+class Pipeline:
+    """The whole operator of DESIGN.md section 1 on Numba CUDA kernels.
+
+    ``Pipeline.from_torch(model)`` or ``Pipeline.from_modules(conv, bn)``; then ``pipe(x)``.
+    Parameters and buffers are read from the torch modules at every call, so training them (or
+    loading a state dict) is seen immediately, and running statistics land in ``bn``'s buffers.
+    """
+
+    def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
+                 poison: bool = False):
+        if not isinstance(conv, nn.ConvTranspose3d):
+            raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
+        if not isinstance(bn, nn.BatchNorm3d):
+            raise TypeError(f"bn must be a torch.nn.BatchNorm3d, got {type(bn).__name__}")
+        if conv_impl not in CONV_STRATEGIES:
+            raise ValueError(f"conv_impl must be one of {CONV_STRATEGIES}, got {conv_impl!r}")
+        self.geometry = ConvGeometry.from_conv(conv)
+        if bn.num_features != self.geometry.out_channels:
+            raise ValueError(
+                f"BatchNorm3d has num_features={bn.num_features} but the convolution produces "
+                f"out_channels={self.geometry.out_channels}")
+        self.conv = conv
+        self.bn = bn
+        self.conv_impl = conv_impl
+        self.poison = poison  # fill outputs and scratch with NaN before each run (tests)
+        self.training = bn.training
+        self._plans: dict[tuple, _ShapePlan] = {}
+        self._views: OrderedDict[tuple, Any] = OrderedDict()
+        self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_modules(cls, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, **kwargs) -> "Pipeline":
+        return cls(conv, bn, **kwargs)
+
+    @classmethod
+    def from_torch(cls, model: nn.Module, **kwargs) -> "Pipeline":
+        """Any module holding exactly one ConvTranspose3d and one BatchNorm3d (in that order)."""
+        convs = [m for m in model.modules() if isinstance(m, nn.ConvTranspose3d)]
+        bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm3d)]
+        if len(convs) != 1 or len(bns) != 1:
+            raise ValueError(
+                f"{type(model).__name__} must hold exactly one ConvTranspose3d and one "
+                f"BatchNorm3d; found {len(convs)} and {len(bns)}")
+        pipe = cls(convs[0], bns[0], **kwargs)
+        pipe.training = model.training
+        return pipe
+
+    # ---- nn.Module-like mode switches ---------------------------------------------------------
+    def train(self, mode: bool = True) -> "Pipeline":
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
+
+    # ---- public calls ---------------------------------------------------------------------------
+    def __call__(self, x):
+        tensor, restore = self._accept(x)
+        return restore(self._forward(tensor, record=None))
+
+    def trace(self, x) -> dict[str, torch.Tensor]:
+        """Run once and return every stage's intermediate (torch tensors), in order.
+
+        Running statistics are *not* updated by a trace, so it can be called freely in a
+        notebook between real steps.
+        """
+        tensor, _ = self._accept(x)
+        record: dict[str, torch.Tensor] = {"input": tensor.detach().clone()}
+        record["output"] = self._forward(tensor, record=record)
+        return record
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """Names of the intermediates ``trace`` records (after ``input``), in order."""
+        batch = folding.uses_batch_statistics(self.bn, self.training)
+        if self.conv_impl == "scatter":
+            core = ("fill_bias", "conv_transpose3d_scatter", "spatial_moments_warp")
+        else:
+            core = ("box_sums", "mean_from_box_sums", "conv_transpose3d_gather")
+        return core + (("batch_statistics",) if batch else ()) + ("scale", "output")
+
+    def explain(self, input_shape, dtype: torch.dtype = torch.float32, measure: bool = False):
+        """The plan for ``input_shape``: stages, kernels, launch shapes, resources and floors.
+
+        See ``numba_deconv.explain``; with ``measure=True`` (GPU only) each stage is timed too.
+        """
+        from .explain import explain  # explain reads the pipeline; keep the import one-way
+
+        return explain(self, input_shape, dtype=dtype, measure=measure)
+
+    # ---- input handling ---------------------------------------------------------------------
+    def _accept(self, x):
+        """Turn ``x`` into a torch tensor on the pipeline's device and a function restoring its kind."""
+        if isinstance(x, torch.Tensor):
+            return x, lambda out: out
+        if isinstance(x, np.ndarray):
+            if x.dtype not in (np.float32, np.float64):
+                raise TypeError(f"input dtype must be float32 or float64, got {x.dtype}")
+            t = torch.from_numpy(np.ascontiguousarray(x)).to(tensor_device())
+            return t, lambda out: out.cpu().numpy()
+        if hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray":
+            if is_simulator():
+                t = torch.from_numpy(x.copy_to_host())
+                return t, lambda out: cuda.to_device(out.numpy())
+            t = torch.as_tensor(x, device=tensor_device())
+            return t, lambda out: cuda.as_cuda_array(out)
+        raise TypeError(
+            "input must be a torch.Tensor, a numpy.ndarray or a numba device array, "
+            f"got {type(x).__name__}")
+
+    def _check(self, x: torch.Tensor):
+        weight = self.conv.weight
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"input dtype must be torch.float32 or torch.float64, got {x.dtype}")
+        if weight.dtype != x.dtype:
+            raise TypeError(
+                f"input dtype {x.dtype} does not match the parameters' dtype {weight.dtype}")
+        device = tensor_device()
+        if x.device != device and not (x.device.type == device.type == "cuda"
+                                       and x.device.index == device.index):
+            raise ValueError(f"input is on {x.device}, but the kernels run on {device}")
+        if weight.device != x.device:
+            raise ValueError(f"input is on {x.device} but the parameters are on {weight.device}")
+        batch, out_spatial = self.geometry.check_input_shape(tuple(x.shape))
+        return batch, out_spatial
+
+    # ---- buffers, views and cached launch configurations -------------------------------------
+    def _view(self, t: torch.Tensor):
+        """Numba view of ``t``, cached by address and layout (building one costs tens of µs)."""
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        view = self._views.get(key)
+        if view is None:
+            view = device_array(t)
+            self._views[key] = view
+            if len(self._views) > _VIEW_CACHE_SIZE:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(key)
+        return view
+
+    def _plan(self, x: torch.Tensor, batch: int, out_spatial) -> _ShapePlan:
+        stream = 0 if is_simulator() else torch.cuda.current_stream().cuda_stream
+        key = (tuple(x.shape), x.dtype, x.device, stream, self.conv_impl)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        geom = self.geometry
+        dev, f64 = x.device, torch.float64
+        volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
+        plan = _ShapePlan(batch, tuple(out_spatial), volume)
+        plan.means = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
+        plan.css = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
+        plan.zero_means = torch.zeros(batch * geom.out_channels, dtype=f64, device=dev)
+        plan.zero_bias = torch.zeros(geom.out_channels, dtype=f64, device=dev)
+        if self.conv_impl == "gather":
+            in_spatial = tuple(x.shape[2:])
+            axes = geom.axes()
+            kmax = max(geom.kernel_size)
+            lo = np.ones((3, kmax), np.int32)
+            hi = np.zeros((3, kmax), np.int32)
+            for a, axis in enumerate(axes):
+                for k in range(axis.kernel):
+                    lo[a, k], hi[a, k] = axis.box(k, in_spatial[a])
+            plan.box_lo = torch.from_numpy(lo).to(dev)
+            plan.box_hi = torch.from_numpy(hi).to(dev)
+            kd, kh, kw = geom.kernel_size
+            planes = batch * geom.in_channels
+            plan.rows = torch.empty((planes, in_spatial[0], kh, in_spatial[2]), dtype=f64, device=dev)
+            plan.planes = torch.empty((planes, kd, kh, in_spatial[2]), dtype=f64, device=dev)
+            plan.boxes = torch.empty((batch, geom.in_channels, kd, kh, kw), dtype=f64, device=dev)
+            dtype = "float32" if x.dtype == torch.float32 else "float64"
+            plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
+            plan.taps = tuple(torch.from_numpy(a).to(dev) for a in gather.tap_tables(axes))
+            plan.dims = torch.from_numpy(plan.gather.dims).to(dev)
+            plan.ss = torch.empty((batch, geom.out_channels, plan.gather.slots), dtype=f64, device=dev)
+        self._plans[key] = plan
+        return plan
+
+    def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
+        """Derived weights are recomputed only when a parameter or buffer they use changed."""
+        hit = self._weights.get(name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        value = make()
+        self._weights[name] = (key, value)
+        return value
+
+    @staticmethod
+    def _version(t: torch.Tensor | None) -> tuple:
+        return (None,) if t is None else (t.data_ptr(), t._version, t.device, t.dtype)
+
+    # ---- the forward pass -------------------------------------------------------------------
+    @torch.no_grad()
+    def _forward(self, x: torch.Tensor, record: dict | None) -> torch.Tensor:
+        batch, out_spatial = self._check(x)
+        bn, geom = self.bn, self.geometry
+        batch_stats = folding.uses_batch_statistics(bn, self.training)
+        volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
+        if batch_stats:
+            folding.check_batch_size(batch, volume, geom.out_channels)
+        x = x.detach().contiguous()
+        plan = self._plan(x, batch, out_spatial)
+        out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
+        if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
+            for t in (out, plan.means, plan.css, plan.rows, plan.planes, plan.boxes, plan.ss):
+                if t is not None:
+                    t.fill_(float("nan"))
+        if self.conv_impl == "scatter":
+            self._scatter(x, out, plan, batch_stats, record)
+        else:
+            self._gather(x, out, plan, batch_stats, record)
+        return out
+
+    def _eval_scale(self) -> torch.Tensor:
+        bn = self.bn
+        key = (self._version(bn.running_var), self._version(bn.weight), bn.eps)
+        return self._cached("eval_scale", key, lambda: folding.bn_scale(bn, bn.running_var))
+
+    def _bias64(self, plan: _ShapePlan) -> torch.Tensor:
+        bias = self.conv.bias
+        if bias is None:
+            return plan.zero_bias
+        return self._cached("bias64", self._version(bias), lambda: bias.detach().to(torch.float64))
+
+    def _finish_batch_stats(self, plan, means, css, record) -> torch.Tensor:
+        """Batch statistics -> per-channel scale, updating running stats outside of a trace."""
+        mu, var = folding.batch_statistics(means, css, plan.volume)
+        mu = mu + self._bias64(plan)  # the conv bias shifts every mean, not the variance
+        scale = folding.bn_scale(self.bn, var)
+        if record is not None:
+            record["batch_statistics"] = torch.stack([mu, var])
+            record["scale"] = scale
+        elif self.training:
+            folding.update_running_stats(self.bn, mu, var, plan.batch * plan.volume)
+        return scale
+
+    def _scatter(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
+        geom, conv = self.geometry, self.conv
+        rows = out.view(plan.batch * geom.out_channels, plan.volume)
+        bias = self._bias64(plan)
+        weight = conv.weight.detach()
+        if not batch_stats:  # evaluation: fold a_c into weights and bias, then only centre
+            scale = self._eval_scale()
+            key = (self._version(conv.weight), self._version(self.bn.running_var),
+                   self._version(self.bn.weight), self.bn.eps)
+            weight = self._cached("scatter_folded", key,
+                                  lambda: folding.fold_weights(weight, scale, geom.groups))
+            bias = bias * scale
+        epilogue.launch_fill_channels(self._view(rows), self._view(bias))
+        if record is not None:
+            record["fill_bias"] = out.clone()
+        scatter.launch_scatter(self._view(x), self._view(weight), self._view(out),
+                               geom.stride, geom.padding, geom.dilation)
+        if record is not None:
+            record["conv_transpose3d_scatter"] = out.clone()
+        means = plan.means.view(-1)
+        css = plan.css.view(-1)
+        spatial_reduce.spatial_moments(self._view(rows), self._view(means), self._view(css),
+                                       with_css=batch_stats)
+        if record is not None:
+            record["spatial_moments_warp"] = plan.means.clone()
+        if batch_stats:
+            mu_free = plan.means - bias  # batch_statistics adds the bias back for the running mean
+            scale = self._finish_batch_stats(plan, mu_free, plan.css, record)
+        else:
+            scale = torch.ones_like(bias)
+            if record is not None:
+                record["scale"] = self._eval_scale()
+        epilogue.launch_scale_centered(self._view(rows), self._view(means), self._view(scale),
+                                       self._view(rows))
+
+    def _gather(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
+        geom, conv = self.geometry, self.conv
+        launch = plan.gather
+        weight = conv.weight.detach()
+        if batch_stats:
+            conv_weight = weight
+            key = (self._version(conv.weight), launch.tiling.nc)
+        else:
+            scale = self._eval_scale()
+            key = (self._version(conv.weight), self._version(self.bn.running_var),
+                   self._version(self.bn.weight), self.bn.eps, launch.tiling.nc)
+            conv_weight = self._cached("gather_folded", key,
+                                       lambda: folding.fold_weights(weight, scale, geom.groups))
+        wt = self._cached("gather_wt" + ("_train" if batch_stats else "_eval"), key,
+                          lambda: folding.gather_weights(conv_weight, launch.tiling.nc))
+        box_sums.launch_box_sums(self._view(x), self._view(plan.box_lo), self._view(plan.box_hi),
+                                 self._view(plan.rows), self._view(plan.planes),
+                                 self._view(plan.boxes))
+        box_sums.launch_mean_from_box_sums(self._view(plan.boxes), self._view(conv_weight),
+                                           self._view(plan.zero_bias), 1.0 / plan.volume,
+                                           self._view(plan.means))
+        if record is not None:
+            record["box_sums"] = plan.boxes.clone()
+            record["mean_from_box_sums"] = plan.means.clone()
+        dtype = "float32" if x.dtype == torch.float32 else "float64"
+        gather.launch_gather(launch, dtype, batch_stats, self._view(x.view(-1)), self._view(wt.view(-1)),
+                             self._view(plan.means), self._view(out.view(-1)),
+                             self._view(plan.ss), *(self._view(t) for t in plan.taps),
+                             self._view(plan.dims))
+        if not batch_stats:
+            if record is not None:
+                record["conv_transpose3d_gather"] = out.clone()
+                record["scale"] = scale
+            return
+        if record is not None:
+            record["conv_transpose3d_gather"] = out.clone()
+        css = plan.ss.sum(dim=2)
+        scale = self._finish_batch_stats(plan, plan.means, css, record)
+        rows = out.view(plan.batch * geom.out_channels, plan.volume)
+        epilogue.launch_scale_centered(self._view(rows), self._view(plan.zero_means),
+                                       self._view(scale), self._view(rows))

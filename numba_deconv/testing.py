@@ -1,0 +1,224 @@
+"""Public testing helpers: hypothesis strategies and the float64 PyTorch reference comparison.
+
+The project's own property tests are built from these, and so can yours: fuzz a kernel variant
+(or any callable with the pipeline's signature) in a few lines::
+
+    from hypothesis import given
+    from numba_deconv import testing
+
+    @given(testing.cases())
+    def test_my_variant(case):
+        testing.check_case(case, make=lambda conv, bn: MyPipeline(conv, bn))
+
+A ``Case`` is one complete problem: geometry, batch-norm settings, batch, input size, mode and
+dtype. ``check_case`` builds random (never zero) parameters and running statistics, runs the
+candidate on a float32/float64 copy and PyTorch's own modules in float64 on the same values,
+poisons nothing it does not own, and compares output *and* running statistics by relative error
+(norm of the difference over norm of the reference; NaN never passes).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+from .geometry import ConvGeometry
+
+#: Relative tolerance per dtype: float32 accumulations of a few hundred terms land near 1e-7.
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+#: Absolute floor per element, for references that are zero up to rounding (an output with no
+#: taps is a constant, so the centred result is pure rounding noise on both sides).
+ATOL = {torch.float32: 1e-6, torch.float64: 1e-13}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits of drawn cases (the ``ci`` profile keeps simulator runs to seconds)."""
+
+    max_kernel: int = 4
+    max_stride: int = 3
+    max_dilation: int = 3
+    max_padding: int = 3
+    max_groups: int = 2
+    max_channels_per_group: int = 3
+    max_batch: int = 3
+    max_input: int = 5
+    max_output_voxels: int = 600
+
+
+CI_LIMITS = Limits()
+GPU_LIMITS = Limits(max_channels_per_group=12, max_input=12, max_output_voxels=40_000)
+
+
+@dataclass(frozen=True)
+class BatchNormSettings:
+    eps: float = 1e-5
+    momentum: float | None = 0.1
+    affine: bool = True
+    track_running_stats: bool = True
+
+
+@dataclass(frozen=True)
+class Case:
+    geometry: ConvGeometry
+    bn: BatchNormSettings
+    batch: int
+    input_spatial: tuple[int, int, int]
+    training: bool
+    dtype: torch.dtype = torch.float32
+    seed: int = field(default=0, compare=False)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.geometry.in_channels, *self.input_spatial)
+
+
+@st.composite
+def geometries(draw, limits: Limits = CI_LIMITS) -> ConvGeometry:
+    """Valid ConvTranspose3d geometries: non-cubic kernels, strides, paddings, dilations, groups."""
+    triple = lambda lo, hi: st.tuples(*[st.integers(lo, hi)] * 3)  # noqa: E731
+    kernel = draw(triple(1, limits.max_kernel))
+    stride = draw(triple(1, limits.max_stride))
+    dilation = draw(triple(1, limits.max_dilation))
+    padding = draw(triple(0, limits.max_padding))
+    output_padding = tuple(
+        draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation))
+    groups = draw(st.integers(1, limits.max_groups))
+    cin = groups * draw(st.integers(1, limits.max_channels_per_group))
+    cout = groups * draw(st.integers(1, limits.max_channels_per_group))
+    bias = draw(st.booleans())
+    return ConvGeometry.create(cin, cout, kernel, stride, padding, output_padding, groups, bias,
+                               dilation)
+
+
+def batch_norm_settings() -> st.SearchStrategy[BatchNormSettings]:
+    return st.builds(
+        BatchNormSettings,
+        eps=st.sampled_from([1e-5, 1e-3, 0.1]),
+        momentum=st.one_of(st.none(), st.sampled_from([0.1, 0.5, 1.0])),
+        affine=st.booleans(),
+        track_running_stats=st.booleans(),
+    )
+
+
+@st.composite
+def cases(draw, limits: Limits = CI_LIMITS, dtypes=(torch.float32,),
+          training: bool | None = None) -> Case:
+    """Complete problems whose output is non-empty and at most ``limits.max_output_voxels``."""
+    geom = draw(geometries(limits))
+    axes = geom.axes()
+    spatial = []
+    for axis in axes:
+        smallest = 1
+        while axis.output_size(smallest) < 1:
+            smallest += 1
+        spatial.append(draw(st.integers(smallest, max(smallest, limits.max_input))))
+    out = [axis.output_size(i) for axis, i in zip(axes, spatial)]
+    volume = out[0] * out[1] * out[2]
+    # shrink the largest axis until the output fits the budget (keeps sizes like 1 and primes)
+    while volume > limits.max_output_voxels:
+        a = max(range(3), key=lambda j: out[j])
+        if spatial[a] == 1 or axes[a].output_size(spatial[a] - 1) < 1:
+            break
+        spatial[a] -= 1
+        out[a] = axes[a].output_size(spatial[a])
+        volume = out[0] * out[1] * out[2]
+    batch = draw(st.integers(1, limits.max_batch))
+    mode = draw(st.booleans()) if training is None else training
+    settings = draw(batch_norm_settings())
+    if (mode or not settings.track_running_stats) and batch * volume < 2:
+        batch = 2  # PyTorch refuses one value per channel with batch statistics (tested apart)
+    return Case(geom, settings, batch, tuple(spatial), mode,
+                draw(st.sampled_from(dtypes)), draw(st.integers(0, 2**31 - 1)))
+
+
+def build_modules(case: Case, device: torch.device | str = "cpu"):
+    """Random, non-trivial modules for ``case`` (float64, on ``device``)."""
+    g = case.geometry
+    gen = torch.Generator().manual_seed(case.seed)
+    conv = nn.ConvTranspose3d(g.in_channels, g.out_channels, g.kernel_size, g.stride, g.padding,
+                              g.output_padding, g.groups, g.bias, g.dilation).double()
+    s = case.bn
+    bn = nn.BatchNorm3d(g.out_channels, eps=s.eps, momentum=s.momentum, affine=s.affine,
+                        track_running_stats=s.track_running_stats).double()
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        if s.affine:
+            bn.weight.copy_(torch.rand(g.out_channels, generator=gen, dtype=torch.float64) + 0.5)
+            bn.bias.copy_(torch.randn(g.out_channels, generator=gen, dtype=torch.float64))
+        if s.track_running_stats:
+            bn.running_mean.copy_(torch.randn(g.out_channels, generator=gen, dtype=torch.float64))
+            bn.running_var.copy_(torch.rand(g.out_channels, generator=gen, dtype=torch.float64) + 0.5)
+            bn.num_batches_tracked.fill_(int(torch.randint(0, 5, (1,), generator=gen)))
+    conv.train(case.training)
+    bn.train(case.training)
+    return conv.to(device), bn.to(device)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64; inf when NaNs do not match or shapes differ."""
+    if actual.shape != expected.shape:
+        return float("inf")
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if not torch.equal(torch.isnan(a), torch.isnan(e)):
+        return float("inf")
+    a, e = torch.nan_to_num(a), torch.nan_to_num(e)
+    denom = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff if denom == 0 else diff / denom
+
+
+def assert_close(actual, expected, rtol: float, what: str = "output", atol: float = 0.0) -> None:
+    """||actual - expected|| <= rtol * ||expected|| + atol * sqrt(numel); NaNs must match."""
+    err = relative_error(actual, expected)
+    if err <= rtol:
+        return
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if err != float("inf") and atol > 0:
+        diff = (torch.nan_to_num(a) - torch.nan_to_num(e)).norm().item()
+        bound = rtol * torch.nan_to_num(e).norm().item() + atol * e.numel() ** 0.5
+        if diff <= bound:
+            return
+    raise AssertionError(f"{what}: relative error {err:.3e} > {rtol:.1e}")
+
+
+def reference(conv: nn.Module, bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """DESIGN.md section 1 with PyTorch's own modules (float64 in, float64 out)."""
+    with torch.no_grad():
+        y = bn(conv(x))
+        return y - y.mean(dim=(2, 3, 4), keepdim=True)
+
+
+def check_case(case: Case, make: Callable, device: torch.device | str = "cpu",
+               rtol: float | None = None, x: torch.Tensor | None = None) -> None:
+    """Run ``make(conv, bn)(x)`` against the float64 reference on the same parameters.
+
+    ``make`` receives modules in ``case.dtype`` on ``device`` and returns a callable. Checks the
+    output, that ``x`` was not modified, and the running statistics (mean, var, batches seen).
+    """
+    rtol = RTOL[case.dtype] if rtol is None else rtol
+    conv64, bn64 = build_modules(case, device)
+    conv = copy.deepcopy(conv64).to(case.dtype)
+    bn = copy.deepcopy(bn64).to(case.dtype)
+    if x is None:
+        gen = torch.Generator().manual_seed(case.seed + 1)
+        x = (torch.randn(case.input_shape, generator=gen, dtype=torch.float64) * 2 + 0.5)
+        x = x.to(device=device, dtype=case.dtype)
+    x_before = x.clone()
+    candidate = make(conv, bn)
+    out = candidate(x)
+    expected = reference(conv64, bn64, x.to(torch.float64))
+    assert torch.equal(x, x_before), "the input was modified"
+    assert_close(out, expected, rtol, atol=ATOL[case.dtype])
+    if case.bn.track_running_stats:
+        assert_close(bn.running_mean, bn64.running_mean, rtol, "running_mean")
+        assert_close(bn.running_var, bn64.running_var, rtol, "running_var")
+        assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything for the lent GPU machine in one call (no network there, no wheels to carry): the `gpu`
+# test profile, then the benchmark. Uses the image's python3 (torch, numba, numba-cuda, numpy 2.5,
+# pytest, hypothesis); numba_deconv.compat makes numba-cuda work on numpy 2.5.
+#   bash scripts/gpu_check.sh [tests|bench|all]     (logs and results under $OUT or ./out)
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NUMBA_DECONV_DEVICE=gpu
+WHAT="${1:-all}"
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, numba, numpy; from numba_cuda import __version__ as nc; print('torch', torch.__version__, 'numba', numba.__version__, 'numba-cuda', nc, 'numpy', numpy.__version__)" | tee -a "$OUT/device.txt"
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+    python3 -m pytest -p no:cacheprovider -q -x --durations=15 \
+        ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+    status=${PIPESTATUS[0]}
+fi
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+    python3 -m numba_deconv bench --tiny --geometry --sweep --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+exit $status

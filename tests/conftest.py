@@ -1,0 +1,56 @@
+"""Test profiles: ``ci`` (CUDA simulator, tiny shapes) and ``gpu`` (real device, larger, many examples).
+
+The profile follows the backend ``numba_deconv`` selects before numba is imported (simulator when
+no GPU is visible, or as forced by ``NUMBA_DECONV_DEVICE=sim|gpu``); ``NUMBA_DECONV_PROFILE``
+overrides the hypothesis profile. GPU-only checks carry ``@pytest.mark.gpu`` and are skipped, with
+that reason, under the simulator; simulator-only checks carry ``@pytest.mark.sim``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import numba_deconv  # noqa: F401  (selects the backend before anything imports numba.cuda)
+from numba_deconv import testing
+from numba_deconv.simulator import is_simulator
+
+SIM = is_simulator()
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "gpu", max_examples=300, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROFILE = os.environ.get("NUMBA_DECONV_PROFILE", "ci" if SIM else "gpu")
+settings.load_profile(PROFILE)
+
+
+def pytest_report_header(config):
+    return f"numba_deconv backend: {'CUDA simulator' if SIM else 'GPU'}; hypothesis profile: {PROFILE}"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a real GPU (running under the CUDA simulator)")
+    skip_sim = pytest.mark.skip(reason="simulator-only check (running on a real GPU)")
+    for item in items:
+        if SIM and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if not SIM and "sim" in item.keywords:
+            item.add_marker(skip_sim)
+
+
+@pytest.fixture(scope="session")
+def limits() -> testing.Limits:
+    """Shape limits of drawn cases for this profile."""
+    return testing.CI_LIMITS if PROFILE == "ci" else testing.GPU_LIMITS
+
+
+@pytest.fixture(scope="session")
+def device():
+    from numba_deconv.kernels.launch import tensor_device
+
+    return tensor_device()

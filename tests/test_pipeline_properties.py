@@ -1,0 +1,64 @@
+"""The whole operator against PyTorch in float64, property by property (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numba_deconv import Pipeline, testing
+
+IMPLS = ["gather", "scatter"]
+
+
+def _pipeline(impl):
+    return lambda conv, bn: Pipeline.from_modules(conv, bn, conv_impl=impl, poison=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@given(data=st.data())
+def test_matches_pytorch_any_geometry(impl, data, limits, device):
+    if impl == "scatter" and limits == testing.CI_LIMITS:
+        # simulated atomics take a global lock each: keep the teaching path's volumes small
+        limits = dataclasses.replace(limits, max_output_voxels=150, max_channels_per_group=2)
+    case = data.draw(testing.cases(limits))
+    testing.check_case(case, _pipeline(impl), device)
+
+
+@pytest.mark.parametrize("training", [False, True])
+@given(data=st.data())
+def test_float64_matches_pytorch(training, data, limits, device):
+    case = data.draw(testing.cases(limits, dtypes=(torch.float64,), training=training))
+    testing.check_case(case, _pipeline("gather"), device)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("training", [False, True])
+def test_default_like_problem(impl, training, device):
+    """The default problem's geometry (kernel 3, stride 2, padding 1) on a small volume."""
+    geom = testing.ConvGeometry.create(4, 8, 3, 2, 1)
+    case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 5, 4), training, seed=7)
+    testing.check_case(case, _pipeline(impl), device)
+
+
+@settings(max_examples=3)
+@given(data=st.data())
+def test_repeated_training_steps_track_running_stats(data, limits, device):
+    """Several steps in a row: running statistics accumulate exactly as PyTorch's."""
+    case = data.draw(testing.cases(limits, training=True))
+    conv64, bn64 = testing.build_modules(case, device)
+    conv, bn = (copy.deepcopy(m).to(case.dtype) for m in (conv64, bn64))
+    pipe = Pipeline.from_modules(conv, bn, poison=True)
+    for step in range(3):
+        x = torch.randn(case.input_shape, dtype=torch.float64, device=device)
+        out = pipe(x.to(case.dtype))
+        testing.assert_close(out, testing.reference(conv64, bn64, x), 1e-5, f"step {step}",
+                             atol=testing.ATOL[case.dtype])
+    if case.bn.track_running_stats:
+        testing.assert_close(bn.running_mean, bn64.running_mean, 1e-5, "running_mean")
+        testing.assert_close(bn.running_var, bn64.running_var, 1e-5, "running_var")
+        assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked)
