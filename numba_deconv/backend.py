@@ -41,4 +41,7 @@ def select() -> str:
                 "import numba_deconv first or set NUMBA_ENABLE_CUDASIM=1 yourself"
             )
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        config = sys.modules.get("numba.core.config")
+        if config is not None:  # numba itself is loaded (not numba.cuda): update its reading
+            config.ENABLE_CUDASIM = 1
     return choice
