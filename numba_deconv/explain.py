@@ -1,0 +1,475 @@
+"""``explain``: what a :class:`~numba_deconv.Pipeline` will launch for one input shape, and what it costs.
+
+For the pipeline's current strategy (``pipe.conv_impl``) and mode (``pipe.training``, batch
+statistics as ``folding.uses_batch_statistics`` decides), one row per stage of ``pipe.stages``
+(``output`` excluded): the kernel it launches (or ``host`` for the small per-channel torch
+algebra), the launch shape the pipeline's own launchers compute, and napkin math:
+
+=======================  ==================================  ====================================
+kernel                   FLOPs                               bytes (DRAM, compulsory for the stage)
+=======================  ==================================  ====================================
+fill_channels            0                                   write y
+conv_transpose3d_scatter 2 * macs (one atomic per MAC)       read x, w; read+write y (atomics)
+spatial_moments_warp     S per row (+3 S with css)           read y once (twice with css)
+scale_centered           2 per element                       read + write y
+box_sums                 the adds of its three passes        read x; f64 scratch written+read
+mean_from_box_sums       2 * N*CO*CIg*k^3                    read box sums, w; write means
+conv_transpose3d_gather  2 * macs (+3 per output in train)   read x, w, means; write y once
+=======================  ==================================  ====================================
+
+``macs`` is :meth:`ConvGeometry.macs`, the multiply-adds of taps that land inside the output.
+Floors: the arithmetic floor is ``2*macs / peak FLOP rate`` and the memory floor is the
+operator's compulsory traffic (read x and w, write the output once) over the memory bandwidth;
+the peaks come from :data:`DEVICE_PEAKS`, matched by device name, or from the arguments.
+
+On a real GPU the report adds, per kernel, registers per thread, static shared memory per
+block, local memory (spill) bytes per thread and the theoretical occupancy those imply, and with
+``measure=True`` CUDA-event timings: the whole call (median of ``repeats``) and each kernel
+launch (the pipeline's launch functions wrapped by events, median over the same calls).
+Under the simulator those columns are empty and the report says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from . import folding
+from .kernels import box_sums, epilogue, gather, scatter, spatial_reduce
+from .kernels.launch import block_size, grid_for
+from .simulator import is_simulator
+
+#: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores (no
+#: tensor cores: the kernels are plain FMAs) and DRAM bandwidth in bytes/s. Vendor datasheets.
+DEVICE_PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"fp32": 67e12, "fp64": 34e12, "bandwidth": 4.8e12},
+    "H100 PCIe": {"fp32": 51e12, "fp64": 26e12, "bandwidth": 2.0e12},
+    "H100 NVL": {"fp32": 60e12, "fp64": 30e12, "bandwidth": 3.9e12},
+    "H100": {"fp32": 67e12, "fp64": 34e12, "bandwidth": 3.35e12},
+}
+#: Used when the device is unknown (or under the simulator): an H100 SXM.
+DEFAULT_DEVICE = "H100"
+
+GPU_COLUMNS = ("regs", "shared_bytes", "local_bytes", "occupancy", "measured_us")
+
+
+@dataclass
+class StageRow:
+    """One stage of the plan. GPU-only fields stay ``None`` under the simulator."""
+
+    stage: str
+    kernel: str                       # kernel function name, or "host (...)" for torch algebra
+    grid: tuple[int, ...] | None
+    block: int | None
+    flops: int
+    bytes: int
+    floor_us: float                   # max(flops / peak, bytes / bandwidth)
+    bound: str                        # which of the two the floor comes from
+    regs: int | None = None
+    shared_bytes: int | None = None
+    local_bytes: int | None = None
+    occupancy: float | None = None    # theoretical, fraction of the SM's warp slots
+    measured_us: float | None = None  # median CUDA-event time of this launch (measure=True)
+
+
+@dataclass
+class ExplainReport:
+    """The plan for one input shape; ``str()`` renders a table, ``to_dict()`` a JSON-able dict."""
+
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    dtype: str
+    conv_impl: str
+    mode: str                         # "train" or "eval"
+    batch_statistics: bool
+    device: str
+    peaks: dict[str, float]
+    macs: int
+    rows: list[StageRow]
+    compulsory_bytes: int
+    arithmetic_floor_us: float
+    memory_floor_us: float
+    measured_us: float | None = None  # median whole-call time (measure=True on a GPU)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(r.flops for r in self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def floor_us(self) -> float:
+        return max(self.arithmetic_floor_us, self.memory_floor_us)
+
+    def row(self, stage: str) -> StageRow:
+        for r in self.rows:
+            if r.stage == stage:
+                return r
+        raise KeyError(stage)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(total_flops=self.total_flops, total_bytes=self.total_bytes, floor_us=self.floor_us)
+        return d
+
+    def __str__(self) -> str:
+        head = ("stage", "kernel", "grid", "block", "GFLOP", "MB", "floor us", "bound",
+                "regs", "smem B", "local B", "occ", "meas us")
+        body = []
+        for r in self.rows:
+            grid = "-" if r.grid is None else "x".join(str(g) for g in r.grid)
+            body.append((
+                r.stage, r.kernel, grid, "-" if r.block is None else str(r.block),
+                f"{r.flops / 1e9:.4g}", f"{r.bytes / 1e6:.4g}", f"{r.floor_us:.3g}", r.bound,
+                _opt(r.regs), _opt(r.shared_bytes), _opt(r.local_bytes),
+                "-" if r.occupancy is None else f"{100 * r.occupancy:.0f}%",
+                "-" if r.measured_us is None else f"{r.measured_us:.1f}"))
+        widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
+                  for i, h in enumerate(head)]
+        left = {0, 1, 2, 7}
+
+        def fmt(cells):
+            return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+        lines = [
+            f"numba_deconv plan: {self.conv_impl} strategy, {self.mode} mode "
+            f"({'batch' if self.batch_statistics else 'running'} statistics), {self.dtype}, "
+            f"input {_shape(self.input_shape)} -> output {_shape(self.output_shape)}",
+            fmt(head), fmt(tuple("-" * w for w in widths)), *(fmt(b) for b in body),
+            "",
+            f"useful work: {self.macs / 1e9:.4g} G multiply-adds = {2 * self.macs / 1e9:.4g} GFLOP; "
+            f"all stages: {self.total_flops / 1e9:.4g} GFLOP, {self.total_bytes / 1e6:.4g} MB",
+            f"floors on {self.device} ({self.peaks['flops'] / 1e12:.0f} TFLOP/s, "
+            f"{self.peaks['bandwidth'] / 1e12:.2f} TB/s): arithmetic {self.arithmetic_floor_us:.3g} us, "
+            f"memory {self.memory_floor_us:.3g} us (compulsory {self.compulsory_bytes / 1e6:.4g} MB); "
+            f"sum of stage floors {sum(r.floor_us for r in self.rows):.3g} us",
+        ]
+        if self.measured_us is not None:
+            lines.append(f"measured whole call: {self.measured_us:.1f} us = "
+                         f"{self.measured_us / self.floor_us:.1f}x the floor")
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def _opt(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:
+    """(matched table key, peaks) for a device name; :data:`DEFAULT_DEVICE` when unknown."""
+    if name:
+        for key, peaks in DEVICE_PEAKS.items():
+            if key.lower() in name.lower():
+                return key, peaks
+    return DEFAULT_DEVICE, DEVICE_PEAKS[DEFAULT_DEVICE]
+
+
+def _device_name() -> str | None:
+    if is_simulator():
+        return None
+    from numba import cuda
+
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# ---- launch shapes: the same arithmetic as each launcher (kernels/*.launch_*) ------------------
+def _elementwise_grid(rows: int, size: int, block: int) -> tuple[int, int]:
+    return epilogue._grid(rows, size, block, epilogue.MAX_ROW_BLOCKS)
+
+
+def _box_sums_flops(geom, batch: int, in_spatial) -> int:
+    """Adds of the three separable passes (row, plane, box) of ``box_sums``."""
+    axes = geom.axes()
+    widths = [sum(max(0, hi - lo + 1) for lo, hi in (ax.box(k, size) for k in range(ax.kernel)))
+              for ax, size in zip(axes, in_spatial)]
+    (kd, kh, kw), (idp, ih, _) = geom.kernel_size, in_spatial
+    per_plane = idp * ih * widths[2] + idp * kw * widths[1] + kh * kw * widths[0]
+    return batch * geom.in_channels * per_plane
+
+
+def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, batch_stats: bool):
+    """(stage, kernel name, dispatcher or None, grid, block, flops, bytes) per stage."""
+    geom = pipe.geometry
+    e = torch.empty((), dtype=dtype).element_size()
+    vol_in = math.prod(in_spatial)
+    vol = math.prod(out_spatial)
+    x_bytes = batch * geom.in_channels * vol_in * e
+    w_bytes = math.prod(geom.weight_shape()) * e
+    n_out = batch * geom.out_channels * vol
+    rows_nc = batch * geom.out_channels
+    macs = geom.macs(batch, in_spatial)
+    out = []
+    if pipe.conv_impl == "scatter":
+        blk = block_size(epilogue.BLOCK)
+        out.append(("fill_bias", "fill_channels", epilogue.fill_channels,
+                    _elementwise_grid(rows_nc, vol, blk), blk, 0, n_out * e))
+        blk = block_size(scatter.BLOCK)
+        work = -(-geom.out_per_group // scatter.CSLICE) * batch * geom.in_channels * vol_in
+        out.append(("conv_transpose3d_scatter", "conv_transpose3d_scatter",
+                    scatter.conv_transpose3d_scatter, (grid_for(work, blk),), blk,
+                    2 * macs, x_bytes + w_bytes + 2 * n_out * e))
+        blk = block_size(spatial_reduce.BLOCK)
+        passes = 2 if batch_stats else 1
+        out.append(("spatial_moments_warp", "spatial_moments_warp",
+                    spatial_reduce.make_spatial_moments(batch_stats), (max(1, min(rows_nc, 65535)),),
+                    blk, n_out * (1 + 3 * (passes - 1)), passes * n_out * e + passes * rows_nc * 8))
+    else:
+        blk = block_size(box_sums.BLOCK)
+        planes = batch * geom.in_channels
+        kd, kh, kw = geom.kernel_size
+        scratch = planes * (in_spatial[0] * in_spatial[1] * kw + in_spatial[0] * kh * kw) * 8
+        boxes = planes * kd * kh * kw * 8
+        out.append(("box_sums", "box_sums", box_sums.box_sums, (max(1, min(planes, 65535)),), blk,
+                    _box_sums_flops(geom, batch, in_spatial), x_bytes + 2 * scratch + boxes))
+        blk = box_sums.MEAN_BLOCK
+        out.append(("mean_from_box_sums", "mean_from_box_sums", box_sums.mean_from_box_sums,
+                    (grid_for(rows_nc, blk),), blk,
+                    2 * rows_nc * geom.in_per_group * kd * kh * kw,
+                    boxes + w_bytes + rows_nc * 8))
+        name = "float32" if dtype == torch.float32 else "float64"
+        launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name)
+        t = launch.tiling
+        kernel = gather.make_gather_kernel(name, t.nc, t.mh, launch.plan, batch_stats)
+        flops = 2 * macs + (3 * n_out if batch_stats else 0)
+        nbytes = x_bytes + w_bytes + rows_nc * 8 + n_out * e
+        if batch_stats:
+            nbytes += rows_nc * launch.slots * 8
+        out.append(("conv_transpose3d_gather",
+                    f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qwt={t.qwt}"
+                    f"{',train' if batch_stats else ''}]",
+                    kernel, (launch.grid,), t.block, flops, nbytes))
+    if batch_stats:
+        out.append(("batch_statistics", "host (torch, per channel)", None, None, None,
+                    10 * rows_nc, 4 * rows_nc * 8))
+    if pipe.conv_impl == "scatter" or batch_stats:
+        blk = block_size(epilogue.BLOCK)
+        out.append(("scale", "scale_centered", epilogue.scale_centered,
+                    _elementwise_grid(rows_nc, vol, blk), blk, 2 * n_out, 2 * n_out * e))
+    else:
+        out.append(("scale", "host (folded into the weights)", None, None, None, 0, 0))
+    return out, macs, x_bytes + w_bytes + n_out * e
+
+
+# ---- GPU-only: resources, occupancy, timings ---------------------------------------------------
+def _first(value):
+    """Dispatcher queries return a dict per signature when the kernel is not specialised."""
+    if isinstance(value, dict):
+        return next(iter(value.values())) if value else None
+    return value
+
+
+def _device_limits() -> dict[str, int]:
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    limits = {}
+    for key, attr, default in (
+            ("regs", "MAX_REGISTERS_PER_MULTIPROCESSOR", 65536),
+            ("threads", "MAX_THREADS_PER_MULTIPROCESSOR", 2048),
+            ("shared", "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", 233472),
+            ("sms", "MULTIPROCESSOR_COUNT", 132),
+            ("blocks", "MAX_BLOCKS_PER_MULTIPROCESSOR", 32),
+            ("reserved_shared", "RESERVED_SHARED_MEMORY_PER_BLOCK", 1024)):
+        try:
+            limits[key] = int(getattr(dev, attr))
+        except Exception:  # attribute unknown to this driver binding: use the Hopper value
+            limits[key] = default
+    return limits
+
+
+def theoretical_occupancy(regs: int, threads: int, shared: int, limits: dict[str, int]) -> float:
+    """Resident warps / max warps per SM, from registers, threads, shared memory and block slots.
+
+    Registers are allocated per warp in units of 256 (so per thread in multiples of 8).
+    """
+    warps = -(-threads // 32)
+    max_warps = limits["threads"] // 32
+    by_threads = limits["threads"] // (warps * 32)
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = limits["regs"] // (regs_per_warp * warps)
+    smem = shared + limits["reserved_shared"]
+    by_shared = limits["shared"] // smem if smem else limits["blocks"]
+    blocks = max(0, min(by_threads, by_regs, by_shared, limits["blocks"]))
+    return min(1.0, blocks * warps / max_warps)
+
+
+def _resources(kernel, block: int, limits) -> tuple[int | None, int | None, int | None, float | None]:
+    if kernel is None or not kernel.overloads:
+        return None, None, None, None
+    regs = _first(kernel.get_regs_per_thread())
+    shared = _first(kernel.get_shared_mem_per_block())
+    local = _first(kernel.get_local_mem_per_thread())
+    occ = theoretical_occupancy(regs, block, shared or 0, limits) if regs is not None else None
+    return regs, shared, local, occ
+
+
+@contextlib.contextmanager
+def _saved_bn_state(bn):
+    """Timing calls in training mode must not move the running statistics."""
+    saved = {k: v.detach().clone() for k, v in bn.state_dict().items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in bn.state_dict().items():
+                v.copy_(saved[k])
+
+
+# launcher module attribute -> stage it serves (per strategy)
+_LAUNCHERS = {
+    "gather": ((box_sums, "launch_box_sums", "box_sums"),
+               (box_sums, "launch_mean_from_box_sums", "mean_from_box_sums"),
+               (gather, "launch_gather", "conv_transpose3d_gather"),
+               (epilogue, "launch_scale_centered", "scale")),
+    "scatter": ((epilogue, "launch_fill_channels", "fill_bias"),
+                (scatter, "launch_scatter", "conv_transpose3d_scatter"),
+                (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
+                (epilogue, "launch_scale_centered", "scale")),
+}
+
+
+@contextlib.contextmanager
+def _timed_launchers(conv_impl: str, samples: dict[str, list]):
+    """Wrap the pipeline's launch functions with CUDA events on torch's current stream."""
+    originals = []
+
+    def wrap(fn, stage):
+        def timed(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args, **kwargs)
+            end.record()
+            samples.setdefault(stage, []).append((start, end))
+        return timed
+
+    try:
+        for module, attr, stage in _LAUNCHERS[conv_impl]:
+            fn = getattr(module, attr)
+            originals.append((module, attr, fn))
+            setattr(module, attr, wrap(fn, stage))
+        yield
+    finally:
+        for module, attr, fn in originals:
+            setattr(module, attr, fn)
+
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
+    """Median whole-call time (events around ``pipe(x)``) and median per-launch times (µs)."""
+    with _saved_bn_state(pipe.bn):
+        for _ in range(3):  # warm-up: compile, cache plans and views
+            pipe(x)
+        torch.cuda.synchronize()
+        whole = []
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            pipe(x)
+            end.record()
+            whole.append((start, end))
+        samples: dict[str, list] = {}
+        with _timed_launchers(pipe.conv_impl, samples):
+            for _ in range(repeats):
+                pipe(x)
+        torch.cuda.synchronize()
+    total = _median([s.elapsed_time(e) * 1e3 for s, e in whole])
+    stages = {k: _median([s.elapsed_time(e) * 1e3 for s, e in v]) for k, v in samples.items()}
+    return total, stages
+
+
+# ---- the public entry point ----------------------------------------------------------------------
+def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool = False, *,
+            device_name: str | None = None, peak_flops: float | None = None,
+            bandwidth: float | None = None, repeats: int = 20) -> ExplainReport:
+    """The plan of ``pipe`` for inputs of ``input_shape`` and ``dtype``.
+
+    ``device_name`` picks the row of :data:`DEVICE_PEAKS` (default: the current GPU's name, or
+    :data:`DEFAULT_DEVICE` under the simulator); ``peak_flops`` / ``bandwidth`` override it.
+    On a GPU the pipeline is traced once on a random input (compiling its kernels, leaving the
+    running statistics untouched) to read each kernel's resources; ``measure=True`` also times
+    the whole call and each launch (median of ``repeats``, CUDA events).
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if dtype != pipe.conv.weight.dtype:
+        raise TypeError(f"dtype {dtype} does not match the parameters' dtype {pipe.conv.weight.dtype}")
+    input_shape = tuple(int(s) for s in input_shape)
+    batch, out_spatial = pipe.geometry.check_input_shape(input_shape)
+    in_spatial = input_shape[2:]
+    batch_stats = folding.uses_batch_statistics(pipe.bn, pipe.training)
+    if batch_stats:
+        folding.check_batch_size(batch, math.prod(out_spatial), pipe.geometry.out_channels)
+    sim = is_simulator()
+
+    gpu_name = None if sim else _device_name()
+    key, table = device_peaks(device_name or gpu_name)
+    flops_peak = peak_flops or table["fp32" if dtype == torch.float32 else "fp64"]
+    bw = bandwidth or table["bandwidth"]
+    peaks = {"flops": float(flops_peak), "bandwidth": float(bw)}
+    label = gpu_name or f"{key} (assumed)"
+    if device_name:
+        label = device_name
+
+    specs, macs, compulsory = _stage_rows(pipe, batch, in_spatial, out_spatial, dtype, batch_stats)
+    rows = []
+    for stage, kname, _kernel, grid, block, flops, nbytes in specs:
+        t_f, t_b = flops / flops_peak * 1e6, nbytes / bw * 1e6
+        rows.append(StageRow(stage, kname, None if grid is None else tuple(int(g) for g in grid),
+                             block, int(flops), int(nbytes), max(t_f, t_b),
+                             "-" if not (flops or nbytes) else ("compute" if t_f >= t_b else "memory")))
+    assert [r.stage for r in rows] == [s for s in pipe.stages if s != "output"], \
+        "explain's stage list drifted from Pipeline.stages"
+
+    report = ExplainReport(
+        input_shape=input_shape, output_shape=(batch, pipe.geometry.out_channels, *out_spatial),
+        dtype=str(dtype).replace("torch.", ""), conv_impl=pipe.conv_impl,
+        mode="train" if pipe.training else "eval", batch_statistics=batch_stats, device=label,
+        peaks=peaks, macs=int(macs), rows=rows, compulsory_bytes=int(compulsory),
+        arithmetic_floor_us=2 * macs / flops_peak * 1e6, memory_floor_us=compulsory / bw * 1e6)
+
+    if sim:
+        report.notes.append(
+            "CUDA simulator: regs, smem, local (spill) bytes, occupancy and measured times need a "
+            f"GPU; block sizes are the simulator's (at most {block_size(1 << 30)} threads)."
+            + (" measure=True ignored." if measure else ""))
+        return report
+
+    x = torch.randn(input_shape, dtype=dtype, device=pipe.conv.weight.device)
+    pipe.trace(x)  # compiles every kernel of this plan; trace leaves the running stats alone
+    limits = _device_limits()
+    for row, spec in zip(rows, specs):
+        row.regs, row.shared_bytes, row.local_bytes, row.occupancy = _resources(spec[2], spec[4], limits)
+    report.notes.append(f"occupancy: theoretical, from regs/threads/static shared memory on "
+                        f"{limits['sms']} SMs x {limits['threads']} threads")
+    if measure:
+        total, stages = _measure(pipe, x, repeats)
+        report.measured_us = total
+        for row in rows:
+            row.measured_us = stages.get(row.stage)
+        report.notes.append(f"measured: median of {repeats} CUDA-event timings; per-stage events "
+                            "bracket single launches, so they include numba's launch overhead "
+                            "(~20-100 us) whenever the GPU waits on the host; host stages untimed")
+    return report
+
+
+__all__ = ["DEVICE_PEAKS", "ExplainReport", "StageRow", "device_peaks", "explain",
+           "theoretical_occupancy"]

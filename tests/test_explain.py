@@ -1,0 +1,123 @@
+"""``Pipeline.explain``: stage rows, napkin math, rendering; GPU resources and timings when marked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import numba_deconv as nd
+from numba_deconv.explain import DEVICE_PEAKS, device_peaks, explain, theoretical_occupancy
+from numba_deconv.kernels.launch import tensor_device
+
+# tiny launches are tiny on purpose (numba's class moved between numba-cuda versions)
+pytestmark = [pytest.mark.filterwarnings("ignore:.*Grid size.*under-utilization"),
+              pytest.mark.filterwarnings("ignore:.*Host array used in CUDA kernel")]
+
+
+SHAPE = (2, 3, 3, 4, 5)
+HOST_KERNELS = ("host",)
+
+
+def make_pipe(conv_impl: str, training: bool, dtype=torch.float32, **conv_kwargs):
+    kwargs = dict(kernel_size=3, stride=2, padding=1) | conv_kwargs
+    conv = nn.ConvTranspose3d(3, 4, **kwargs).to(dtype=dtype, device=tensor_device())
+    bn = nn.BatchNorm3d(4).to(dtype=dtype, device=tensor_device())
+    return nd.Pipeline.from_modules(conv, bn, conv_impl=conv_impl).train(training)
+
+
+@pytest.mark.parametrize("conv_impl", ["gather", "scatter"])
+@pytest.mark.parametrize("training", [True, False])
+def test_rows_follow_stages_and_flops(conv_impl, training):
+    pipe = make_pipe(conv_impl, training)
+    report = pipe.explain(SHAPE)
+    assert [r.stage for r in report.rows] == [s for s in pipe.stages if s != "output"]
+    conv_stage = f"conv_transpose3d_{conv_impl}"
+    macs = pipe.geometry.macs(SHAPE[0], SHAPE[2:])
+    assert report.macs == macs
+    conv = report.row(conv_stage)
+    extra = 3 * report.output_shape[0] * 4 * (report.output_shape[2] * report.output_shape[3]
+                                              * report.output_shape[4])
+    assert conv.flops == 2 * macs + (extra if conv_impl == "gather" and training else 0)
+    assert conv.kernel.startswith(conv_stage)
+    for row in report.rows:  # every kernel stage has a launch shape and costs something
+        if not row.kernel.startswith(HOST_KERNELS):
+            assert row.block and row.grid and all(g >= 1 for g in row.grid), row
+            assert row.bytes > 0, row
+    text = str(report)
+    for stage in pipe.stages[:-1]:
+        assert stage in text
+    assert "GFLOP" in text and "floor" in text
+    json.dumps(report.to_dict())  # JSON-able
+
+
+def test_floors_are_flops_over_peak_and_compulsory_bytes_over_bandwidth():
+    pipe = make_pipe("gather", False)
+    report = explain(pipe, SHAPE, peak_flops=1e12, bandwidth=1e11)
+    x_bytes = 4 * SHAPE[0] * SHAPE[1] * 3 * 4 * 5
+    out_bytes = 4 * report.output_shape[0] * 4 * 5 * 7 * 9
+    w_bytes = 4 * 3 * 4 * 27
+    assert report.output_shape == (2, 4, 5, 7, 9)
+    assert report.compulsory_bytes == x_bytes + w_bytes + out_bytes
+    assert report.arithmetic_floor_us == pytest.approx(2 * report.macs / 1e12 * 1e6)
+    assert report.memory_floor_us == pytest.approx(report.compulsory_bytes / 1e11 * 1e6)
+    # eval gather writes the output once: its bytes are the compulsory traffic plus the means
+    assert report.row("conv_transpose3d_gather").bytes == report.compulsory_bytes + 2 * 4 * 8
+
+
+def test_peaks_matched_by_name():
+    assert device_peaks("NVIDIA H200")[0] == "H200"
+    assert device_peaks("NVIDIA H100 80GB HBM3")[1] == DEVICE_PEAKS["H100"]
+    assert device_peaks("NVIDIA H100 PCIe")[0] == "H100 PCIe"
+    assert device_peaks("something else")[0] == "H100"
+    pipe = make_pipe("gather", True)
+    assert explain(pipe, SHAPE, device_name="NVIDIA H200").peaks["bandwidth"] == 4.8e12
+
+
+def test_occupancy_arithmetic():
+    hopper = {"regs": 65536, "threads": 2048, "shared": 233472, "sms": 132, "blocks": 32,
+              "reserved_shared": 1024}
+    # DESIGN.md 6: a 144-register kernel at 128 threads: 3 blocks = 12 of 64 warps (~19%)
+    assert theoretical_occupancy(144, 128, 2048, hopper) == pytest.approx(12 / 64)
+    assert theoretical_occupancy(32, 256, 0, hopper) == 1.0
+    # shared memory bound: 100 KB + 1 KB reserved per block -> 2 blocks of 8 warps
+    assert theoretical_occupancy(32, 256, 100 * 1024, hopper) == pytest.approx(16 / 64)
+
+
+def test_rejects_bad_shape_and_dtype():
+    pipe = make_pipe("gather", False)
+    with pytest.raises(ValueError, match="channels"):
+        pipe.explain((2, 5, 3, 4, 5))
+    with pytest.raises(TypeError, match="dtype"):
+        pipe.explain(SHAPE, dtype=torch.float64)
+
+
+@pytest.mark.sim
+def test_simulator_says_which_columns_need_a_gpu():
+    pipe = make_pipe("scatter", True)
+    report = pipe.explain(SHAPE, measure=True)
+    assert all(r.regs is None and r.occupancy is None and r.measured_us is None for r in report.rows)
+    assert report.measured_us is None
+    assert "need a GPU" in str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("conv_impl", ["gather", "scatter"])
+@pytest.mark.parametrize("training", [True, False])
+def test_gpu_resources_and_timings(conv_impl, training):
+    pipe = make_pipe(conv_impl, training)
+    before = {k: v.clone() for k, v in pipe.bn.state_dict().items()}
+    report = explain(pipe, (4, 3, 6, 8, 10), measure=True, repeats=5)
+    for row in report.rows:
+        if row.kernel.startswith(HOST_KERNELS):
+            continue
+        assert row.regs and row.regs > 0, row
+        assert row.local_bytes is not None and row.shared_bytes is not None, row
+        assert 0 < row.occupancy <= 1, row
+        assert row.measured_us and row.measured_us > 0, row
+    assert report.measured_us > 0
+    assert "measured whole call" in str(report)
+    for k, v in pipe.bn.state_dict().items():  # timing in training mode leaves the stats alone
+        assert torch.equal(v, before[k]), k
