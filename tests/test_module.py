@@ -41,8 +41,8 @@ def test_numpy_in_numpy_out(device):
     x = np.random.default_rng().standard_normal((2, 3, 3, 4, 4)).astype(np.float32)
     out = pipe(x)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
-    with torch.no_grad():
-        expected = model(torch.from_numpy(x).to(device))
+    with torch.no_grad():  # the reference in float64 (a float32 GPU conv may use TF32)
+        expected = model.double()(torch.from_numpy(x).to(device, torch.float64))
     testing.assert_close(torch.from_numpy(out), expected, 1e-5)
 
 
@@ -53,7 +53,7 @@ def test_device_array_in_device_array_out(device):
     out = pipe(cuda.to_device(x))
     assert hasattr(out, "copy_to_host")
     with torch.no_grad():
-        expected = model(torch.from_numpy(x).to(device))
+        expected = model.double()(torch.from_numpy(x).to(device, torch.float64))
     testing.assert_close(torch.from_numpy(out.copy_to_host()), expected, 1e-5)
 
 
