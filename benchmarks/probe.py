@@ -68,12 +68,8 @@ def main():
         kernel = gather.make_gather_kernel("float32", t.nc, t.mh, launch.plan, mode == "train")
         print(mode, "gather tiling", t, "grid", launch.grid, resources(kernel))
         print(mode, "box_sums", resources(box_sums.box_sums), "scale", resources(epilogue.scale_centered))
-        wt = folding_wt = nd.folding.gather_weights(new.conv_transpose.weight.detach(), t.nc)
-        out = torch.empty((16, 32, 31, 63, 63), device="cuda")
+        t_gather = float("nan")  # per-kernel timing lives in sweep_tilings
         v = pipe._view
-        t_gather = time_ms(lambda: gather.launch_gather(
-            launch, "float32", mode == "train", v(x.view(-1)), v(folding_wt.view(-1)), v(plan.means),
-            v(out.view(-1)), v(plan.ss), *(v(a) for a in plan.taps), v(plan.dims)))
         t_box = time_ms(lambda: box_sums.launch_box_sums(v(x), v(plan.box_lo), v(plan.box_hi),
                                                          v(plan.rows), v(plan.planes), v(plan.boxes)))
         rows.append((mode, t_new, t_gather, t_box, t_eager, t_strict, err))
@@ -84,39 +80,3 @@ def main():
 
 if __name__ == "__main__":
     main()
-
-
-def sweep_tilings():
-    """Time the eval gather kernel alone for several tilings (predict -> measure, NOTES.md)."""
-    from numba_deconv.geometry import ConvGeometry
-
-    geom = ConvGeometry.create(16, 32, 3, 2, 1)
-    x = torch.randn(16, 16, 16, 32, 32, device="cuda")
-    w = torch.randn(16, 32, 3, 3, 3, device="cuda")
-    out = torch.empty((16, 32, 31, 63, 63), device="cuda")
-    means = torch.zeros((16, 32), dtype=torch.float64, device="cuda")
-    taps = [torch.from_numpy(a).cuda() for a in gather.tap_tables(geom.axes())]
-    from numba_deconv.kernels.launch import device_array as v
-
-    print(f"{'nc':>3} {'mh':>3} {'block':>5} {'regs':>5} {'ms':>7}")
-    for nc, mh, block in [(8, 4, 128), (8, 4, 256), (4, 4, 128), (8, 2, 128), (4, 8, 128),
-                          (8, 8, 64), (16, 2, 128)]:
-        tiling = gather.GatherTiling(nc, mh, 32, block)
-        launch = gather.gather_launch(geom, 16, (16, 32, 32), (31, 63, 63), "float32", tiling)
-        wt = nd.folding.gather_weights(w, nc)
-        ss = torch.empty((16, 32, launch.slots), dtype=torch.float64, device="cuda")
-        dims = torch.from_numpy(launch.dims).cuda()
-        args = (v(x.view(-1)), v(wt.view(-1)), v(means), v(out.view(-1)), v(ss),
-                *(v(a) for a in taps), v(dims))
-        ms = time_ms(lambda: gather.launch_gather(launch, "float32", False, *args), reps=30)
-        k = gather.make_gather_kernel("float32", nc, mh, launch.plan, False)
-        print(f"{nc:3} {mh:3} {block:5} {list(k.get_regs_per_thread().values())} {ms:7.3f}")
-        if (nc, mh, block) == (8, 4, 128):
-            ptx = next(iter(k.inspect_asm().values()))
-            counts = {op: ptx.count(op) for op in ("fma.rn.f32", "ld.global", "ld.shared", "selp",
-                                                   "st.global", "mul.wide", "mad.lo.s64", "bra")}
-            print("   PTX op counts:", counts)
-
-
-if __name__ == "__main__":
-    sweep_tilings()

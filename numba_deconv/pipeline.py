@@ -238,7 +238,8 @@ class Pipeline:
             plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
             plan.taps = tuple(torch.from_numpy(a).to(dev) for a in gather.tap_tables(axes))
             plan.dims = torch.from_numpy(plan.gather.dims).to(dev)
-            plan.ss = torch.empty((batch, geom.out_channels, plan.gather.slots), dtype=f64, device=dev)
+            plan.ss = torch.empty((batch, geom.out_channels, plan.gather.slots), dtype=f64,
+                                  device=dev)
         self._plans[key] = plan
         return plan
 
@@ -341,14 +342,15 @@ class Pipeline:
         weight = conv.weight.detach()
         if batch_stats:
             conv_weight = weight
-            key = (self._version(conv.weight), launch.tiling.nc)
+            key = (self._version(conv.weight),)
         else:
             scale = self._eval_scale()
             key = (self._version(conv.weight), self._version(self.bn.running_var),
-                   self._version(self.bn.weight), self.bn.eps, launch.tiling.nc)
+                   self._version(self.bn.weight), self.bn.eps)
             conv_weight = self._cached("gather_folded", key,
                                        lambda: folding.fold_weights(weight, scale, geom.groups))
-        wt = self._cached("gather_wt" + ("_train" if batch_stats else "_eval"), key,
+        wt = self._cached("gather_wt" + ("_train" if batch_stats else "_eval"),
+                          key + (launch.tiling.nc,),
                           lambda: folding.gather_weights(conv_weight, launch.tiling.nc))
         box_sums.launch_box_sums(self._view(x), self._view(plan.box_lo), self._view(plan.box_hi),
                                  self._view(plan.rows), self._view(plan.planes),
@@ -360,7 +362,8 @@ class Pipeline:
             record["box_sums"] = plan.boxes.clone()
             record["mean_from_box_sums"] = plan.means.clone()
         dtype = "float32" if x.dtype == torch.float32 else "float64"
-        gather.launch_gather(launch, dtype, batch_stats, self._view(x.view(-1)), self._view(wt.view(-1)),
+        gather.launch_gather(launch, dtype, batch_stats, self._view(x.view(-1)),
+                             self._view(wt.view(-1)),
                              self._view(plan.means), self._view(out.view(-1)),
                              self._view(plan.ss), *(self._view(t) for t in plan.taps),
                              self._view(plan.dims))
