@@ -18,13 +18,14 @@ from .pipeline import Pipeline
 
 class ModelNew(nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride, padding, bias=True,
-                 *, conv_impl: str = "gather"):
+                 *, conv_impl: str = "gather", graphs: bool = False):
         super().__init__()
         self.conv_transpose = nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
         self.batch_norm = nn.BatchNorm3d(out_channels)
         # The pipeline holds references to the two modules above, never copies of them.
-        self._pipeline = Pipeline(self.conv_transpose, self.batch_norm, conv_impl=conv_impl)
+        self._pipeline = Pipeline(self.conv_transpose, self.batch_norm, conv_impl=conv_impl,
+                                  graphs=graphs)
 
     @property
     def pipeline(self) -> Pipeline:
