@@ -219,6 +219,8 @@ def check_case(case: Case, make: Callable, device: torch.device | str = "cpu",
     assert torch.equal(x, x_before), "the input was modified"
     assert_close(out, expected, rtol, atol=ATOL[case.dtype])
     if case.bn.track_running_stats:
-        assert_close(bn.running_mean, bn64.running_mean, rtol, "running_mean")
-        assert_close(bn.running_var, bn64.running_var, rtol, "running_var")
+        # atol: a channel with no taps is constant, so its batch variance is 0 up to rounding
+        assert_close(bn.running_mean, bn64.running_mean, rtol, "running_mean",
+                     atol=ATOL[case.dtype])
+        assert_close(bn.running_var, bn64.running_var, rtol, "running_var", atol=ATOL[case.dtype])
         assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"

@@ -23,7 +23,8 @@ settings.register_profile(
     "ci", max_examples=12, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
-    "gpu", max_examples=300, deadline=None, print_blob=True,
+    "gpu", max_examples=int(os.environ.get("NUMBA_DECONV_EXAMPLES", "300")), deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = os.environ.get("NUMBA_DECONV_PROFILE", "ci" if SIM else "gpu")
 settings.load_profile(PROFILE)
