@@ -49,7 +49,8 @@ from .testing import relative_error
 #: Relative error (vs float64) above which a numba provider's row is marked FAIL.
 NUMBA_RTOL = 1e-5
 MODES = ("train", "eval")
-PROVIDERS = ("numba_gather", "numba_scatter", "torch_eager", "torch_strict_fp32", "torch_compile")
+PROVIDERS = ("numba_gather", "numba_gather_graph", "numba_scatter", "torch_eager",
+             "torch_strict_fp32", "torch_compile")
 MAIN_REPS = 100
 SCATTER_REPS = 20  # the atomics baseline is slow; its spread is small anyway
 SWEEP_REPS = 30
@@ -193,12 +194,12 @@ class GeneralModel(nn.Module):
 class NumbaModel(nn.Module):
     """A numba pipeline over a copy of a reference-like model (keeps its parameters/buffers)."""
 
-    def __init__(self, model: nn.Module, conv_impl: str):
+    def __init__(self, model: nn.Module, conv_impl: str, graphs: bool = False):
         super().__init__()
         from .pipeline import Pipeline
 
         self.inner = model
-        self.pipe = Pipeline.from_torch(model, conv_impl=conv_impl)
+        self.pipe = Pipeline.from_torch(model, conv_impl=conv_impl, graphs=graphs)
 
     def forward(self, x):
         return self.pipe.train(self.training)(x)
@@ -255,6 +256,8 @@ def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
     model = copy.deepcopy(base).train(mode == "train")
     if name == "numba_gather":
         return NumbaModel(model, "gather").train(mode == "train")
+    if name == "numba_gather_graph":  # the same kernels replayed as one captured CUDA graph
+        return NumbaModel(model, "gather", graphs=True).train(mode == "train")
     if name == "numba_scatter":
         return NumbaModel(model, "scatter").train(mode == "train")
     if name in ("torch_eager", "torch_strict_fp32"):
@@ -395,7 +398,7 @@ def run_sweep(peaks: dict, out_dir: str, progress_cls=None) -> list[Row]:
     cases = [default_case(b, name=f"batch={b}") for b in SWEEP_BATCHES]
     cases += [default_case(SWEEP_SPATIAL_BATCH, s, name="spatial=" + "x".join(map(str, s)))
               for s in SWEEP_SPATIAL]
-    providers = ("numba_gather", "torch_eager")
+    providers = ("numba_gather", "numba_gather_graph", "torch_eager")
     total = len(cases) * len(providers) * len(MODES)
     bar = progress_cls(total=total, desc="sweep") if progress_cls else None
     rows = []
@@ -422,7 +425,8 @@ def plot_sweep(rows: list[Row], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for provider, style in (("numba_gather", "-o"), ("torch_eager", "--s")):
+    for provider, style in (("numba_gather", "-o"), ("numba_gather_graph", "-^"),
+                            ("torch_eager", "--s")):
         for mode in MODES:
             pts = [(int(r.case.split("=")[1]), r.median_ms) for r in rows
                    if r.case.startswith("batch=") and r.provider == provider and r.mode == mode]
@@ -562,9 +566,9 @@ def main(out_dir: str = "benchmarks/results", *, tiny: bool = False, geometry: b
 
     plan = [(default_case(), PROVIDERS, False)]
     if geometry:
-        plan.append((geometry_case(), ("numba_gather", "torch_eager"), False))
+        plan.append((geometry_case(), ("numba_gather", "numba_gather_graph", "torch_eager"), False))
     if tiny:
-        plan.append((tiny_case(), ("numba_gather", "torch_eager"), True))
+        plan.append((tiny_case(), ("numba_gather", "numba_gather_graph", "torch_eager"), True))
     total = sum(len(p) * len(MODES) for _, p, _ in plan)
     bar = tqdm(total=total, desc="bench") if tqdm else None
     rows: list[Row] = []
