@@ -1,8 +1,8 @@
 """Warp- and block-level sums built on warp shuffles, shared by every kernel that reduces.
 
 A warp sums 32 values in five ``shfl_down_sync`` steps (offsets 16, 8, 4, 2, 1): after the step
-with offset ``o`` lane ``l`` holds the sum of lanes ``l .. l + 2o - 1``, so lane 0 ends with the
-total. No shared memory, no barrier, no atomics, and the order of additions is fixed, so the
+with offset ``o``, lane ``l < o`` holds the sum of lanes ``l, l + o, l + 2o, ...`` (32/o of them),
+so lane 0 ends with the total. No shared memory, no barrier, no atomics, and the order of additions is fixed, so the
 result is deterministic. A block sums by letting each warp reduce, parking one partial per warp in
 shared memory (one ``syncthreads``), and letting warp 0 reduce those partials.
 
