@@ -10,24 +10,14 @@ import statistics
 import torch
 
 import numba_deconv as nd
+from numba_deconv import bench
 from numba_deconv import testing
 from numba_deconv.kernels import box_sums, epilogue, gather
 from numba_deconv.reference import Model, get_init_inputs, get_inputs
 
 
 def time_ms(fn, reps=50, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return bench.time_gpu(fn, warmup=warmup, reps=reps).median_ms
 
 
 def resources(dispatcher):

@@ -18,7 +18,6 @@
 
 # %%
 import copy
-import time
 
 import matplotlib.pyplot as plt
 import torch
@@ -133,26 +132,7 @@ plt.show()
 # only to compare strategies on the same machine); on a GPU, CUDA events, median of 20.
 
 # %%
-def timed(fn, reps):
-    if SIM:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from numba_deconv.bench import median_ms as timed  # the project's one timing helper
 
 
 pipe.eval()

@@ -150,23 +150,7 @@ assert relative_error(outs["scatter"], outs["gather"].double()) < 1e-5
 # time. GPU: CUDA events, median of 20, eval mode.
 
 # %%
-def timed(fn, reps):
-    times = []
-    for i in range(reps + (0 if SIM else 3)):
-        if SIM:
-            t0 = time.perf_counter()
-            fn()
-            dt = (time.perf_counter() - t0) * 1e3
-        else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            dt = start.elapsed_time(end)
-        times.append(dt)
-    times = times[-reps:]
-    return sorted(times)[len(times) // 2]
+from numba_deconv.bench import median_ms as timed  # the project's one timing helper
 
 
 reps = 3 if SIM else 20

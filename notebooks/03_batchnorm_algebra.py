@@ -17,7 +17,6 @@
 
 # %%
 import copy
-import time
 
 import numpy as np
 import torch
@@ -134,22 +133,7 @@ assert relative_error(stages["output"], z - z.mean(dim=(2, 3, 4), keepdim=True))
 # Simulator: wall clock, median of 3 (the conv dominates); GPU: CUDA events, median of 20.
 
 # %%
-def timed(fn, reps):
-    times = []
-    for _ in range(reps + (0 if SIM else 3)):
-        if SIM:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-    times = times[-reps:]
-    return sorted(times)[len(times) // 2]
+from numba_deconv.bench import median_ms as timed  # the project's one timing helper
 
 
 reps = 3 if SIM else 20

@@ -90,6 +90,19 @@ def summarize(times_ms: Sequence[float]) -> Timing:
                   len(values))
 
 
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median milliseconds per call of ``fn()``: CUDA events on a GPU (``time_gpu``), wall clock
+    under the simulator (only good for comparing strategies on the same machine)."""
+    if not is_simulator():
+        return time_gpu(fn, warmup=warmup, reps=reps).median_ms
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return summarize(times).median_ms
+
+
 def time_gpu(fn: Callable[[], object], *, warmup: int = WARMUP, reps: int = MAIN_REPS) -> Timing:
     """Time ``fn()`` on the current CUDA stream: ``warmup`` untimed calls, then one event pair
     around each of ``reps`` calls, one synchronize at the end, median with p10/p90."""
