@@ -25,9 +25,17 @@ are run-time arguments: one compiled kernel serves every size and most paddings.
 Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
 accumulates, computed beforehand from box sums. Each output is written once as ``acc - mean``.
 In evaluation mode the BN scale is already folded into the weights, so that is the final output.
-With TRAIN the thread also sums (acc - mean)^2 over its valid outputs, the block reduces it with
-warp shuffles (``warp.block_sum``, float64) and writes one partial per (n, channel, block): the
-centred sum of squares that gives the batch variance without a reduction pass over the output.
+With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces its NC
+sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes to shared
+memory, and after one barrier NC threads add them in a fixed order and write one value per
+(n, channel, block): the centred sum of squares that gives the batch variance without a
+reduction pass over the output. Deterministic: no atomics anywhere.
+
+Versions (benchmarks/NOTES.md has the measurements, default problem on an H100): v1 read each
+weight right before its FMAs and used signed indices (numba wraps negative indices with a
+compare and a select per access): 1.32 ms. v2 (this) casts hot indices to unsigned and loads all
+KW*NC weights of a step before its FMAs: 0.78 ms. Shared-memory staging (v3) and branch-free
+loads (v2.1) were slower and are described in the notes.
 
 Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; ``wt`` is the weight
 transposed to (CI, KD, KH, KW, OPG padded to a multiple of NC), zero-padded; block size a
@@ -238,8 +246,8 @@ class GatherTiling:
 
 
 def choose_tiling(dtype: str, opg: int, sw: int, qw_n: int, block: int = 128) -> GatherTiling:
-    block = block_size(block)
     """About 64 accumulators per thread (half for float64), as many W lanes as the row has."""
+    block = block_size(block)
     budget = 64 if dtype == "float32" else 32
     nc = min(8 if dtype == "float32" else 4, opg)
     mh = max(1, budget // (nc * sw))
