@@ -167,7 +167,19 @@ class Pipeline:
         graph, static_x, static_out = entry
         static_x.copy_(x)
         graph.replay()
+        if self.training and self.bn.track_running_stats:
+            # The replay updated the running statistics without bumping their version counters,
+            # so weights folded from them for an eager evaluation call would look current.
+            self.clear_cache()
         return static_out.clone()
+
+    def clear_cache(self) -> None:
+        """Forget weights derived from the modules (folded, transposed).
+
+        They are cached per tensor version counter, which every in-place change through the
+        tensor itself bumps; a change made through ``param.data`` does not, so call this after one.
+        """
+        self._weights.clear()
 
     def trace(self, x) -> dict[str, torch.Tensor]:
         """Run once and return every stage's intermediate (torch tensors), in order.

@@ -46,3 +46,23 @@ def test_graph_outputs_are_fresh_tensors():
     third = pipe(2 * x)
     assert first.data_ptr() != second.data_ptr() != third.data_ptr()
     assert torch.equal(first, second)
+
+
+def test_eager_eval_after_graph_training_sees_the_new_statistics():
+    """Graph replays do not bump version counters; the folded-weight cache must not go stale."""
+    case = testing.Case(testing.ConvGeometry.create(3, 4, 3, 2, 1), testing.BatchNormSettings(),
+                        2, (4, 5, 4), True, seed=9)
+    conv64, bn64 = testing.build_modules(case, "cuda")
+    conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
+    pipe = Pipeline(conv, bn, graphs=True)
+    x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
+    pipe.eval()(x.float())  # eager first call: caches weights folded from the running stats
+    pipe.train()
+    bn64.train()
+    for _ in range(3):  # capture, then two replays that move the running statistics
+        pipe(x.float())
+        testing.reference(conv64, bn64, x)
+    pipe.eval()
+    bn64.eval()
+    other = torch.randn(2, 3, 5, 5, 4, dtype=torch.float64, device="cuda")  # new shape: eager
+    testing.assert_close(pipe(other.float()), testing.reference(conv64, bn64, other), 1e-5)

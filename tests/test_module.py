@@ -80,3 +80,17 @@ def test_kernelbench_check():
         x = get_inputs("cuda")[0]
         with torch.no_grad():
             assert torch.allclose(new(x), ref(x), atol=1e-2, rtol=1e-2)
+
+
+def test_clear_cache_after_changes_through_data(device):
+    """``param.data`` edits bypass version counters; ``clear_cache`` makes them visible."""
+    model = Model(3, 4, 3, 2, 1).to(device).eval()
+    pipe = Pipeline.from_torch(model)
+    x = torch.randn(2, 3, 3, 4, 4, device=device)
+    pipe(x)
+    model.conv_transpose.weight.data.mul_(-2.0)
+    model.batch_norm.running_var.data.add_(1.0)
+    pipe.clear_cache()
+    with torch.no_grad():
+        expected = model.double()(x.double())
+    testing.assert_close(pipe(x), expected, 1e-5)
