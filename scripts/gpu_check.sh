@@ -3,6 +3,9 @@
 # test profile, then the benchmark. Uses the image's python3 (torch, numba, numba-cuda, numpy 2.5,
 # pytest, hypothesis); numba_deconv.compat makes numba-cuda work on numpy 2.5.
 #   bash scripts/gpu_check.sh [tests|bench|all]     (logs and results under $OUT or ./out)
+# The gpu profile draws 300 examples per property; each new W-axis tap pattern compiles a gather
+# kernel (~1-2 s on an H100), so the whole profile takes ~15 min: split it with GPU_TEST_ARGS
+# (e.g. '-k "any_geometry and gather"') or lower NUMBA_DECONV_EXAMPLES to fit a device call.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
