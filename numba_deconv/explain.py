@@ -242,13 +242,13 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         name = "float32" if dtype == torch.float32 else "float64"
         launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name)
         t = launch.tiling
-        kernel = gather.make_gather_kernel(name, t.nc, t.mh, launch.plan, batch_stats)
+        kernel = gather.gather_kernel(launch, name, batch_stats)
         flops = 2 * macs + (3 * n_out if batch_stats else 0)
         nbytes = x_bytes + w_bytes + rows_nc * 8 + n_out * e
         if batch_stats:
             nbytes += rows_nc * launch.slots * 8
         out.append(("conv_transpose3d_gather",
-                    f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qwt={t.qwt}"
+                    f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw}"
                     f"{',train' if batch_stats else ''}]",
                     kernel, (launch.grid,), t.block, flops, nbytes))
     if batch_stats:

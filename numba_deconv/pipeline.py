@@ -58,7 +58,7 @@ class _ShapePlan:
     zero_bias: Any = None
     zero_means: Any = None
     gather: gather.GatherLaunch | None = None
-    taps: tuple = ()
+    wph_index: Any = None
     dims: Any = None
     ss: Any = None
 
@@ -294,8 +294,9 @@ class Pipeline:
             plan.boxes = torch.empty((batch, geom.in_channels, kd, kh, kw), dtype=f64, device=dev)
             dtype = "float32" if x.dtype == torch.float32 else "float64"
             plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
-            plan.taps = tuple(torch.from_numpy(a).to(dev) for a in gather.tap_tables(axes))
             plan.dims = torch.from_numpy(plan.gather.dims).to(dev)
+            plan.wph_index = torch.from_numpy(
+                gather.phase_weight_index(geom, plan.gather.tiling)).to(dev)
             plan.ss = torch.empty((batch, geom.out_channels, plan.gather.slots), dtype=f64,
                                   device=dev)
         self._plans[key] = plan
@@ -409,9 +410,9 @@ class Pipeline:
                    self._version(self.bn.weight), self.bn.eps)
             conv_weight = self._cached("gather_folded", key,
                                        lambda: folding.fold_weights(weight, scale, geom.groups))
-        wt = self._cached("gather_wt" + ("_train" if batch_stats else "_eval"),
-                          key + (launch.tiling.nc,),
-                          lambda: folding.gather_weights(conv_weight, launch.tiling.nc))
+        wph = self._cached("gather_wph" + ("_train" if batch_stats else "_eval"),
+                           key + (launch.tiling.nc, x.dtype),
+                           lambda: gather.arrange_weights(conv_weight, plan.wph_index))
         box_sums.launch_box_sums(self._view(x), self._view(plan.box_lo), self._view(plan.box_hi),
                                  self._view(plan.rows), self._view(plan.planes),
                                  self._view(plan.boxes))
@@ -423,10 +424,8 @@ class Pipeline:
             record["mean_from_box_sums"] = plan.means.clone()
         dtype = "float32" if x.dtype == torch.float32 else "float64"
         gather.launch_gather(launch, dtype, batch_stats, self._view(x.view(-1)),
-                             self._view(wt.view(-1)),
-                             self._view(plan.means), self._view(out.view(-1)),
-                             self._view(plan.ss), *(self._view(t) for t in plan.taps),
-                             self._view(plan.dims))
+                             self._view(wph), self._view(plan.means), self._view(out.view(-1)),
+                             self._view(plan.ss), self._view(plan.dims))
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()

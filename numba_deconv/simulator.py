@@ -52,6 +52,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -518,6 +519,30 @@ def install() -> None:
                 _on_thread_exit(self)
 
         sim_kernel.BlockThread.run = run
+
+        # cuda.shared.array(..., alignment=16) lets NVVM vectorise shared loads on a GPU; the
+        # simulator rejects any alignment. numpy buffers are aligned for their dtype already and
+        # a simulated load is never vectorised, so the argument is accepted and ignored. The
+        # body is the simulator's own (numba-cuda 0.30), which keys static arrays by the
+        # caller's line: it must run in this frame, not behind a wrapper.
+        from numba.core import types
+        from numba.cuda.simulator.kernelapi import FakeCUDAShared
+        from numba.np import numpy_support
+
+        def array(self, shape, dtype, alignment=None):
+            if isinstance(dtype, types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            if shape == 0:  # dynamic shared memory: one buffer shared by every such array
+                count = self._dynshared_size // dtype.itemsize
+                return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+            caller = traceback.extract_stack(sys._getframe())[-2][0:2]
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+            return res
+
+        FakeCUDAShared.array = array
 
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -5,22 +5,27 @@ exactly when (r + p - d*k) is divisible by s, with delta = (r + p - d*k) / s. Ou
 phase r share one tap list, so the transposed convolution splits into s^3 dense convolutions
 that *read* their inputs: no atomics, no multiply-add wasted on a tap that lands nowhere.
 
-What one thread owns (changed from ``scatter``: the loop is turned around, outputs stay in
-registers until they are final):
+What one thread owns (an outer-product register tile, like a GEMM micro-kernel):
   * one sample n and NC consecutive output channels of one group (a *channel tile*),
-  * one D phase rd and one H phase rh (uniform over the block, so tap loops never diverge),
-  * one quotient qd along D, MH consecutive quotients qh along H, one quotient qw along W,
-  * every W phase r (0..SW-1) of that qw: SW consecutive outputs along W.
-That is NC*SW*MH accumulators in registers (64 for the default 8*2*4). For every input channel
-and every (D, H) tap pair the thread loads an MH x WIN window of x once (consecutive lanes take
-consecutive qw, so these loads are coalesced) and reuses every value for all W taps and all NC
-channels: per (ci, kd, kh) it does KW*NC*MH fused multiply-adds for MH*WIN input loads and KW*NC
-weight loads (the weights' address is uniform across the warp: one broadcast transaction).
+  * one D phase rd (uniform over the block) and one D quotient qd,
+  * MH consecutive H quotients and QW consecutive W quotients, each with *every* H and W phase:
+    an (MH*SH) x (QW*SW) patch of one output row plane.
+That is NC*SH*MH*SW*QW accumulators in registers (64 for the default 2*2*4*2*2). Because all H
+and W phases live in one thread, the H and W tap tables are compile-time: every loop over them
+unrolls, every register index is a constant. For one input channel and one D tap the thread
+loads the input window its patch needs, (MH + HWIN - 1) x (QW + WWIN - 1) values (only those a
+tap reads), and the step's weights, NHT*NWT*NC values from shared memory with a warp-uniform
+address (a broadcast, no bank conflict). Default problem: 15 input loads and 18 weight loads feed
+144 fused multiply-adds, and each input value serves up to 4 taps x 2 channels.
 
-Compile-time (factory arguments, so loops over them unroll and the register arrays stay in
-registers): dtype, NC, MH, SW and the W axis tap table (r, kw, e) with e the tap's offset inside
-the window. The D and H tap tables, the sizes and the padding's whole-stride part (``shift_w``)
-are run-time arguments: one compiled kernel serves every size and most paddings.
+Weights: the host arranges them once per weight version by (D phase, channel tile, input
+channel, D tap, H tap, W tap, channel), zero-padded (``phase_weight_index``). A block copies its
+contiguous slab for a chunk of input channels into dynamic shared memory, so staging is one
+plain copy with no index arithmetic; large geometries take several chunks.
+
+Compile-time (factory arguments): dtype, NC, MH, QW, the H and W tap patterns (phase, window
+offset) and TRAIN. The D taps, the sizes and the paddings' whole-stride parts are run-time
+(``dims``): one compiled kernel serves every size.
 
 Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
 accumulates, computed beforehand from box sums. Each output is written once as ``acc - mean``.
@@ -31,18 +36,14 @@ memory, and after one barrier NC threads add them in a fixed order and write one
 (n, channel, block): the centred sum of squares that gives the batch variance without a
 reduction pass over the output. Deterministic: no atomics anywhere.
 
-Versions (benchmarks/NOTES.md has the measurements, default problem on an H100): v1 read each
-weight right before its FMAs and used signed indices (numba wraps negative indices with a
-compare and a select per access): 1.32 ms. v2 (this) casts hot indices to unsigned and loads all
-KW*NC weights of a step before its FMAs: 0.78 ms. Shared-memory staging (v3) and branch-free
-loads (v2.1) were slower and are described in the notes.
+Versions (benchmarks/NOTES.md has the measurements, default problem on an H100): v1 one W
+quotient x 4 H rows of one H phase per thread, weights read from global memory right before
+their FMAs: 1.32 ms. v2 unsigned hot indices, all weights of a step loaded first: 0.71 ms
+(latency-bound: 32 loads per 96 FMAs, 19% occupancy). v4 (this) keeps every H and W phase in the
+thread so the H rows share one input window, and stages weights in shared memory.
 
-Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; ``wt`` is the weight
-transposed to (CI, KD, KH, KW, OPG padded to a multiple of NC), zero-padded; block size a
-multiple of 32 and of QWT; no thread returns early (all reach the block reductions).
-
-Cost (default problem): 6.8 GFLOP of useful FMAs; x (16.8 MB) read ~(taps per axis) times
-through L1/L2; output 252 MB written once (eval). The fp32 floor is ~0.1 ms on an H100.
+Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
+and of the W lanes; every thread reaches the barriers (none returns early).
 """
 
 from __future__ import annotations
@@ -58,141 +59,192 @@ from .launch import block_size, launch_stream
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
+_ITEMSIZE = {"float32": 4, "float64": 8}
+
+# Shared memory a block may use for staged weights: small enough for several blocks per SM.
+SMEM_WEIGHT_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
-class WAxisPlan:
-    """The W axis tap table in the form the kernel unrolls: taps (r, kw, e), window, shift."""
+class AxisPlan:
+    """One axis' taps in the form the kernel unrolls (H and W) or reads at run time (D)."""
 
     stride: int
-    taps: tuple[tuple[int, int, int], ...]  # (phase r, kernel tap kw, offset e in the window)
-    window: int                             # WIN: input columns a thread loads per row
-    shift: int                              # iw = qw + shift + e
+    taps: tuple[tuple[int, int, int], ...]  # (phase r, kernel tap k, offset e in the window)
+    window: int                             # input positions one quotient's taps span
+    shift: int                              # i = q + shift + e
+
+    @property
+    def pattern(self) -> tuple:
+        """What the compiled kernel depends on: stride, (phase, offset) per tap, window."""
+        return (self.stride, tuple((r, e) for r, _, e in self.taps), self.window)
 
 
-def w_axis_plan(axis: AxisGeometry) -> WAxisPlan:
-    """Split the W axis' padding into the phase pattern (compile-time) and a whole shift (run-time).
+def axis_plan(axis: AxisGeometry) -> AxisPlan:
+    """Split an axis' padding into the phase pattern (compile-time) and a whole shift (run-time).
 
     With p = s*P + pr, every delta of padding p equals the delta of padding pr plus P, so the
-    compiled kernel depends on p only through pr = p mod s.
+    tap pattern depends on p only through pr = p mod s.
     """
     reduced = AxisGeometry(axis.kernel, axis.stride, axis.padding % axis.stride,
                            axis.output_padding, axis.dilation)
     lo, hi = reduced.delta_range() if any(reduced.phase_taps()) else (0, 0)
     taps = tuple((r, k, delta - lo)
                  for r, phase in enumerate(reduced.phase_taps()) for k, delta in phase)
-    return WAxisPlan(axis.stride, taps, hi - lo + 1, lo + axis.padding // axis.stride)
+    return AxisPlan(axis.stride, taps, hi - lo + 1, lo + axis.padding // axis.stride)
+
+
+@dataclass(frozen=True)
+class GatherTiling:
+    """Launch-time tiling: the thread's register tile, W lanes per row, threads per block."""
+
+    nc: int     # output channels per thread (compile-time)
+    mh: int     # H quotients per thread (compile-time)
+    qw: int     # W quotients per thread (compile-time)
+    lanes: int  # threads along W in one row of the block (power of two <= 32)
+    block: int  # threads per block (multiple of 32 and of lanes)
+
+
+def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...]:
+    """Which cells of the (MH + HWIN - 1) x (QW + WWIN - 1) input window some tap reads."""
+    xc = qw + wpat[2] - 1
+    need = [False] * ((mh + hpat[2] - 1) * xc)
+    for _, eh in hpat[1]:
+        for _, ew in wpat[1]:
+            for j in range(mh):
+                for q in range(qw):
+                    need[(j + eh) * xc + q + ew] = True
+    return tuple(need)
+
+
+# Run-time sizes in ``dims`` (int64), then the D tap table: counts[SD], deltas[SD * TDMAX].
+_DIMS = ("n_batch", "in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
+         "ipg", "opg", "shift_h", "shift_w", "sd", "qd_n", "qh_groups", "qw_groups", "tdmax",
+         "ctiles", "ci_chunk", "row_blocks", "lanes")
+_D_TABLE = len(_DIMS)
 
 
 @functools.lru_cache(maxsize=None)
-def make_gather_kernel(dtype: str, nc: int, mh: int, plan: WAxisPlan, train: bool):
-    """Compile-time specialisation of the gather kernel (see the module docstring)."""
+def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple,
+                       train: bool):
+    """Compile-time specialisation of the gather kernel (see the module docstring).
+
+    ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes.
+    """
     acc_t = _NUMBA_TYPES[dtype]
-    sw = plan.stride
-    win = plan.window
-    n_wt = len(plan.taps)
-    wt_r = tuple(t[0] for t in plan.taps)
-    wt_k = tuple(t[1] for t in plan.taps)
-    wt_e = tuple(t[2] for t in plan.taps)
-    n_acc = nc * sw * mh
-    n_x = mh * win
-    n_w = n_wt * nc
+    sh, h_taps, hwin = hpat
+    sw, w_taps, wwin = wpat
+    nht, nwt = len(h_taps), len(w_taps)
+    h_r = tuple(r for r, _ in h_taps) or (0,)
+    h_e = tuple(e for _, e in h_taps) or (0,)
+    w_r = tuple(r for r, _ in w_taps) or (0,)
+    w_e = tuple(e for _, e in w_taps) or (0,)
+    xr = mh + hwin - 1           # window rows
+    xc = qw + wwin - 1           # window columns
+    need = _window_cells(mh, qw, hpat, wpat)
+    n_acc = nc * sh * mh * sw * qw
+    n_x = xr * xc
+    per_step = nht * nwt * nc    # weights of one (input channel, D tap)
 
     @cuda.jit
     def conv_transpose3d_gather(
-        x,          # (N*CI*ID*IH*IW,) input, flattened
-        wt,         # (CI*KD*KH*KW*OPGP,) weights transposed so a channel tile is contiguous
-        mean,       # (N, CO) f64: spatial mean of the bias-free convolution (scaled, in eval)
-        out,        # (N*CO*OD*OH*OW,) output, flattened
-        ss,         # (N, CO, slots) f64 centred-square partials (written only with TRAIN)
-        tap_k,      # (2, SMAX, TMAX) i32: kernel tap of the t-th tap of phase r, axes D and H
-        tap_delta,  # (2, SMAX, TMAX) i32: its input offset delta
-        tap_n,      # (2, SMAX) i32: taps per phase
-        dims,       # (24,) i64: sizes and tiling, see ``gather_dims``
+        x,      # (N*CI*ID*IH*IW,) input, flattened
+        wph,    # (SD, CTILES, IPG, TDMAX, NHT, NWT, NC) weights by phase, see phase_weight_index
+        mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled, in eval)
+        out,    # (N*CO*OD*OH*OW,) output, flattened
+        ss,     # (N, CO, slots) f64 centred-square partials (written only with TRAIN)
+        dims,   # (_D_TABLE + SD + SD*TDMAX,) i64: sizes (_DIMS) and the D tap table
     ):
+        wsm = cuda.shared.array(0, acc_t, alignment=16)  # staged weights (dynamic size)
         partial = cuda.shared.array((MAX_WARPS, nc), float64)
-        n_batch, in_ch, in_d, in_h, in_w = dims[0], dims[1], dims[2], dims[3], dims[4]
+        in_ch, in_d, in_h, in_w = dims[1], dims[2], dims[3], dims[4]
         out_ch, out_d, out_h, out_w = dims[5], dims[6], dims[7], dims[8]
-        kd_n, kh_n, kw_n = dims[9], dims[10], dims[11]
-        ipg, opg, opgp = dims[12], dims[13], dims[14]
-        shift_w = dims[15]
-        sd = dims[16]
-        sh = dims[17]
-        qd_n, qh_groups, qw_n, qwt = dims[18], dims[19], dims[20], dims[21]
-        row_blocks, ctiles = dims[22], dims[23]
+        ipg, opg = dims[9], dims[10]
+        shift_h, shift_w = dims[11], dims[12]
+        sd, qd_n, qh_groups, qw_groups = dims[13], dims[14], dims[15], dims[16]
+        tdmax, ctiles, ci_chunk, row_blocks = dims[17], dims[18], dims[19], dims[20]
+        lanes = dims[21]
 
         # ---- which tile this block and thread own -------------------------------------------
+        rows_per_block = cuda.blockDim.x // lanes
+        lane_blocks = (qw_groups + lanes - 1) // lanes
         bid = cuda.blockIdx.x
         ctile = bid % ctiles
         bid //= ctiles
-        phase = bid % (sd * sh)
-        bid //= sd * sh
+        rd = bid % sd
+        bid //= sd
         row_blk = bid % row_blocks
         bid //= row_blocks
-        qw_blocks = (qw_n + qwt - 1) // qwt
-        qw_blk = bid % qw_blocks
-        n = bid // qw_blocks
-        rd = phase // sh
-        rh = phase % sh
-        tiles_per_group = opgp // nc
+        lane_blk = bid % lane_blocks
+        n = bid // lane_blocks
+        tiles_per_group = ctiles // (in_ch // ipg)
         g = ctile // tiles_per_group
         c0 = (ctile % tiles_per_group) * nc
 
         t = cuda.threadIdx.x
-        rows_per_block = cuda.blockDim.x // qwt
-        row = row_blk * rows_per_block + t // qwt
-        qw = qw_blk * qwt + t % qwt
+        row = row_blk * rows_per_block + t // lanes
+        qwg = lane_blk * lanes + t % lanes
         qd = row // qh_groups
         qh0 = (row % qh_groups) * mh
+        qw0 = qwg * qw
         od = qd * sd + rd
-        active = row < qd_n * qh_groups and qw < qw_n and od < out_d
+        active = row < qd_n * qh_groups and qwg < qw_groups and od < out_d
 
         acc = cuda.local.array(n_acc, acc_t)
         for a in range(n_acc):
             acc[a] = 0
         xin = cuda.local.array(n_x, acc_t)
-        wreg = cuda.local.array(n_w, acc_t)
-        w_ok = cuda.local.array(win, np.bool_)
-        for e in range(win):
-            iw = qw + shift_w + e
+        h_ok = cuda.local.array(xr, np.bool_)
+        w_ok = cuda.local.array(xc, np.bool_)
+        for e in range(xr):
+            ih = qh0 + shift_h + e
+            h_ok[e] = ih >= 0 and ih < in_h
+        for e in range(xc):
+            iw = qw0 + shift_w + e
             w_ok[e] = iw >= 0 and iw < in_w
 
-        # ---- main loop: input channels x (D, H) taps, W taps unrolled ------------------------
-        # Indices are cast to unsigned where they are known valid: numba wraps negative signed
-        # indices (a compare and a select per access), which the hot loop cannot afford.
-        if active:
-            for cl in range(ipg):
-                ci = g * ipg + cl
-                for td in range(tap_n[0, rd]):
-                    kd = tap_k[0, rd, td]
-                    i_d = qd + tap_delta[0, rd, td]
-                    if i_d < 0 or i_d >= in_d:
-                        continue
-                    plane = (n * in_ch + ci) * in_d + i_d
-                    for th in range(tap_n[1, rh]):
-                        kh = tap_k[1, rh, th]
-                        dh = tap_delta[1, rh, th]
-                        # every weight of this (ci, kd, kh) first: independent loads in flight
-                        # together instead of one latency per FMA group
-                        wrow = ((ci * kd_n + kd) * kh_n + kh) * kw_n
-                        for tw in range(n_wt):
-                            wbase = (wrow + wt_k[tw]) * opgp + c0
-                            for c in range(nc):
-                                wreg[tw * nc + c] = wt[uint64(wbase + c)]
-                        for j in range(mh):
-                            ih = qh0 + j + dh
-                            h_ok = ih >= 0 and ih < in_h
-                            base = (plane * in_h + ih) * in_w + qw + shift_w
-                            for e in range(win):
-                                xin[j * win + e] = (x[uint64(base + e)] if h_ok and w_ok[e]
-                                                    else acc_t(0))
-                        for tw in range(n_wt):
-                            r = wt_r[tw]
-                            e = wt_e[tw]
-                            for c in range(nc):
-                                wv = wreg[tw * nc + c]
-                                for j in range(mh):
-                                    acc[(c * sw + r) * mh + j] += wv * xin[j * win + e]
+        plane_size = in_h * in_w
+        # offset of window cell (0, 0) inside a plane; may be negative (masked cells)
+        corner = (qh0 + shift_h) * in_w + qw0 + shift_w
+        n_dtaps = dims[_D_TABLE + rd]
+        per_ci = tdmax * per_step
+        wslab = ((rd * ctiles + ctile) * ipg) * per_ci
+
+        # ---- main loop: chunks of input channels; per (ci, D tap) one window, all H/W taps ---
+        for ci0 in range(0, ipg, ci_chunk):
+            n_ci = min(ci_chunk, ipg - ci0)
+            cuda.syncthreads()  # the previous chunk's weights are no longer read
+            src = wslab + ci0 * per_ci
+            for i in range(t, n_ci * per_ci, cuda.blockDim.x):
+                wsm[i] = wph[uint64(src + i)]
+            cuda.syncthreads()  # this chunk's weights are staged
+            if active:
+                for cl in range(n_ci):
+                    ci = g * ipg + ci0 + cl
+                    for td in range(n_dtaps):
+                        i_d = qd + dims[_D_TABLE + sd + rd * tdmax + td]
+                        if i_d < 0 or i_d >= in_d:
+                            continue
+                        base = ((n * in_ch + ci) * in_d + i_d) * plane_size + corner
+                        for er in range(xr):
+                            row_base = base + er * in_w
+                            for ec in range(xc):
+                                if need[er * xc + ec]:
+                                    xin[er * xc + ec] = (x[uint64(row_base + ec)]
+                                                         if h_ok[er] and w_ok[ec] else acc_t(0))
+                        wb = (cl * tdmax + td) * per_step
+                        for th in range(nht):
+                            rh = h_r[th]
+                            eh = h_e[th]
+                            for tw in range(nwt):
+                                rw = w_r[tw]
+                                ew = w_e[tw]
+                                for c in range(nc):
+                                    wv = wsm[uint64(wb + (th * nwt + tw) * nc + c)]
+                                    for j in range(mh):
+                                        for q in range(qw):
+                                            a = (((c * sh + rh) * mh + j) * sw + rw) * qw + q
+                                            acc[a] += wv * xin[(j + eh) * xc + q + ew]
 
         # ---- epilogue: subtract the known mean, store once, (train) centred squares ---------
         sq = cuda.local.array(nc, float64)
@@ -203,17 +255,19 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, plan: WAxisPlan, train: boo
             m = acc_t(mean[n, co]) if ch_ok else acc_t(0)
             sq[c] = 0.0
             if ch_ok:
-                for j in range(mh):
-                    oh = (qh0 + j) * sh + rh
-                    if oh < out_h:
-                        obase = ((n * out_ch + co) * out_d + od) * out_h + oh
-                        for r in range(sw):
-                            ow = qw * sw + r
-                            if ow < out_w:
-                                v = acc[(c * sw + r) * mh + j] - m
-                                out[uint64(obase * out_w + ow)] = v
-                                if train:
-                                    sq[c] += v * v
+                for rh in range(sh):
+                    for j in range(mh):
+                        oh = (qh0 + j) * sh + rh
+                        if oh < out_h:
+                            obase = (((n * out_ch + co) * out_d + od) * out_h + oh) * out_w
+                            for q in range(qw):
+                                for rw in range(sw):
+                                    ow = (qw0 + q) * sw + rw
+                                    if ow < out_w:
+                                        v = acc[(((c * sh + rh) * mh + j) * sw + rw) * qw + q] - m
+                                        out[uint64(obase + ow)] = v
+                                        if train:
+                                            sq[c] += v * v
         if train:
             # All NC sums in one block reduction: shuffles within each warp, one partial per
             # (warp, channel) in shared memory, one barrier, then thread c adds the warps' partials.
@@ -229,49 +283,92 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, plan: WAxisPlan, train: boo
                 total = 0.0
                 for w in range(cuda.blockDim.x // WARP_SIZE):
                     total += partial[w, t]
-                slot = (qw_blk * row_blocks + row_blk) * (sd * sh) + phase
+                slot = (lane_blk * row_blocks + row_blk) * sd + rd
                 ss[n, g * opg + c0 + t, slot] = total
 
     return conv_transpose3d_gather
 
 
-@dataclass(frozen=True)
-class GatherTiling:
-    """Launch-time tiling: channels and H rows per thread, W lanes per row, threads per block."""
+def choose_tiling(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_n: int,
+                  block: int = 128) -> GatherTiling:
+    """A register tile of about 64 accumulators (32 in float64) that the window keeps cheap.
 
-    nc: int     # output channels per thread (compile-time)
-    mh: int     # H quotients per thread (compile-time)
-    qwt: int    # threads along W in one row of the block (power of two <= 32)
-    block: int  # threads per block (multiple of 32 and of qwt)
-
-
-def choose_tiling(dtype: str, opg: int, sw: int, qw_n: int, block: int = 128) -> GatherTiling:
-    """About 64 accumulators per thread (half for float64), as many W lanes as the row has."""
+    Preference, measured on the default problem (benchmarks/NOTES.md): spread the tile over H
+    rows and W quotients first (they share the input window), then over channels (they share
+    the inputs); never more rows or quotients than the output has.
+    """
     block = block_size(block)
     budget = 64 if dtype == "float32" else 32
-    nc = min(8 if dtype == "float32" else 4, opg)
-    mh = max(1, budget // (nc * sw))
-    qwt = 1
-    while qwt < min(qw_n, 32):
-        qwt *= 2
-    return GatherTiling(nc, mh, qwt, block)
+    sh, sw = hpat[0], wpat[0]
+    per_cell = sh * sw
+    best = None
+    for nc in (1, 2, 4, 8):
+        if nc > 1 and nc // 2 >= opg:
+            continue
+        for mh in (1, 2, 4, 8):
+            if mh > 1 and mh // 2 >= qh_n:
+                continue
+            for qw in (1, 2, 4):
+                if qw > 1 and qw // 2 >= qw_n:
+                    continue
+                acc = nc * mh * qw * per_cell
+                xin = sum(_window_cells(mh, qw, hpat, wpat))
+                regs = acc + xin + len(hpat[1]) * len(wpat[1]) * nc
+                if (acc > budget or regs > 2 * budget + 32) and (nc, mh, qw) != (1, 1, 1):
+                    continue
+                steps_fma = nc * mh * qw * len(hpat[1]) * len(wpat[1])
+                loads = xin + len(hpat[1]) * len(wpat[1]) * nc
+                # useful work per load first, then bigger tiles (fewer threads re-reading)
+                score = (steps_fma / max(loads, 1), acc)
+                if best is None or score > best[0]:
+                    best = (score, nc, mh, qw)
+    _, nc, mh, qw = best
+    qw_groups = -(-qw_n // qw)
+    lanes = 1
+    while lanes < min(qw_groups, 32):
+        lanes *= 2
+    return GatherTiling(nc, mh, qw, lanes, block)
 
 
-def tap_tables(axes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run-time tap tables of the D and H axes: (tap_k, tap_delta, tap_n) as int32 arrays."""
-    phases = [axis.phase_taps() for axis in axes[:2]]
-    smax = max(len(p) for p in phases)
-    tmax = max(1, max(len(taps) for p in phases for taps in p))
-    tap_k = np.zeros((2, smax, tmax), np.int32)
-    tap_delta = np.zeros((2, smax, tmax), np.int32)
-    tap_n = np.zeros((2, smax), np.int32)
-    for a, p in enumerate(phases):
-        for r, taps in enumerate(p):
-            tap_n[a, r] = len(taps)
-            for t, (k, delta) in enumerate(taps):
-                tap_k[a, r, t] = k
-                tap_delta[a, r, t] = delta
-    return tap_k, tap_delta, tap_n
+def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
+    """Flat index into the (CI, OPG, KD, KH, KW) weight for every slot of the phase layout.
+
+    Shape (SD, CTILES, IPG, TDMAX, NHT, NWT, NC); -1 marks a zero slot (a D tap the phase does
+    not have, or a channel past the group's end). ``weight.reshape(-1)`` padded with one zero at
+    the end and indexed by this array gives the kernel's ``wph``.
+    """
+    d_axis, h_axis, w_axis = geom.axes()
+    d_taps = d_axis.phase_taps()
+    tdmax = max(1, max(len(taps) for taps in d_taps))
+    h_plan, w_plan = axis_plan(h_axis), axis_plan(w_axis)
+    nht, nwt = max(1, len(h_plan.taps)), max(1, len(w_plan.taps))
+    ipg, opg = geom.in_per_group, geom.out_per_group
+    nc = tiling.nc
+    tiles = -(-opg // nc)
+    kd_n, kh_n, kw_n = geom.kernel_size
+    index = np.full((len(d_taps), geom.groups * tiles, ipg, tdmax, nht, nwt, nc), -1, np.int64)
+    for rd, taps in enumerate(d_taps):
+        for td, (kd, _) in enumerate(taps):
+            for th, (_, kh, _) in enumerate(h_plan.taps):
+                for tw, (_, kw, _) in enumerate(w_plan.taps):
+                    for g in range(geom.groups):
+                        for tile in range(tiles):
+                            for c in range(nc):
+                                co_g = tile * nc + c
+                                if co_g >= opg:
+                                    continue
+                                ci = g * ipg + np.arange(ipg)
+                                flat = (((ci * opg + co_g) * kd_n + kd) * kh_n + kh) * kw_n + kw
+                                index[rd, g * tiles + tile, :, td, th, tw, c] = flat
+    return index
+
+
+def arrange_weights(weight, index):
+    """The kernel's ``wph`` from a (CI, OPG, KD, KH, KW) weight and ``phase_weight_index``."""
+    import torch
+
+    flat = torch.cat([weight.detach().reshape(-1), weight.new_zeros(1)])
+    return flat[index.reshape(-1)].contiguous()
 
 
 @dataclass(frozen=True)
@@ -279,49 +376,72 @@ class GatherLaunch:
     """Everything about one gather launch that depends only on shapes: cache it per shape."""
 
     tiling: GatherTiling
-    plan: WAxisPlan
-    dims: np.ndarray   # int64 run-time sizes passed to the kernel
+    hpat: tuple
+    wpat: tuple
+    dims: np.ndarray   # int64 run-time sizes and D tap table passed to the kernel
     grid: int
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
+    smem: int          # dynamic shared memory per block, bytes
+
+    @property
+    def index(self):
+        """Cache key of the weight layout (it depends on the channel tile only)."""
+        return self.tiling.nc
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                   tiling: GatherTiling | None = None) -> GatherLaunch:
     """Grid, tiling and run-time sizes for one input shape (``tiling`` overrides the choice)."""
-    axes = geom.axes()
-    plan = w_axis_plan(axes[2])
+    d_axis, h_axis, w_axis = geom.axes()
+    h_plan, w_plan = axis_plan(h_axis), axis_plan(w_axis)
     sd, sh, sw = geom.stride
     od, oh, ow = out_spatial
-    opg = geom.out_per_group
+    opg, ipg = geom.out_per_group, geom.in_per_group
     qd_n, qh_n, qw_n = -(-od // sd), -(-oh // sh), -(-ow // sw)
     if tiling is None:
-        tiling = choose_tiling(dtype, opg, sw, qw_n)
-    if tiling.block % 32 or tiling.block % tiling.qwt or tiling.qwt & (tiling.qwt - 1):
+        tiling = choose_tiling(dtype, opg, h_plan.pattern, w_plan.pattern, qh_n, qw_n)
+    if tiling.block % 32 or tiling.block % tiling.lanes or tiling.lanes & (tiling.lanes - 1):
         raise ValueError(f"invalid gather tiling {tiling}: block must be a multiple of 32 and of "
-                         "qwt, qwt a power of two")
+                         "lanes, lanes a power of two")
     qh_groups = -(-qh_n // tiling.mh)
-    rows_per_block = tiling.block // tiling.qwt
+    qw_groups = -(-qw_n // tiling.qw)
+    rows_per_block = tiling.block // tiling.lanes
     row_blocks = -(-(qd_n * qh_groups) // rows_per_block)
-    qw_blocks = -(-qw_n // tiling.qwt)
-    opgp = -(-opg // tiling.nc) * tiling.nc
-    ctiles = geom.groups * (opgp // tiling.nc)
+    lane_blocks = -(-qw_groups // tiling.lanes)
+    ctiles = geom.groups * -(-opg // tiling.nc)
+    d_taps = d_axis.phase_taps()
+    tdmax = max(1, max(len(taps) for taps in d_taps))
+    per_ci = tdmax * max(1, len(h_plan.taps)) * max(1, len(w_plan.taps)) * tiling.nc
+    item = _ITEMSIZE[dtype]
+    ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))
+    counts = [len(taps) for taps in d_taps]
+    deltas = np.zeros((sd, tdmax), np.int64)
+    for rd, taps in enumerate(d_taps):
+        for td, (_, delta) in enumerate(taps):
+            deltas[rd, td] = delta
     dims = np.array([
         batch, geom.in_channels, *in_spatial,
         geom.out_channels, od, oh, ow,
-        *geom.kernel_size,
-        geom.in_per_group, opg, opgp, plan.shift,
-        sd, sh,
-        qd_n, qh_groups, qw_n, tiling.qwt,
-        row_blocks, ctiles,
+        ipg, opg, h_plan.shift, w_plan.shift,
+        sd, qd_n, qh_groups, qw_groups, tdmax,
+        ctiles, ci_chunk, row_blocks, tiling.lanes,
+        *counts, *deltas.reshape(-1),
     ], dtype=np.int64)
-    slots = qw_blocks * row_blocks * sd * sh
-    return GatherLaunch(tiling, plan, dims, batch * slots * ctiles, slots)
+    assert len(dims) == _D_TABLE + sd + sd * tdmax
+    slots = lane_blocks * row_blocks * sd
+    return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, dims,
+                        batch * slots * ctiles, slots, ci_chunk * per_ci * item)
 
 
-def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wt, mean, out, ss,
-                  tap_k, tap_delta, tap_n, dims) -> None:
-    """Launch the specialised kernel (``dims`` is ``launch.dims`` already on the device)."""
+def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
+    """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
-    kernel = make_gather_kernel(dtype, t.nc, t.mh, launch.plan, train)
-    kernel[launch.grid, t.block, launch_stream()](
-        x, wt, mean, out, ss, tap_k, tap_delta, tap_n, dims)
+    return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, train)
+
+
+def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss,
+                  dims) -> None:
+    """Launch the specialised kernel (``dims`` is ``launch.dims`` already on the device)."""
+    kernel = gather_kernel(launch, dtype, train)
+    kernel[launch.grid, launch.tiling.block, launch_stream(), launch.smem](
+        x, wph, mean, out, ss, dims)

@@ -1,0 +1,146 @@
+"""GPU probe of the gather kernel's tilings on the default problem (GPU only).
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block ...] [--host]
+
+For each tiling: the whole pipeline's output against float64 PyTorch (both modes), the kernel
+alone timed with CUDA events (median of 50), its registers, local memory, shared memory and a
+static count of its SASS opcodes. ``--host`` adds a cProfile of 200 calls per mode (host time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import re
+
+import torch
+
+import numba_deconv as nd
+from numba_deconv import bench, testing
+from numba_deconv.kernels import gather
+from numba_deconv.reference import Model, get_init_inputs, get_inputs
+
+
+def resources(kernel):
+    out = {}
+    for what in ("get_regs_per_thread", "get_local_mem_per_thread", "get_shared_mem_per_block"):
+        try:
+            out[what[4:]] = list(getattr(kernel, what)().values())[0]
+        except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
+            out[what[4:]] = repr(exc)[:40]
+    return out
+
+
+def sass_mix(kernel) -> dict:
+    try:
+        sass = list(kernel.inspect_sass().values())[0]
+    except Exception as exc:  # noqa: BLE001
+        return {"error": repr(exc)[:60]}
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1).split(".")[0]] += 1
+    total = sum(ops.values())
+    keys = ("FFMA", "LDG", "LDS", "STG", "BRA", "IMAD", "IADD3", "ISETP", "SEL", "LEA", "MOV")
+    mix = {k: ops.get(k, 0) for k in keys}
+    mix["total"] = total
+    return mix
+
+
+def run_tiling(tiling, x, ref, ref64, mode):
+    chosen = gather.choose_tiling
+    if tiling is not None:
+        gather.choose_tiling = lambda *a, **k: tiling
+    try:
+        new = nd.ModelNew(*get_init_inputs()).cuda()
+        new.load_state_dict(ref.state_dict())
+        new.train(mode == "train")
+        ref64.train(mode == "train")
+        with torch.no_grad():
+            y = new(x)
+            err = testing.relative_error(y, ref64(x.double()))
+        pipe = new.pipeline
+    finally:
+        gather.choose_tiling = chosen
+    plan = next(iter(pipe._plans.values()))
+    launch = plan.gather
+    v = pipe._view
+    wph = pipe._weights["gather_wph_" + ("train" if mode == "train" else "eval")][1]
+    out = torch.empty_like(y)
+    args = (v(x.view(-1)), v(wph), v(plan.means), v(out.view(-1)), v(plan.ss), v(plan.dims))
+    train = mode == "train"
+    t_kernel = bench.time_gpu(lambda: gather.launch_gather(launch, "float32", train, *args),
+                              warmup=5, reps=50).median_ms
+    with torch.no_grad():
+        t_pipe = bench.time_gpu(lambda: new(x), warmup=5, reps=50).median_ms
+    kernel = gather.gather_kernel(launch, "float32", train)
+    return dict(mode=mode, tiling=launch.tiling, grid=launch.grid, smem=launch.smem, err=err,
+                kernel_ms=t_kernel, pipe_ms=t_pipe, **resources(kernel), sass=sass_mix(kernel))
+
+
+def host_profile(x, ref):
+    for mode in ("eval", "train"):
+        new = nd.ModelNew(*get_init_inputs()).cuda()
+        new.load_state_dict(ref.state_dict())
+        new.train(mode == "train")
+        with torch.no_grad():
+            for _ in range(5):
+                new(x)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                new(x)
+            prof.disable()
+            torch.cuda.synchronize()
+        print(f"---- host profile, {mode}, 200 calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tilings", nargs="*", default=[])
+    parser.add_argument("--host", action="store_true")
+    parser.add_argument("--modes", default="eval,train")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    ref = Model(*get_init_inputs()).cuda()
+    ref64 = Model(*get_init_inputs()).cuda().double()
+    ref64.load_state_dict(ref.state_dict())
+    x = get_inputs("cuda")[0]
+    tilings = [None]
+    for spec in args.tilings:
+        nc, mh, qw, block = (int(v) for v in spec.split(","))
+        qw_groups = -(-32 // qw)
+        lanes = 1
+        while lanes < min(qw_groups, 32):
+            lanes *= 2
+        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block))
+    rows = []
+    for tiling in tilings:
+        for mode in args.modes.split(","):
+            try:
+                r = run_tiling(tiling, x, ref, ref64, mode)
+            except Exception as exc:  # noqa: BLE001
+                print("FAILED", tiling, mode, repr(exc)[:300], flush=True)
+                continue
+            print(r, flush=True)
+            rows.append(r)
+    if args.host:
+        host_profile(x, ref)
+    print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'regs':>4} {'lmem':>4} "
+          f"{'kernel':>7} {'pipe':>7} {'err':>8} {'FFMA%':>5} {'LDG':>4} {'LDS':>4} {'total':>5}")
+    for r in rows:
+        t, s = r["tiling"], r["sass"]
+        ffma = 100 * s.get("FFMA", 0) / max(1, s.get("total", 1))
+        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {r['regs_per_thread']!s:>4} "
+              f"{r['local_mem_per_thread']!s:>4} {r['kernel_ms']:7.3f} {r['pipe_ms']:7.3f} "
+              f"{r['err']:8.1e} {ffma:5.1f} {s.get('LDG', 0):4} {s.get('LDS', 0):4} "
+              f"{s.get('total', 0):5}")
+
+
+if __name__ == "__main__":
+    main()
