@@ -1,6 +1,6 @@
 """GPU probe of the gather kernel's tilings on the default problem (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block ...] [--host]
+    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,prefetch ...] [--host]
 
 For each tiling: the whole pipeline's output against float64 PyTorch (both modes), the kernel
 alone timed with CUDA events (median of 50), its registers, local memory, shared memory and a
@@ -58,6 +58,7 @@ def run_tiling(tiling, x, ref, ref64, mode):
         new = nd.ModelNew(*get_init_inputs()).cuda()
         new.load_state_dict(ref.state_dict())
         new.train(mode == "train")
+        ref64.load_state_dict(ref.state_dict())  # a train-mode call moved its running stats
         ref64.train(mode == "train")
         with torch.no_grad():
             y = new(x)
@@ -78,7 +79,8 @@ def run_tiling(tiling, x, ref, ref64, mode):
         t_pipe = bench.time_gpu(lambda: new(x), warmup=5, reps=50).median_ms
     kernel = gather.gather_kernel(launch, "float32", train)
     return dict(mode=mode, tiling=launch.tiling, grid=launch.grid, smem=launch.smem, err=err,
-                kernel_ms=t_kernel, pipe_ms=t_pipe, **resources(kernel), sass=sass_mix(kernel))
+                kernel_ms=t_kernel, pipe_ms=t_pipe, **resources(kernel), sass=sass_mix(kernel),
+                kernel=kernel)
 
 
 def host_profile(x, ref):
@@ -105,20 +107,22 @@ def main():
     parser.add_argument("--tilings", nargs="*", default=[])
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--modes", default="eval,train")
+    parser.add_argument("--only", action="store_true", help="skip the default tiling")
+    parser.add_argument("--sass", help="write every kernel's SASS to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
     ref = Model(*get_init_inputs()).cuda()
     ref64 = Model(*get_init_inputs()).cuda().double()
     ref64.load_state_dict(ref.state_dict())
     x = get_inputs("cuda")[0]
-    tilings = [None]
+    tilings = [] if args.only else [None]
     for spec in args.tilings:
-        nc, mh, qw, block = (int(v) for v in spec.split(","))
+        nc, mh, qw, block, prefetch = (int(v) for v in spec.split(","))
         qw_groups = -(-32 // qw)
         lanes = 1
         while lanes < min(qw_groups, 32):
             lanes *= 2
-        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block))
+        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block, bool(prefetch)))
     rows = []
     for tiling in tilings:
         for mode in args.modes.split(","):
@@ -127,16 +131,22 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 print("FAILED", tiling, mode, repr(exc)[:300], flush=True)
                 continue
-            print(r, flush=True)
+            print({k: v for k, v in r.items() if k != "kernel"}, flush=True)
             rows.append(r)
+            if args.sass:
+                with open(args.sass, "a") as f:
+                    f.write(f"\n######## {mode} {r['tiling']}\n")
+                    f.write(list(r.pop("kernel").inspect_sass().values())[0])
+            r.pop("kernel", None)
     if args.host:
         host_profile(x, ref)
-    print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'regs':>4} {'lmem':>4} "
+    print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'pf':>2} {'regs':>4} {'lmem':>4} "
           f"{'kernel':>7} {'pipe':>7} {'err':>8} {'FFMA%':>5} {'LDG':>4} {'LDS':>4} {'total':>5}")
     for r in rows:
         t, s = r["tiling"], r["sass"]
         ffma = 100 * s.get("FFMA", 0) / max(1, s.get("total", 1))
-        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {r['regs_per_thread']!s:>4} "
+        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {int(t.prefetch):2} "
+              f"{r['regs_per_thread']!s:>4} "
               f"{r['local_mem_per_thread']!s:>4} {r['kernel_ms']:7.3f} {r['pipe_ms']:7.3f} "
               f"{r['err']:8.1e} {ffma:5.1f} {s.get('LDG', 0):4} {s.get('LDS', 0):4} "
               f"{s.get('total', 0):5}")

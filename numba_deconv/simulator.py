@@ -525,9 +525,9 @@ def install() -> None:
         # a simulated load is never vectorised, so the argument is accepted and ignored. The
         # body is the simulator's own (numba-cuda 0.30), which keys static arrays by the
         # caller's line: it must run in this frame, not behind a wrapper.
-        from numba.core import types
+        from numba.cuda import types
         from numba.cuda.simulator.kernelapi import FakeCUDAShared
-        from numba.np import numpy_support
+        from numba.cuda.np import numpy_support
 
         def array(self, shape, dtype, alignment=None):
             if isinstance(dtype, types.Type):

@@ -103,6 +103,7 @@ class GatherTiling:
     qw: int     # W quotients per thread (compile-time)
     lanes: int  # threads along W in one row of the block (power of two <= 32)
     block: int  # threads per block (multiple of 32 and of lanes)
+    prefetch: bool = True  # load the next step's input window before this step's FMAs
 
 
 def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...]:
@@ -126,7 +127,7 @@ _D_TABLE = len(_DIMS)
 
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple,
-                       train: bool):
+                       train: bool, prefetch: bool = True):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes.
@@ -193,7 +194,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         acc = cuda.local.array(n_acc, acc_t)
         for a in range(n_acc):
             acc[a] = 0
-        xin = cuda.local.array(n_x, acc_t)
+        xin = cuda.local.array(n_x, acc_t)     # the window the multiply-adds read
+        xnext = cuda.local.array(n_x, acc_t)   # the window being loaded
         h_ok = cuda.local.array(xr, np.bool_)
         w_ok = cuda.local.array(xc, np.bool_)
         for e in range(xr):
@@ -206,7 +208,18 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         plane_size = in_h * in_w
         # offset of window cell (0, 0) inside a plane; may be negative (masked cells)
         corner = (qh0 + shift_h) * in_w + qw0 + shift_w
-        n_dtaps = dims[_D_TABLE + rd]
+        # D taps this thread can use: deltas fall as the tap index rises, so the valid taps
+        # (0 <= qd + delta < in_d) form one range [td_lo, td_hi): no bounds test in the loop.
+        dtab = _D_TABLE + sd + rd * tdmax
+        td_lo = tdmax
+        td_hi = 0
+        for td in range(dims[_D_TABLE + rd]):
+            i_d = qd + dims[dtab + td]
+            if i_d >= 0 and i_d < in_d:
+                td_lo = min(td_lo, td)
+                td_hi = td + 1
+        n_td = max(0, td_hi - td_lo)
+        plane0 = (n * in_ch + g * ipg) * in_d + qd   # plane of (input channel 0 of the group, qd)
         per_ci = tdmax * per_step
         wslab = ((rd * ctiles + ctile) * ipg) * per_ci
 
@@ -218,54 +231,79 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             for i in range(t, n_ci * per_ci, cuda.blockDim.x):
                 wsm[i] = wph[uint64(src + i)]
             cuda.syncthreads()  # this chunk's weights are staged
-            if active:
-                for cl in range(n_ci):
-                    ci = g * ipg + ci0 + cl
-                    for td in range(n_dtaps):
-                        i_d = qd + dims[_D_TABLE + sd + rd * tdmax + td]
-                        if i_d < 0 or i_d >= in_d:
-                            continue
-                        base = ((n * in_ch + ci) * in_d + i_d) * plane_size + corner
-                        for er in range(xr):
-                            row_base = base + er * in_w
-                            for ec in range(xc):
-                                if need[er * xc + ec]:
-                                    xin[er * xc + ec] = (x[uint64(row_base + ec)]
-                                                         if h_ok[er] and w_ok[ec] else acc_t(0))
-                        wb = (cl * tdmax + td) * per_step
-                        for th in range(nht):
-                            rh = h_r[th]
-                            eh = h_e[th]
-                            for tw in range(nwt):
-                                rw = w_r[tw]
-                                ew = w_e[tw]
-                                for c in range(nc):
-                                    wv = wsm[uint64(wb + (th * nwt + tw) * nc + c)]
-                                    for j in range(mh):
-                                        for q in range(qw):
-                                            a = (((c * sh + rh) * mh + j) * sw + rw) * qw + q
-                                            acc[a] += wv * xin[(j + eh) * xc + q + ew]
+            steps = n_ci * n_td if active else 0
+            # step s = (input channel cl, D tap td); with PREFETCH the window of step s + 1 is
+            # loaded before the multiply-adds of step s, so its latency hides behind them.
+            cl = 0
+            td = td_lo
+            ncl = 0
+            ntd = td_lo
+            for s in range(-1 if prefetch else 0, steps):
+                if s + 1 < steps or not prefetch:
+                    base = ((plane0 + (ci0 + ncl) * in_d + dims[dtab + ntd]) * plane_size
+                            + corner)
+                    for er in range(xr):
+                        row_base = base + er * in_w
+                        for ec in range(xc):
+                            if need[er * xc + ec]:
+                                xnext[er * xc + ec] = (x[uint64(row_base + ec)]
+                                                       if h_ok[er] and w_ok[ec] else acc_t(0))
+                    ntd += 1
+                    if ntd == td_hi:
+                        ntd = td_lo
+                        ncl += 1
+                if not prefetch:
+                    for e in range(n_x):
+                        if need[e]:
+                            xin[e] = xnext[e]
+                if s >= 0:
+                    wb = (cl * tdmax + td) * per_step
+                    for th in range(nht):
+                        rh = h_r[th]
+                        eh = h_e[th]
+                        for tw in range(nwt):
+                            rw = w_r[tw]
+                            ew = w_e[tw]
+                            for c in range(nc):
+                                wv = wsm[uint64(wb + (th * nwt + tw) * nc + c)]
+                                for j in range(mh):
+                                    for q in range(qw):
+                                        a = (((c * sh + rh) * mh + j) * sw + rw) * qw + q
+                                        acc[a] += wv * xin[(j + eh) * xc + q + ew]
+                    td += 1
+                    if td == td_hi:
+                        td = td_lo
+                        cl += 1
+                if prefetch:
+                    for e in range(n_x):
+                        if need[e]:
+                            xin[e] = xnext[e]
 
         # ---- epilogue: subtract the known mean, store once, (train) centred squares ---------
+        # Sizes are read from ``dims`` again rather than kept from the prologue: after the
+        # barriers above they are fresh loads, so they do not hold registers through the loop.
+        out_ch, out_d, out_h, out_w = dims[5], dims[6], dims[7], dims[8]
+        opg = dims[10]
+        out_plane = out_h * out_w
+        c_left = opg - c0
+        h_left = out_h - qh0 * sh
+        w_left = out_w - qw0 * sw
+        obase = ((n * out_ch + g * opg + c0) * out_d + od) * out_plane + qh0 * sh * out_w + qw0 * sw
         sq = cuda.local.array(nc, float64)
         for c in range(nc):
-            co_g = c0 + c
-            co = g * opg + co_g
-            ch_ok = active and co_g < opg
-            m = acc_t(mean[n, co]) if ch_ok else acc_t(0)
+            ch_ok = active and c < c_left
+            m = acc_t(mean[n, g * opg + c0 + c]) if ch_ok else acc_t(0)
             sq[c] = 0.0
             if ch_ok:
                 for rh in range(sh):
                     for j in range(mh):
-                        oh = (qh0 + j) * sh + rh
-                        if oh < out_h:
-                            obase = (((n * out_ch + co) * out_d + od) * out_h + oh) * out_w
+                        if j * sh + rh < h_left:
+                            rbase = obase + c * out_d * out_plane + (j * sh + rh) * out_w
                             for q in range(qw):
                                 for rw in range(sw):
-                                    ow = (qw0 + q) * sw + rw
-                                    if ow < out_w:
+                                    if q * sw + rw < w_left:
                                         v = acc[(((c * sh + rh) * mh + j) * sw + rw) * qw + q] - m
-                                        out[uint64(obase + ow)] = v
+                                        out[uint64(rbase + q * sw + rw)] = v
                                         if train:
                                             sq[c] += v * v
         if train:
@@ -436,7 +474,8 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
-    return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, train)
+    return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, train,
+                              t.prefetch)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss,
