@@ -1,6 +1,6 @@
 """GPU probe of the gather kernel's tilings on the default problem (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,prefetch ...] [--host]
+    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,prefetch,max_regs ...] [--host]
 
 For each tiling: the whole pipeline's output against float64 PyTorch (both modes), the kernel
 alone timed with CUDA events (median of 50), its registers, local memory, shared memory and a
@@ -117,12 +117,12 @@ def main():
     x = get_inputs("cuda")[0]
     tilings = [] if args.only else [None]
     for spec in args.tilings:
-        nc, mh, qw, block, prefetch = (int(v) for v in spec.split(","))
+        nc, mh, qw, block, prefetch, max_regs = (int(v) for v in spec.split(","))
         qw_groups = -(-32 // qw)
         lanes = 1
         while lanes < min(qw_groups, 32):
             lanes *= 2
-        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block, bool(prefetch)))
+        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block, bool(prefetch), max_regs))
     rows = []
     for tiling in tilings:
         for mode in args.modes.split(","):
@@ -145,7 +145,7 @@ def main():
     for r in rows:
         t, s = r["tiling"], r["sass"]
         ffma = 100 * s.get("FFMA", 0) / max(1, s.get("total", 1))
-        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {int(t.prefetch):2} "
+        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {int(t.prefetch):2}/{t.max_regs:<3} "
               f"{r['regs_per_thread']!s:>4} "
               f"{r['local_mem_per_thread']!s:>4} {r['kernel_ms']:7.3f} {r['pipe_ms']:7.3f} "
               f"{r['err']:8.1e} {ffma:5.1f} {s.get('LDG', 0):4} {s.get('LDS', 0):4} "

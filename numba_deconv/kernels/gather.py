@@ -49,6 +49,7 @@ and of the W lanes; every thread reaches the barriers (none returns early).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +105,7 @@ class GatherTiling:
     lanes: int  # threads along W in one row of the block (power of two <= 32)
     block: int  # threads per block (multiple of 32 and of lanes)
     prefetch: bool = True  # load the next step's input window before this step's FMAs
+    max_regs: int = 0      # register cap per thread for the compiler (0: its own choice)
 
 
 def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...]:
@@ -121,13 +123,13 @@ def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...
 # Run-time sizes in ``dims`` (int64), then the D tap table: counts[SD], deltas[SD * TDMAX].
 _DIMS = ("n_batch", "in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
          "ipg", "opg", "shift_h", "shift_w", "sd", "qd_n", "qh_groups", "qw_groups", "tdmax",
-         "ctiles", "ci_chunk", "row_blocks", "lanes")
+         "ctiles", "ci_chunk", "row_blocks", "lanes", "d_step")
 _D_TABLE = len(_DIMS)
 
 
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple,
-                       train: bool, prefetch: bool = True):
+                       train: bool, prefetch: bool = True, max_regs: int = 0):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes.
@@ -147,7 +149,7 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
 
-    @cuda.jit
+    @cuda.jit(**({"max_registers": max_regs} if max_regs else {}))
     def conv_transpose3d_gather(
         x,      # (N*CI*ID*IH*IW,) input, flattened
         wph,    # (SD, CTILES, IPG, TDMAX, NHT, NWT, NC) weights by phase, see phase_weight_index
@@ -210,6 +212,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         corner = (qh0 + shift_h) * in_w + qw0 + shift_w
         # D taps this thread can use: deltas fall as the tap index rises, so the valid taps
         # (0 <= qd + delta < in_d) form one range [td_lo, td_hi): no bounds test in the loop.
+        # They fall by the same D_STEP each tap, so a step's input offset is one add away from
+        # the previous step's: no multiplies and no table reads inside the loop.
         dtab = _D_TABLE + sd + rd * tdmax
         td_lo = tdmax
         td_hi = 0
@@ -219,7 +223,13 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
                 td_lo = min(td_lo, td)
                 td_hi = td + 1
         n_td = max(0, td_hi - td_lo)
-        plane0 = (n * in_ch + g * ipg) * in_d + qd   # plane of (input channel 0 of the group, qd)
+        ci_stride = in_d * plane_size
+        tap_stride = dims[22] * plane_size   # input offset between consecutive D taps (D_STEP)
+        # from the last D tap of one input channel to the first of the next
+        ci_wrap = ci_stride + (n_td - 1) * tap_stride
+        w_wrap = (tdmax - n_td + 1) * per_step
+        first = ((n * in_ch + g * ipg) * in_d + qd + dims[dtab + min(td_lo, tdmax - 1)]) \
+            * plane_size + corner
         per_ci = tdmax * per_step
         wslab = ((rd * ctiles + ctile) * ipg) * per_ci
 
@@ -234,16 +244,14 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             steps = n_ci * n_td if active else 0
             # step s = (input channel cl, D tap td); with PREFETCH the window of step s + 1 is
             # loaded before the multiply-adds of step s, so its latency hides behind them.
-            cl = 0
-            td = td_lo
-            ncl = 0
+            xoff = first + ci0 * ci_stride   # input offset of the window being loaded
             ntd = td_lo
+            wb = td_lo * per_step            # shared-memory offset of the step's weights
+            td = td_lo
             for s in range(-1 if prefetch else 0, steps):
                 if s + 1 < steps or not prefetch:
-                    base = ((plane0 + (ci0 + ncl) * in_d + dims[dtab + ntd]) * plane_size
-                            + corner)
                     for er in range(xr):
-                        row_base = base + er * in_w
+                        row_base = xoff + er * in_w
                         for ec in range(xc):
                             if need[er * xc + ec]:
                                 xnext[er * xc + ec] = (x[uint64(row_base + ec)]
@@ -251,13 +259,14 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
                     ntd += 1
                     if ntd == td_hi:
                         ntd = td_lo
-                        ncl += 1
+                        xoff += ci_wrap
+                    else:
+                        xoff -= tap_stride
                 if not prefetch:
                     for e in range(n_x):
                         if need[e]:
                             xin[e] = xnext[e]
                 if s >= 0:
-                    wb = (cl * tdmax + td) * per_step
                     for th in range(nht):
                         rh = h_r[th]
                         eh = h_e[th]
@@ -273,7 +282,9 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
                     td += 1
                     if td == td_hi:
                         td = td_lo
-                        cl += 1
+                        wb += w_wrap
+                    else:
+                        wb += per_step
                 if prefetch:
                     for e in range(n_x):
                         if need[e]:
@@ -453,6 +464,10 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     item = _ITEMSIZE[dtype]
     ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))
     counts = [len(taps) for taps in d_taps]
+    # taps of one phase are s/gcd(s, d) kernel taps apart, so their deltas fall by d/gcd(s, d)
+    d_step = d_axis.dilation // math.gcd(d_axis.stride, d_axis.dilation)
+    for taps in d_taps:
+        assert all(taps[i][1] - taps[i + 1][1] == d_step for i in range(len(taps) - 1)), taps
     deltas = np.zeros((sd, tdmax), np.int64)
     for rd, taps in enumerate(d_taps):
         for td, (_, delta) in enumerate(taps):
@@ -462,7 +477,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
         geom.out_channels, od, oh, ow,
         ipg, opg, h_plan.shift, w_plan.shift,
         sd, qd_n, qh_groups, qw_groups, tdmax,
-        ctiles, ci_chunk, row_blocks, tiling.lanes,
+        ctiles, ci_chunk, row_blocks, tiling.lanes, d_step,
         *counts, *deltas.reshape(-1),
     ], dtype=np.int64)
     assert len(dims) == _D_TABLE + sd + sd * tdmax
@@ -475,7 +490,7 @@ def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, train,
-                              t.prefetch)
+                              t.prefetch, t.max_regs)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss,
