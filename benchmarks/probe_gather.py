@@ -1,6 +1,6 @@
 """GPU probe of the gather kernel's tilings on the default problem (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,prefetch,max_regs ...] [--host]
+    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,prefetch,max_regs ...] [--host] [--trace]
 
 For each tiling: the whole pipeline's output against float64 PyTorch (both modes), the kernel
 alone timed with CUDA events (median of 50), its registers, local memory, shared memory and a
@@ -102,10 +102,31 @@ def host_profile(x, ref):
         pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
+def gpu_trace(x, ref):
+    """Per-kernel GPU time of 20 calls per mode (torch.profiler), to split host from GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for mode in ("eval", "train"):
+        new = nd.ModelNew(*get_init_inputs()).cuda()
+        new.load_state_dict(ref.state_dict())
+        new.train(mode == "train")
+        with torch.no_grad():
+            for _ in range(5):
+                new(x)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    new(x)
+                torch.cuda.synchronize()
+        print(f"---- GPU trace, {mode}, 20 calls")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tilings", nargs="*", default=[])
     parser.add_argument("--host", action="store_true")
+    parser.add_argument("--trace", action="store_true")
     parser.add_argument("--modes", default="eval,train")
     parser.add_argument("--only", action="store_true", help="skip the default tiling")
     parser.add_argument("--sass", help="write every kernel's SASS to this file")
@@ -140,6 +161,8 @@ def main():
             r.pop("kernel", None)
     if args.host:
         host_profile(x, ref)
+    if args.trace:
+        gpu_trace(x, ref)
     print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'pf':>2} {'regs':>4} {'lmem':>4} "
           f"{'kernel':>7} {'pipe':>7} {'err':>8} {'FFMA%':>5} {'LDG':>4} {'LDS':>4} {'total':>5}")
     for r in rows:

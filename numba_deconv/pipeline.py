@@ -416,9 +416,10 @@ class Pipeline:
         box_sums.launch_box_sums(self._view(x), self._view(plan.box_lo), self._view(plan.box_hi),
                                  self._view(plan.rows), self._view(plan.planes),
                                  self._view(plan.boxes))
-        box_sums.launch_mean_from_box_sums(self._view(plan.boxes), self._view(conv_weight),
-                                           self._view(plan.zero_bias), 1.0 / plan.volume,
-                                           self._view(plan.means))
+        flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
+        box_sums.launch_mean_from_box_sums(self._view(plan.boxes.view(plan.batch, -1)),
+                                           self._view(flat_w), self._view(plan.zero_bias),
+                                           1.0 / plan.volume, self._view(plan.means))
         if record is not None:
             record["box_sums"] = plan.boxes.clone()
             record["mean_from_box_sums"] = plan.means.clone()

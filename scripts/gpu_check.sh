@@ -2,7 +2,9 @@
 # Everything for the lent GPU machine in one call (no network there, no wheels to carry): the `gpu`
 # test profile, then the benchmark. Uses the image's python3 (torch, numba, numba-cuda, numpy 2.5,
 # pytest, hypothesis); numba_deconv.compat makes numba-cuda work on numpy 2.5.
-#   bash scripts/gpu_check.sh [tests|bench|all]     (logs and results under $OUT or ./out)
+#   bash scripts/gpu_check.sh [tests|bench|notebooks|all]   (logs and results under $OUT or ./out)
+# `notebooks` runs each notebook's paired percent-format source with python3 at full size (the GPU
+# image has no nbclient; CI executes the .ipynb files under the simulator).
 # The gpu profile draws 300 examples per property; each new W-axis tap pattern compiles a gather
 # kernel (~1-2 s on an H100), so the whole profile takes ~15 min: split it with GPU_TEST_ARGS
 # (e.g. '-k "any_geometry and gather"') or lower NUMBA_DECONV_EXAMPLES to fit a device call.
@@ -24,5 +26,15 @@ fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     python3 -m numba_deconv bench --tiny --geometry --sweep --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$WHAT" = notebooks ] || [ "$WHAT" = all ]; then
+    for nb in notebooks/0*.py; do
+        start=$(date +%s)
+        if (cd notebooks && MPLBACKEND=Agg python3 "$(basename "$nb")") > "$OUT/$(basename "$nb" .py).log" 2>&1; then
+            echo "notebook $nb: ok in $(( $(date +%s) - start )) s"
+        else
+            echo "notebook $nb: FAILED (see $(basename "$nb" .py).log)"; tail -5 "$OUT/$(basename "$nb" .py).log"; status=1
+        fi
+    done
 fi
 exit $status

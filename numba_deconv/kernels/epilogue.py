@@ -13,25 +13,36 @@ Cost: scale_centered reads and writes 4 bytes per element (float32): 2 * 4 * N*C
 
 from __future__ import annotations
 
-from numba import cuda
+from numba import cuda, float64
 
 from .launch import block_size, grid_for, launch_stream
 
 BLOCK = 256
+UNROLL = 4  # loads in flight per thread in scale_centered
 MAX_ROW_BLOCKS = 65535
 
 
 @cuda.jit
 def scale_centered(y, mean, scale, out):
     # y, out: (N*C, S); mean: (N*C,) float64; scale: (C,) float64
+    # Each thread has UNROLL independent loads in flight before it stores (one at a time left
+    # the kernel latency-bound: 1.36 TB/s on an H100, against ~3 TB/s for a copy).
     rows, size = y.shape
     channels = scale.shape[0]
+    step = cuda.gridDim.x * cuda.blockDim.x
     for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
         m = mean[row]
         a = scale[row % channels]
-        for s in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, size,
-                       cuda.gridDim.x * cuda.blockDim.x):
-            out[row, s] = a * (y[row, s] - m)
+        vals = cuda.local.array(UNROLL, float64)
+        for s0 in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, size,
+                        step * UNROLL):
+            for u in range(UNROLL):
+                s = s0 + u * step
+                vals[u] = y[row, s] if s < size else 0.0
+            for u in range(UNROLL):
+                s = s0 + u * step
+                if s < size:
+                    out[row, s] = a * (vals[u] - m)
 
 
 @cuda.jit

@@ -56,6 +56,7 @@ import numpy as np
 from numba import cuda, float32, float64, uint64
 
 from ..geometry import AxisGeometry
+from ..simulator import is_simulator
 from .launch import block_size, launch_stream
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
 
@@ -149,7 +150,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
 
-    @cuda.jit(**({"max_registers": max_regs} if max_regs else {}))
+    # the simulator's jit takes no register cap (and has no registers)
+    @cuda.jit(**({"max_registers": max_regs} if max_regs and not is_simulator() else {}))
     def conv_transpose3d_gather(
         x,      # (N*CI*ID*IH*IW,) input, flattened
         wph,    # (SD, CTILES, IPG, TDMAX, NHT, NWT, NC) weights by phase, see phase_weight_index
