@@ -109,11 +109,19 @@ configs = {"sum_warp": (warp_demo.sum_warp, block_warp),
            "sum_tree": (warp_demo.sum_tree, warp_demo.SUM_BLOCK),
            "sum_atomic": (warp_demo.sum_atomic, block_warp)}
 times = {}
+errors = {}
+exact = data.sum(dtype=np.float64)
+magnitude = np.abs(data).sum(dtype=np.float64)
 for name, (kernel, block) in configs.items():
     out = cuda.to_device(np.zeros(1, np.float32))
     kernel[grid, block](d_data, out)
     got = out.copy_to_host()[0]
-    assert np.isclose(got, data.sum(dtype=np.float64), rtol=1e-4), (name, got)
+    # float32 sums of 2^24 signed values: the error scales with sum(|x|), not with the (much
+    # smaller) total, and one atomic per element, in arrival order, rounds 2^24 times into one
+    # float32. Printed below; bounded here by 1e-5 * sum(|x|).
+    error = abs(float(got) - exact)
+    errors[name] = error
+    assert error <= 1e-5 * magnitude, (name, got, exact)
     samples = []
     for _ in range(3 if SIM else 20):
         out = cuda.to_device(np.zeros(1, np.float32))
@@ -129,11 +137,14 @@ for name, (kernel, block) in configs.items():
             end.synchronize()
             samples.append(cuda.event_elapsed_time(start, end))
     times[name] = sorted(samples)[len(samples) // 2]
-    print(f"{name:10s} {times[name]:9.3f} ms  ({'simulator wall' if SIM else f'{4 * n / times[name] / 1e6:.0f} GB/s'})")
+    print(f"{name:10s} {times[name]:9.3f} ms  ({'simulator wall' if SIM else f'{4 * n / times[name] / 1e6:.0f} GB/s'})"
+          f"  |error| {errors[name]:.3g} (sum |x| = {magnitude:.3g})")
 
 # %% [markdown]
-# **Interpretation.** The shuffle reduction computes the same total as the tree and as numpy, with
-# 2 barriers per block instead of log2(B)+1. On a GPU the first two are memory-bound (a few tens of
+# **Interpretation.** The shuffle reduction computes the same total as the tree and as numpy (to
+# float32 rounding; at 2^24 elements the one-atomic-per-element sum drifts furthest, since it
+# rounds once per element into a single float32), with 2 barriers per block instead of
+# log2(B)+1. On a GPU the first two are memory-bound (a few tens of
 # µs for 64 MB) while one atomic per element on a single address is far slower: contention, not
 # bandwidth, bounds it — the same reason the scatter convolution (notebook 02) loses to gather.
 # Under the simulator every barrier costs tens of milliseconds of thread switching, so the

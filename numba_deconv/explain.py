@@ -234,9 +234,9 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         boxes = planes * kd * kh * kw * 8
         out.append(("box_sums", "box_sums", box_sums.box_sums, (max(1, min(planes, 65535)),), blk,
                     _box_sums_flops(geom, batch, in_spatial), x_bytes + 2 * scratch + boxes))
-        blk = box_sums.MEAN_BLOCK
+        blk = block_size(box_sums.MEAN_BLOCK)
         out.append(("mean_from_box_sums", "mean_from_box_sums", box_sums.mean_from_box_sums,
-                    (grid_for(rows_nc, blk),), blk,
+                    (grid_for(rows_nc * 32, blk),), blk,  # one warp per (n, c)
                     2 * rows_nc * geom.in_per_group * kd * kh * kw,
                     boxes + w_bytes + rows_nc * 8))
         name = "float32" if dtype == torch.float32 else "float64"
@@ -254,7 +254,10 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     if batch_stats:
         out.append(("batch_statistics", "host (torch, per channel)", None, None, None,
                     10 * rows_nc, 4 * rows_nc * 8))
-    if pipe.conv_impl == "scatter" or batch_stats:
+    if pipe.conv_impl == "gather" and batch_stats:  # the output is centred already
+        out.append(("scale", "torch mul_ (per channel, in place)", None, None, None, n_out,
+                    2 * n_out * e))
+    elif pipe.conv_impl == "scatter":
         blk = block_size(epilogue.BLOCK)
         out.append(("scale", "scale_centered", epilogue.scale_centered,
                     _elementwise_grid(rows_nc, vol, blk), blk, 2 * n_out, 2 * n_out * e))
@@ -332,8 +335,7 @@ def _saved_bn_state(bn):
 _LAUNCHERS = {
     "gather": ((box_sums, "launch_box_sums", "box_sums"),
                (box_sums, "launch_mean_from_box_sums", "mean_from_box_sums"),
-               (gather, "launch_gather", "conv_transpose3d_gather"),
-               (epilogue, "launch_scale_centered", "scale")),
+               (gather, "launch_gather", "conv_transpose3d_gather")),
     "scatter": ((epilogue, "launch_fill_channels", "fill_bias"),
                 (scatter, "launch_scatter", "conv_transpose3d_scatter"),
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
