@@ -7,7 +7,6 @@ weights.
 
 * ``bn_scale``          a_c = gamma_c / sqrt(var_c + eps)   (gamma = 1 without affine)
 * ``fold_weights``      W'[ci, oc, k] = a_{group(ci)*OPG + oc} * W[ci, oc, k]
-* ``gather_weights``    W' transposed to (CI, KD, KH, KW, OPG padded) for the gather kernel
 * ``batch_statistics``  mu_c, var_c from per-(n, c) means and centred sums of squares (law of
                         total variance; both terms are centred, so nothing cancels)
 * ``update_running_stats`` PyTorch's running-mean/var update, in place on the module's buffers
@@ -32,16 +31,6 @@ def fold_weights(weight: torch.Tensor, scale: torch.Tensor, groups: int) -> torc
     ci, opg = weight.shape[:2]
     per_ci = scale.view(groups, 1, opg).expand(groups, ci // groups, opg).reshape(ci, opg)
     return (weight.to(torch.float64) * per_ci[:, :, None, None, None]).to(weight.dtype)
-
-
-def gather_weights(weight: torch.Tensor, channel_tile: int) -> torch.Tensor:
-    """(CI, OPG, KD, KH, KW) -> contiguous (CI, KD, KH, KW, OPGP), zero-padded to whole tiles."""
-    ci, opg = weight.shape[:2]
-    padded = -(-opg // channel_tile) * channel_tile
-    wt = weight.detach().permute(0, 2, 3, 4, 1)
-    if padded != opg:
-        wt = torch.nn.functional.pad(wt, (0, padded - opg))
-    return wt.contiguous()
 
 
 def batch_statistics(means: torch.Tensor, css: torch.Tensor, volume: int):
