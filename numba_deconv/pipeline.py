@@ -56,7 +56,6 @@ class _ShapePlan:
     means: Any = None
     css: Any = None
     zero_bias: Any = None
-    zero_means: Any = None
     gather: gather.GatherLaunch | None = None
     wph_index: Any = None
     dims: Any = None
@@ -274,7 +273,6 @@ class Pipeline:
         plan = _ShapePlan(batch, tuple(out_spatial), volume)
         plan.means = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
         plan.css = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
-        plan.zero_means = torch.zeros(batch * geom.out_channels, dtype=f64, device=dev)
         plan.zero_bias = torch.zeros(geom.out_channels, dtype=f64, device=dev)
         if self.conv_impl == "gather":
             in_spatial = tuple(x.shape[2:])

@@ -141,10 +141,10 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
     sh, h_taps, hwin = hpat
     sw, w_taps, wwin = wpat
     nht, nwt = len(h_taps), len(w_taps)
-    h_r = tuple(r for r, _ in h_taps) or (0,)
-    h_e = tuple(e for _, e in h_taps) or (0,)
-    w_r = tuple(r for r, _ in w_taps) or (0,)
-    w_e = tuple(e for _, e in w_taps) or (0,)
+    h_r = tuple(r for r, _ in h_taps)   # every axis has taps (kernel >= 1), some phases none
+    h_e = tuple(e for _, e in h_taps)
+    w_r = tuple(r for r, _ in w_taps)
+    w_e = tuple(e for _, e in w_taps)
     xr = mh + hwin - 1           # window rows
     xc = qw + wwin - 1           # window columns
     need = _window_cells(mh, qw, hpat, wpat)
@@ -165,8 +165,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         wsm = cuda.shared.array(0, acc_t, alignment=16)  # staged weights (dynamic size)
         partial = cuda.shared.array((MAX_WARPS, nc), float64)
         in_ch, in_d, in_h, in_w = dims[1], dims[2], dims[3], dims[4]
-        out_ch, out_d, out_h, out_w = dims[5], dims[6], dims[7], dims[8]
-        ipg, opg = dims[9], dims[10]
+        out_d = dims[6]
+        ipg = dims[9]
         shift_h, shift_w = dims[11], dims[12]
         sd, qd_n, qh_groups, qw_groups = dims[13], dims[14], dims[15], dims[16]
         tdmax, ctiles, ci_chunk, row_blocks = dims[17], dims[18], dims[19], dims[20]
@@ -295,9 +295,9 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
                             xin[e] = xnext[e]
 
         # ---- epilogue: subtract the known mean, store once, (train) centred squares ---------
-        # Sizes are read from ``dims`` again rather than kept from the prologue: after the
-        # barriers above they are fresh loads, so they do not hold registers through the loop.
-        out_ch, out_d, out_h, out_w = dims[5], dims[6], dims[7], dims[8]
+        # The output sizes are read here, not in the prologue: loads after the loop's barriers
+        # cannot be merged with earlier ones, so these values hold no registers through the loop.
+        out_ch, out_h, out_w = dims[5], dims[7], dims[8]
         opg = dims[10]
         out_plane = out_h * out_w
         c_left = opg - c0
@@ -399,7 +399,7 @@ def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
     d_taps = d_axis.phase_taps()
     tdmax = max(1, max(len(taps) for taps in d_taps))
     h_plan, w_plan = axis_plan(h_axis), axis_plan(w_axis)
-    nht, nwt = max(1, len(h_plan.taps)), max(1, len(w_plan.taps))
+    nht, nwt = len(h_plan.taps), len(w_plan.taps)
     ipg, opg = geom.in_per_group, geom.out_per_group
     nc = tiling.nc
     tiles = -(-opg // nc)
@@ -441,11 +441,6 @@ class GatherLaunch:
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
     smem: int          # dynamic shared memory per block, bytes
 
-    @property
-    def index(self):
-        """Cache key of the weight layout (it depends on the channel tile only)."""
-        return self.tiling.nc
-
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                   tiling: GatherTiling | None = None) -> GatherLaunch:
@@ -469,7 +464,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     ctiles = geom.groups * -(-opg // tiling.nc)
     d_taps = d_axis.phase_taps()
     tdmax = max(1, max(len(taps) for taps in d_taps))
-    per_ci = tdmax * max(1, len(h_plan.taps)) * max(1, len(w_plan.taps)) * tiling.nc
+    per_ci = tdmax * len(h_plan.taps) * len(w_plan.taps) * tiling.nc
     item = _ITEMSIZE[dtype]
     ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))
     counts = [len(taps) for taps in d_taps]
