@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import pstats
 import re
+from unittest import mock
 
 import torch
 
@@ -50,22 +52,28 @@ def sass_mix(kernel) -> dict:
     return mix
 
 
+def model_like(ref, mode, x=None, warmup=0):
+    """A ModelNew with ``ref``'s parameters and buffers in ``mode``, called ``warmup`` times."""
+    new = nd.ModelNew(*get_init_inputs()).cuda()
+    new.load_state_dict(ref.state_dict())
+    new.train(mode == "train")
+    with torch.no_grad():
+        for _ in range(warmup):
+            new(x)
+    torch.cuda.synchronize()
+    return new
+
+
 def run_tiling(tiling, x, ref, ref64, mode):
-    chosen = gather.choose_tiling
-    if tiling is not None:
-        gather.choose_tiling = lambda *a, **k: tiling
-    try:
-        new = nd.ModelNew(*get_init_inputs()).cuda()
-        new.load_state_dict(ref.state_dict())
-        new.train(mode == "train")
+    forced = mock.patch.object(gather, "choose_tiling", lambda *a, **k: tiling)
+    with forced if tiling is not None else contextlib.nullcontext():
+        new = model_like(ref, mode)
         ref64.load_state_dict(ref.state_dict())  # a train-mode call moved its running stats
         ref64.train(mode == "train")
         with torch.no_grad():
             y = new(x)
             err = testing.relative_error(y, ref64(x.double()))
-        pipe = new.pipeline
-    finally:
-        gather.choose_tiling = chosen
+    pipe = new.pipeline
     plan = next(iter(pipe._plans.values()))
     launch = plan.gather
     v = pipe._view
@@ -84,20 +92,16 @@ def run_tiling(tiling, x, ref, ref64, mode):
 
 
 def host_profile(x, ref):
+    """cProfile of 200 calls per mode: where the host time of a call goes."""
     for mode in ("eval", "train"):
-        new = nd.ModelNew(*get_init_inputs()).cuda()
-        new.load_state_dict(ref.state_dict())
-        new.train(mode == "train")
+        new = model_like(ref, mode, x, warmup=5)
+        prof = cProfile.Profile()
         with torch.no_grad():
-            for _ in range(5):
-                new(x)
-            torch.cuda.synchronize()
-            prof = cProfile.Profile()
             prof.enable()
             for _ in range(200):
                 new(x)
             prof.disable()
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         print(f"---- host profile, {mode}, 200 calls")
         pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
@@ -107,19 +111,15 @@ def gpu_trace(x, ref):
     from torch.profiler import ProfilerActivity, profile
 
     for mode in ("eval", "train"):
-        new = nd.ModelNew(*get_init_inputs()).cuda()
-        new.load_state_dict(ref.state_dict())
-        new.train(mode == "train")
-        with torch.no_grad():
-            for _ in range(5):
+        new = model_like(ref, mode, x, warmup=5)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU,
+                                                  ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
                 new(x)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    new(x)
-                torch.cuda.synchronize()
         print(f"---- GPU trace, {mode}, 20 calls")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                        max_name_column_width=48))
 
 
 def main():
