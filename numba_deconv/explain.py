@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from . import folding
+from .kernels import batch_stats as batch_stats_kernels
 from .kernels import box_sums, epilogue, gather, scatter, spatial_reduce
 from .kernels.launch import block_size, grid_for
 from .simulator import is_simulator
@@ -252,8 +253,10 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                     f"{',train' if batch_stats else ''}]",
                     kernel, (launch.grid,), t.block, flops, nbytes))
     if batch_stats:
-        out.append(("batch_statistics", "host (torch, per channel)", None, None, None,
-                    10 * rows_nc, 4 * rows_nc * 8))
+        slots = launch.slots if pipe.conv_impl == "gather" else 1
+        out.append(("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
+                    (1,), block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
+                    rows_nc * (slots + 1) * 8 + geom.out_channels * 6 * 8))
     if pipe.conv_impl == "gather" and batch_stats:  # the output is centred already
         out.append(("scale", "torch mul_ (per channel, in place)", None, None, None, n_out,
                     2 * n_out * e))
@@ -335,10 +338,12 @@ def _saved_bn_state(bn):
 _LAUNCHERS = {
     "gather": ((box_sums, "launch_box_sums", "box_sums"),
                (box_sums, "launch_mean_from_box_sums", "mean_from_box_sums"),
-               (gather, "launch_gather", "conv_transpose3d_gather")),
+               (gather, "launch_gather", "conv_transpose3d_gather"),
+               (batch_stats_kernels, "launch_batch_statistics", "batch_statistics")),
     "scatter": ((epilogue, "launch_fill_channels", "fill_bias"),
                 (scatter, "launch_scatter", "conv_transpose3d_scatter"),
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
+                (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
                 (epilogue, "launch_scale_centered", "scale")),
 }
 

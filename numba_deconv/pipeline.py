@@ -8,8 +8,9 @@ launch configurations (cached per input shape), and hands the small per-channel 
     box_sums -> mean_from_box_sums -> conv_transpose3d_gather with the fused epilogue.
     Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
     convolution, so the output is written once, final. Training: the epilogue writes
-    ``y - mean`` and per-block centred sums of squares; ``folding.batch_statistics`` turns those
-    into the batch variance, and one in-place per-channel multiply (torch) scales the output.
+    ``y - mean`` and per-block centred sums of squares; one small kernel (``batch_statistics``)
+    turns those into the batch variance, the scale and the running-statistics update, and one
+    in-place per-channel multiply (torch) scales the output.
 
 ``"scatter"`` (the teaching baseline)
     fill bias -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
@@ -32,13 +33,12 @@ from torch import nn
 
 from . import folding
 from .geometry import ConvGeometry
-from .kernels import box_sums, epilogue, gather, scatter, spatial_reduce
-from .kernels.launch import device_array, launch_stream, tensor_device
+from .kernels import batch_stats, box_sums, epilogue, gather, scatter, spatial_reduce
+from .kernels.launch import tensor_device
 from .simulator import is_simulator
 
 CONV_STRATEGIES = ("gather", "scatter")
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
-_VIEW_CACHE_SIZE = 64
 
 
 @dataclass
@@ -56,6 +56,10 @@ class _ShapePlan:
     means: Any = None
     css: Any = None
     zero_bias: Any = None
+    ones: Any = None       # gamma when BN is not affine
+    counter: Any = None    # num_batches_tracked stand-in when BN tracks no running statistics
+    scale: Any = None      # (C,) batch-statistics scale, in the input's dtype
+    stats: Any = None      # (2, C) f64: batch mean (with the conv bias) and biased variance
     gather: gather.GatherLaunch | None = None
     wph_index: Any = None
     dims: Any = None
@@ -92,7 +96,6 @@ class Pipeline:
         self._capturing = False
         self.training = bn.training
         self._plans: dict[tuple, _ShapePlan] = {}
-        self._views: OrderedDict[tuple, Any] = OrderedDict()
         self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     # ---- construction ------------------------------------------------------------------------
@@ -246,20 +249,7 @@ class Pipeline:
         batch, out_spatial = self.geometry.check_input_shape(tuple(x.shape))
         return batch, out_spatial
 
-    # ---- buffers, views and cached launch configurations -------------------------------------
-    def _view(self, t: torch.Tensor):
-        """Numba view of ``t``, cached by address and layout (building one costs tens of µs)."""
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-        view = self._views.get(key)
-        if view is None:
-            view = device_array(t)
-            self._views[key] = view
-            if len(self._views) > _VIEW_CACHE_SIZE:
-                self._views.popitem(last=False)
-        else:
-            self._views.move_to_end(key)
-        return view
-
+    # ---- buffers and cached launch configurations ---------------------------------------------
     def _plan(self, x: torch.Tensor, batch: int, out_spatial) -> _ShapePlan:
         # Scratch buffers are reused across calls, which stream order makes safe; one pipeline
         # must not run on two streams at once.
@@ -274,6 +264,10 @@ class Pipeline:
         plan.means = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
         plan.css = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
         plan.zero_bias = torch.zeros(geom.out_channels, dtype=f64, device=dev)
+        plan.ones = torch.ones(geom.out_channels, dtype=f64, device=dev)
+        plan.counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        plan.scale = torch.empty(geom.out_channels, dtype=x.dtype, device=dev)
+        plan.stats = torch.empty((2, geom.out_channels), dtype=f64, device=dev)
         if self.conv_impl == "gather":
             in_spatial = tuple(x.shape[2:])
             axes = geom.axes()
@@ -328,7 +322,8 @@ class Pipeline:
         plan = self._plan(x, batch, out_spatial)
         out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
-            for t in (out, plan.means, plan.css, plan.rows, plan.planes, plan.boxes, plan.ss):
+            for t in (out, plan.means, plan.css, plan.rows, plan.planes, plan.boxes, plan.ss,
+                      plan.scale, plan.stats):
                 if t is not None:
                     t.fill_(float("nan"))
         if self.conv_impl == "scatter":
@@ -348,17 +343,26 @@ class Pipeline:
             return plan.zero_bias
         return self._cached("bias64", self._version(bias), lambda: bias.detach().to(torch.float64))
 
-    def _finish_batch_stats(self, plan, means, css, record) -> torch.Tensor:
-        """Batch statistics -> per-channel scale, updating running stats outside of a trace."""
-        mu, var = folding.batch_statistics(means, css, plan.volume)
-        mu = mu + self._bias64(plan)  # the conv bias shifts every mean, not the variance
-        scale = folding.bn_scale(self.bn, var)
+    def _finish_batch_stats(self, plan, means, ss, record) -> torch.Tensor:
+        """Batch statistics -> per-channel scale (one kernel), updating running stats outside a trace.
+
+        ``means`` (N, C): spatial means of the bias-free convolution; ``ss`` (N, C, SLOTS): its
+        centred sums of squares in partials.
+        """
+        bn = self.bn
+        running = bn.track_running_stats and bn.running_mean is not None
+        update = self.training and record is None and running
+        tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
+            else plan.counter
+        batch_stats.launch_batch_statistics(
+            means, ss, self._bias64(plan), bn.weight.detach() if bn.affine else plan.ones,
+            bn.running_mean if running else plan.stats[0], bn.running_var if running else
+            plan.stats[1], tracked, bn.eps, bn.momentum, plan.batch * plan.volume, update,
+            plan.scale, plan.stats)
         if record is not None:
-            record["batch_statistics"] = torch.stack([mu, var])
-            record["scale"] = scale
-        elif self.training:
-            folding.update_running_stats(self.bn, mu, var, plan.batch * plan.volume)
-        return scale
+            record["batch_statistics"] = plan.stats.clone()
+            record["scale"] = plan.scale.to(torch.float64)
+        return plan.scale
 
     def _scatter(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
         geom, conv = self.geometry, self.conv
@@ -372,28 +376,26 @@ class Pipeline:
             weight = self._cached("scatter_folded", key,
                                   lambda: folding.fold_weights(weight, scale, geom.groups))
             bias = bias * scale
-        epilogue.launch_fill_channels(self._view(rows), self._view(bias))
+        epilogue.launch_fill_channels(rows, bias)
         if record is not None:
             record["fill_bias"] = out.clone()
-        scatter.launch_scatter(self._view(x), self._view(weight), self._view(out),
-                               geom.stride, geom.padding, geom.dilation)
+        scatter.launch_scatter(x, weight, out, geom.stride, geom.padding, geom.dilation)
         if record is not None:
             record["conv_transpose3d_scatter"] = out.clone()
         means = plan.means.view(-1)
         css = plan.css.view(-1)
-        spatial_reduce.spatial_moments(self._view(rows), self._view(means), self._view(css),
-                                       with_css=batch_stats)
+        spatial_reduce.spatial_moments(rows, means, css, with_css=batch_stats)
         if record is not None:
             record["spatial_moments_warp"] = plan.means.clone()
         if batch_stats:
             mu_free = plan.means - bias  # batch_statistics adds the bias back for the running mean
-            scale = self._finish_batch_stats(plan, mu_free, plan.css, record)
+            scale = self._finish_batch_stats(plan, mu_free, plan.css.view(*plan.css.shape, 1),
+                                             record).to(torch.float64)
         else:
             scale = torch.ones_like(bias)
             if record is not None:
                 record["scale"] = self._eval_scale()
-        epilogue.launch_scale_centered(self._view(rows), self._view(means), self._view(scale),
-                                       self._view(rows))
+        epilogue.launch_scale_centered(rows, means, scale, rows)
 
     def _gather(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
         geom, conv = self.geometry, self.conv
@@ -411,20 +413,16 @@ class Pipeline:
         wph = self._cached("gather_wph" + ("_train" if batch_stats else "_eval"),
                            key + (launch.tiling.nc, x.dtype),
                            lambda: gather.arrange_weights(conv_weight, plan.wph_index))
-        box_sums.launch_box_sums(self._view(x), self._view(plan.box_lo), self._view(plan.box_hi),
-                                 self._view(plan.rows), self._view(plan.planes),
-                                 self._view(plan.boxes))
+        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.rows, plan.planes, plan.boxes)
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
-        box_sums.launch_mean_from_box_sums(self._view(plan.boxes.view(plan.batch, -1)),
-                                           self._view(flat_w), self._view(plan.zero_bias),
-                                           1.0 / plan.volume, self._view(plan.means))
+        box_sums.launch_mean_from_box_sums(plan.boxes.view(plan.batch, -1), flat_w,
+                                           plan.zero_bias, 1.0 / plan.volume, plan.means)
         if record is not None:
             record["box_sums"] = plan.boxes.clone()
             record["mean_from_box_sums"] = plan.means.clone()
         dtype = "float32" if x.dtype == torch.float32 else "float64"
-        gather.launch_gather(launch, dtype, batch_stats, self._view(x.view(-1)),
-                             self._view(wph), self._view(plan.means), self._view(out.view(-1)),
-                             self._view(plan.ss), self._view(plan.dims))
+        gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.means,
+                             out.view(-1), plan.ss, plan.dims)
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()
@@ -432,10 +430,8 @@ class Pipeline:
             return
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()
-        css = plan.ss.sum(dim=2)
-        scale = self._finish_batch_stats(plan, plan.means, css, record)
+        scale = self._finish_batch_stats(plan, plan.means, plan.ss, record)
         # The output is already centred: what is left is one per-channel multiply, in place.
         # torch's vectorised elementwise kernel moves 2.3 TB/s here against 1.5 TB/s for
         # epilogue.scale_centered (benchmarks/NOTES.md), so the library does it.
-        out.view(plan.batch, geom.out_channels, plan.volume).mul_(
-            scale.to(out.dtype).view(1, -1, 1))
+        out.view(plan.batch, geom.out_channels, plan.volume).mul_(scale.view(1, -1, 1))

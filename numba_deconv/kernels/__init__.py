@@ -7,5 +7,7 @@
 * ``box_sums``      - per-tap input box sums, giving the output's spatial mean before the conv.
 * ``spatial_reduce``- per-(n, c) mean and centred sum of squares of a stored tensor (warp shuffles).
 * ``epilogue``      - elementwise ``out = scale_c * (y - mean_nc)`` and channel fills.
-* ``launch``        - the few calls that differ between a GPU and the simulator (views, streams).
+* ``batch_stats``   - training's per-channel finish: batch statistics, scale, running-stat update.
+* ``launch``        - how a kernel is launched: tensors as arguments, torch's stream, the direct
+                      path past numba's dispatcher, and what differs under the simulator.
 """

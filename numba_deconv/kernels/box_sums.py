@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from .launch import block_size, grid_for, launch_stream
+from .launch import block_size, grid_for, launch
 from .warp import WARP_SIZE, warp_sum
 
 BLOCK = 256
@@ -112,11 +112,11 @@ def mean_from_box_sums(boxes, w, bias, inv_size, mean):
 def launch_box_sums(x, lo, hi, rows, planes, out, *, block: int | None = None) -> None:
     block = block_size(BLOCK) if block is None else block
     n, ci = x.shape[0], x.shape[1]
-    box_sums[max(1, min(n * ci, 65535)), block, launch_stream()](x, lo, hi, rows, planes, out)
+    launch(box_sums, max(1, min(n * ci, 65535)), block, (x, lo, hi, rows, planes, out))
 
 
 def launch_mean_from_box_sums(boxes, w, bias, inv_size: float, mean, *, block: int | None = None):
     """``boxes`` (N, CI*K) and ``w`` (CI, OPG, K) are flattened views (K = KD*KH*KW)."""
     block = block_size(MEAN_BLOCK) if block is None else block
     work = mean.shape[0] * mean.shape[1] * WARP_SIZE
-    mean_from_box_sums[grid_for(work, block), block, launch_stream()](boxes, w, bias, inv_size, mean)
+    launch(mean_from_box_sums, grid_for(work, block), block, (boxes, w, bias, inv_size, mean))

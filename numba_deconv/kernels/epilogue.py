@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from numba import cuda, float64
 
-from .launch import block_size, grid_for, launch_stream
+from .launch import block_size, grid_for, launch
 
 BLOCK = 256
 UNROLL = 4  # loads in flight per thread in scale_centered
@@ -65,10 +65,10 @@ def _grid(rows: int, size: int, block: int, row_blocks_cap: int):
 def launch_scale_centered(y, mean, scale, out, *, block: int | None = None) -> None:
     block = block_size(BLOCK) if block is None else block
     rows, size = y.shape
-    scale_centered[_grid(rows, size, block, MAX_ROW_BLOCKS), block, launch_stream()](y, mean, scale, out)
+    launch(scale_centered, _grid(rows, size, block, MAX_ROW_BLOCKS), block, (y, mean, scale, out))
 
 
 def launch_fill_channels(y, value, *, block: int | None = None) -> None:
     block = block_size(BLOCK) if block is None else block
     rows, size = y.shape
-    fill_channels[_grid(rows, size, block, MAX_ROW_BLOCKS), block, launch_stream()](y, value)
+    launch(fill_channels, _grid(rows, size, block, MAX_ROW_BLOCKS), block, (y, value))

@@ -59,7 +59,8 @@ from numba import cuda, float32, float64, uint64
 
 from ..geometry import AxisGeometry
 from ..simulator import is_simulator
-from .launch import block_size, launch_stream
+from .launch import block_size
+from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
@@ -500,6 +501,5 @@ def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss,
                   dims) -> None:
     """Launch the specialised kernel (``dims`` is ``launch.dims`` already on the device)."""
-    kernel = gather_kernel(launch, dtype, train)
-    kernel[launch.grid, launch.tiling.block, launch_stream(), launch.smem](
-        x, wph, mean, out, ss, dims)
+    launch_kernel(gather_kernel(launch, dtype, train), launch.grid, launch.tiling.block,
+                  (x, wph, mean, out, ss, dims), smem=launch.smem)

@@ -1,13 +1,22 @@
-"""The few calls that differ between a real GPU and Numba's CUDA simulator.
+"""How a kernel is launched, on a real GPU and under Numba's CUDA simulator.
 
 Kernels themselves are identical in both worlds; what differs is how a torch tensor becomes an
-array a kernel can take, and which stream a launch goes to. Keeping those two calls here lets
-every launcher run unchanged on a CPU (the simulator has no ``external_stream``, no
-``as_cuda_array`` and no CUDA tensors).
+array a kernel can take, and which stream a launch goes to. Keeping those calls here lets every
+launcher run unchanged on a CPU (the simulator has no ``external_stream``, no ``as_cuda_array``
+and no CUDA tensors).
+
+:func:`launch` is the one entry point. On a GPU, numba's dispatcher spends tens of microseconds
+per launch turning each array into kernel arguments (typing it, wrapping it, flattening it); for
+a pipeline of a few launches per call that host time was larger than the kernels' GPU time
+(benchmarks/NOTES.md, session 3). So the first launch of a kernel for a given argument kind goes
+through the dispatcher (which compiles it), and later launches call the compiled function
+directly with the argument list numba would have built: for an array ``(meminfo, parent, size,
+itemsize, data, *shape, *strides)``, for a scalar its C value.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -55,6 +64,14 @@ def launch_stream():
     return _external_stream(torch.cuda.current_stream().cuda_stream)
 
 
+@functools.lru_cache(maxsize=16)
+def _core_stream(handle: int):
+    """The same stream as the ``cuda.core`` object numba's own launches hand to ``launch``."""
+    from numba.cuda.cudadrv import driver
+
+    return driver._to_core_stream(_external_stream(handle))
+
+
 def tensor_device() -> torch.device:
     """Where the pipeline's tensors live: the current CUDA device, or the CPU under the simulator."""
     if is_simulator():
@@ -78,3 +95,86 @@ def block_size(gpu_block: int) -> int:
 def grid_for(work: int, block: int, cap: int = 65535 * 4) -> int:
     """Blocks for ``work`` items at ``block`` threads each, capped (kernels loop grid-stride)."""
     return max(1, min(cap, (work + block - 1) // block))
+
+
+# ---- launching ---------------------------------------------------------------------------------
+_SCALARS = {float: ctypes.c_double, int: ctypes.c_int64}
+_DIRECT: dict[tuple, object] = {}  # (kernel, launch shape, argument kinds) -> launcher or False
+_DIRECT_LIMIT = 1024
+
+
+def _kind(arg) -> tuple:
+    """What numba's typing of ``arg`` depends on: dtype, rank and (C-)contiguity, or the type."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.dim(), arg.is_contiguous())
+    return (type(arg),)
+
+
+def _direct_launcher(kernel, views, grid, block, smem):
+    """A function (core stream, args) launching ``kernel``'s compiled overload for ``views``' types.
+
+    None when numba's internals are not what this was written against (numba-cuda 0.30) or an
+    argument is of a kind it does not flatten: the caller then keeps the dispatcher, which is
+    slower but always right.
+    """
+    scalars = []
+    for v in views:
+        if isinstance(v, (float, int)) and not isinstance(v, bool):
+            scalars.append(_SCALARS[type(v)])
+        elif hasattr(v, "__cuda_array_interface__"):
+            scalars.append(None)
+        else:
+            return None
+    try:
+        from cuda.core import LaunchConfig
+        from numba.cuda import dispatcher as numba_dispatcher
+        from numba.cuda._compat import CUDA_CORE_GE_1_0
+
+        compiled = kernel.overloads[tuple(kernel.typeof_pyval(v) for v in views)]
+        if compiled.debug or compiled.cooperative or compiled.extensions:
+            return None
+        function = compiled._codelibrary.get_cufunc().kernel
+        flag = {"is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch": False}
+        config = LaunchConfig(grid=grid, block=block, shmem_size=smem, **flag)
+        start = numba_dispatcher.launch
+    except Exception:  # noqa: BLE001 - any surprise means: use the dispatcher
+        return None
+
+    def direct(stream, args):
+        flat = []
+        for arg, scalar in zip(args, scalars):
+            if scalar is None:
+                item = arg.element_size()
+                flat += (0, 0, arg.numel(), item, arg.data_ptr(), *arg.shape,
+                         *[s * item for s in arg.stride()])
+            else:
+                flat.append(scalar(arg))
+        start(stream, config, function, *flat)
+
+    return direct
+
+
+def launch(kernel, grid: int, block: int, args, *, smem: int = 0) -> None:
+    """Launch ``kernel[grid, block, torch's current stream, smem](*args)``.
+
+    ``args`` may mix torch tensors, numba (or simulator) device arrays and Python scalars. A
+    tensor is passed without a copy; the caller keeps it alive until the kernel has run (stream
+    order makes reuse safe). Launches whose arguments are all tensors and scalars take the
+    direct path from their second call on.
+    """
+    if is_simulator():
+        views = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+        kernel[grid, block, 0, smem](*views)
+        return
+    handle = torch.cuda.current_stream().cuda_stream
+    key = (kernel, grid, block, smem, tuple(_kind(a) for a in args))
+    direct = _DIRECT.get(key)
+    if direct:
+        direct(_core_stream(handle), args)
+        return
+    views = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+    kernel[grid, block, _external_stream(handle), smem](*views)
+    if direct is None and all(isinstance(a, (torch.Tensor, float, int)) for a in args):
+        if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (a fuzzing session): start afresh
+            _DIRECT.clear()
+        _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem) or False

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from .launch import block_size, grid_for, launch_stream
+from .launch import block_size, grid_for, launch
 
 BLOCK = 128
 CSLICE = 8  # output channels per thread: one input load serves CSLICE * taps atomics
@@ -74,10 +74,10 @@ def conv_transpose3d_scatter(x, w, y, sd, sh, sw, pd, ph, pw, dd, dh, dw, cslice
 
 def launch_scatter(x, w, y, stride, padding, dilation, *, block: int | None = None,
                    cslice: int = CSLICE) -> None:
-    """Add the transposed convolution of ``x`` with ``w`` into ``y`` (numba arrays)."""
+    """Add the transposed convolution of ``x`` with ``w`` into ``y`` (tensors or numba arrays)."""
     block = block_size(BLOCK) if block is None else block
     n, ci, i_d, ih, iw = x.shape
     opg = w.shape[1]
     work = ((opg + cslice - 1) // cslice) * n * ci * i_d * ih * iw
-    conv_transpose3d_scatter[grid_for(work, block), block, launch_stream()](
-        x, w, y, *stride, *padding, *dilation, cslice)
+    launch(conv_transpose3d_scatter, grid_for(work, block), block,
+           (x, w, y, *stride, *padding, *dilation, cslice))

@@ -22,7 +22,7 @@ import functools
 
 from numba import cuda, float64
 
-from .launch import block_size, launch_stream
+from .launch import block_size, launch
 from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
 BLOCK = 256
@@ -70,4 +70,4 @@ def spatial_moments(y, mean, css, *, with_css: bool, block: int | None = None,
     rows = y.shape[0]
     kernel = make_spatial_moments(with_css)
     grid = max(1, min(rows, max_blocks))
-    kernel[grid, block, launch_stream()](y, mean, css)
+    launch(kernel, grid, block, (y, mean, css))
