@@ -44,6 +44,7 @@ def main():
         "scale_centered (2-D, f64)": lambda: epilogue.launch_scale_centered(yv, mv, sv, yv),
         "scale_flat (1-D, f32)": lambda: scale_flat[grid, 256, launch_stream()](flat, mv, sv, SIZE, C),
         "torch addcmul in place": lambda: torch.addcmul(ms, y3, s3, out=y3),
+        "torch mul_ in place (the pipeline's)": lambda: y3.mul_(s3),
     }
     nbytes = 2 * y.numel() * 4
     for name, fn in cases.items():
