@@ -1,0 +1,49 @@
+"""The generated multiply-adds of one gather step equal the loop nest they write out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numba_deconv.geometry import AxisGeometry
+from numba_deconv.kernels import gather
+
+AXES = [AxisGeometry(3, 2, 1, 0, 1), AxisGeometry(4, 3, 2, 1, 2), AxisGeometry(2, 1, 0, 0, 1),
+        AxisGeometry(5, 2, 3, 1, 3)]
+
+
+def _loop_nest(acc, xin, wsm, wb, nc, mh, qw, hpat, wpat):
+    """The v4 kernel's loops, in plain Python."""
+    sh, h_taps, _ = hpat
+    sw, w_taps, wwin = wpat
+    xc = qw + wwin - 1
+    for th, (rh, eh) in enumerate(h_taps):
+        for tw, (rw, ew) in enumerate(w_taps):
+            for c in range(nc):
+                wv = wsm[wb + (th * len(w_taps) + tw) * nc + c]
+                for j in range(mh):
+                    for q in range(qw):
+                        a = (((c * sh + rh) * mh + j) * sw + rw) * qw + q
+                        acc[a] += wv * xin[(j + eh) * xc + q + ew]
+
+
+@pytest.mark.parametrize("h_axis", AXES)
+@pytest.mark.parametrize("w_axis", AXES[:3])
+@pytest.mark.parametrize("tile", [(4, 2, 2), (1, 1, 1), (2, 3, 1), (8, 2, 2)])
+def test_fma_step_source_matches_the_loop_nest(h_axis, w_axis, tile):
+    nc, mh, qw = tile
+    hpat, wpat = gather.axis_plan(h_axis).pattern, gather.axis_plan(w_axis).pattern
+    namespace = {"uint64": np.uint64}
+    exec(gather.fma_step_source(nc, mh, qw, hpat, wpat), namespace)
+    rng = np.random.default_rng()  # fresh inputs every run
+    n_acc = nc * hpat[0] * mh * wpat[0] * qw
+    n_x = (mh + hpat[2] - 1) * (qw + wpat[2] - 1)
+    wb = 7
+    wsm = rng.standard_normal(wb + len(hpat[1]) * len(wpat[1]) * nc)
+    xin = rng.standard_normal(n_x)
+    start = rng.standard_normal(n_acc)
+    got, want = start.copy(), start.copy()
+    namespace["fma_step"](got, xin, wsm, wb)
+    _loop_nest(want, xin, wsm, wb, nc, mh, qw, hpat, wpat)
+    assert np.array_equal(got, want)  # same products, same order: bit for bit
+    assert not np.array_equal(got, start)
