@@ -382,7 +382,7 @@ def _median(values):
 def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
     """Median whole-call time (events around ``pipe(x)``) and median per-launch times (µs)."""
     with _saved_bn_state(pipe.bn):
-        for _ in range(3):  # warm-up: compile, cache plans and views
+        for _ in range(3):  # warm-up: compile, cache plans and launchers
             pipe(x)
         torch.cuda.synchronize()
         whole = []

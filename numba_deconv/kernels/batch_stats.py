@@ -98,4 +98,5 @@ def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, t
     block = block_size(BLOCK)
     launch(batch_statistics, 1, block,
            (means, ss, bias, gamma, running_mean, running_var, tracked, float(eps),
-            -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats))
+            -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats),
+           small_grid=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import torch
 from numba import cuda
@@ -99,7 +100,8 @@ def grid_for(work: int, block: int, cap: int = 65535 * 4) -> int:
 
 # ---- launching ---------------------------------------------------------------------------------
 _SCALARS = {float: ctypes.c_double, int: ctypes.c_int64}
-_DIRECT: dict[tuple, object] = {}  # (kernel, launch shape, argument kinds) -> launcher or False
+# (kernel, device, launch shape, argument kinds) -> direct launcher, or False for the dispatcher
+_DIRECT: dict[tuple, object] = {}
 _DIRECT_LIMIT = 1024
 
 
@@ -154,26 +156,31 @@ def _direct_launcher(kernel, views, grid, block, smem):
     return direct
 
 
-def launch(kernel, grid: int, block: int, args, *, smem: int = 0) -> None:
+def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False) -> None:
     """Launch ``kernel[grid, block, torch's current stream, smem](*args)``.
 
     ``args`` may mix torch tensors, numba (or simulator) device arrays and Python scalars. A
     tensor is passed without a copy; the caller keeps it alive until the kernel has run (stream
     order makes reuse safe). Launches whose arguments are all tensors and scalars take the
-    direct path from their second call on.
+    direct path from their second call on. ``small_grid``: the grid is small on purpose (a
+    one-block finish), so numba's low-occupancy warning at the first launch is not shown.
     """
     if is_simulator():
         views = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
         kernel[grid, block, 0, smem](*views)
         return
     handle = torch.cuda.current_stream().cuda_stream
-    key = (kernel, grid, block, smem, tuple(_kind(a) for a in args))
+    # the compiled function belongs to one device's context: the device is part of the key
+    key = (kernel, torch.cuda.current_device(), grid, block, smem, tuple(_kind(a) for a in args))
     direct = _DIRECT.get(key)
     if direct:
         direct(_core_stream(handle), args)
         return
     views = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
-    kernel[grid, block, _external_stream(handle), smem](*views)
+    with warnings.catch_warnings():
+        if small_grid:
+            warnings.filterwarnings("ignore", message=".*Grid size .* under-utilization")
+        kernel[grid, block, _external_stream(handle), smem](*views)
     if direct is None and all(isinstance(a, (torch.Tensor, float, int)) for a in args):
         if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (a fuzzing session): start afresh
             _DIRECT.clear()
