@@ -96,6 +96,7 @@ class Pipeline:
         self._capturing = False
         self.training = bn.training
         self._plans: dict[tuple, _ShapePlan] = {}
+        self._shapes: dict[tuple, tuple] = {}  # input shape -> (batch, output spatial)
         self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     # ---- construction ------------------------------------------------------------------------
@@ -246,8 +247,11 @@ class Pipeline:
             raise ValueError(f"input is on {x.device}, but the kernels run on {device}")
         if weight.device != x.device:
             raise ValueError(f"input is on {x.device} but the parameters are on {weight.device}")
-        batch, out_spatial = self.geometry.check_input_shape(tuple(x.shape))
-        return batch, out_spatial
+        shape = tuple(x.shape)
+        checked = self._shapes.get(shape)
+        if checked is None:  # validated once per shape (a few µs of host time per call)
+            checked = self._shapes[shape] = self.geometry.check_input_shape(shape)
+        return checked
 
     # ---- buffers and cached launch configurations ---------------------------------------------
     def _plan(self, x: torch.Tensor, batch: int, out_spatial) -> _ShapePlan:
