@@ -1,9 +1,10 @@
 """Host-side batch-norm algebra (DESIGN.md 2.1, 2.2, 2.4, 2.5): small tensors, torch ops, no kernels.
 
 Everything here works on per-channel or per-(n, c) tensors (size O(N*C)) or on the weights
-(size O(Cin*Cout*k^3)), in float64, on whatever device they live on. The kernels do the O(volume)
-work; this module turns their reductions into batch-norm statistics and folds those back into
-weights.
+(size O(Cin*Cout*k^3)), in float64, on whatever device they live on. The pipeline uses the
+weight folding and the eval scale; the training finish runs as one kernel
+(``kernels.batch_stats``), and ``batch_statistics`` / ``update_running_stats`` here are the
+torch reference that kernel is tested against (and notebook 03's worked algebra).
 
 * ``bn_scale``          a_c = gamma_c / sqrt(var_c + eps)   (gamma = 1 without affine)
 * ``fold_weights``      W'[ci, oc, k] = a_{group(ci)*OPG + oc} * W[ci, oc, k]
@@ -57,9 +58,14 @@ def check_batch_size(batch: int, volume: int, channels: int) -> None:
             f"({batch}, {channels}, ...) with {volume} output voxel(s) per channel")
 
 
+def tracks_running_stats(bn: nn.BatchNorm3d) -> bool:
+    """Whether ``bn`` keeps running statistics (and so uses them in eval, updates them in train)."""
+    return bn.track_running_stats and bn.running_mean is not None
+
+
 def uses_batch_statistics(bn: nn.BatchNorm3d, training: bool) -> bool:
     """Batch statistics in training, and always when the module keeps no running statistics."""
-    return training or not bn.track_running_stats or bn.running_mean is None
+    return training or not tracks_running_stats(bn)
 
 
 @torch.no_grad()
@@ -70,7 +76,7 @@ def update_running_stats(bn: nn.BatchNorm3d, mu: torch.Tensor, var: torch.Tensor
     num_batches_tracked += 1; factor = momentum, or 1/num_batches_tracked when momentum is None;
     running_mean <- (1-f) running_mean + f mu; running_var <- (1-f) running_var + f var*M/(M-1).
     """
-    if not bn.track_running_stats or bn.running_mean is None:
+    if not tracks_running_stats(bn):
         return
     if bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)

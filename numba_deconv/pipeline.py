@@ -354,7 +354,7 @@ class Pipeline:
         centred sums of squares in partials.
         """
         bn = self.bn
-        running = bn.track_running_stats and bn.running_mean is not None
+        running = folding.tracks_running_stats(bn)
         update = self.training and record is None and running
         tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
             else plan.counter

@@ -62,7 +62,7 @@ def launch_stream():
     """Torch's current stream as a numba stream, so numba and torch work stay ordered."""
     if is_simulator():
         return 0
-    return _external_stream(torch.cuda.current_stream().cuda_stream)
+    return _external_stream(_current_stream()[1])
 
 
 def _current_stream() -> tuple[int, int]:
@@ -117,6 +117,11 @@ _SCALARS = {float: ctypes.c_double, int: ctypes.c_int64}
 # (kernel, device, launch shape, argument kinds) -> direct launcher, or False for the dispatcher
 _DIRECT: dict[tuple, object] = {}
 _DIRECT_LIMIT = 1024
+
+
+def _views(args) -> list:
+    """``args`` with every tensor replaced by a numba array over its memory."""
+    return [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def _kind(arg) -> tuple:
@@ -180,8 +185,7 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
     one-block finish), so numba's low-occupancy warning at the first launch is not shown.
     """
     if is_simulator():
-        views = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
-        kernel[grid, block, 0, smem](*views)
+        kernel[grid, block, 0, smem](*_views(args))
         return
     device, handle = _current_stream()
     # the compiled function belongs to one device's context: the device is part of the key
@@ -190,7 +194,7 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
     if direct:
         direct(_core_stream(handle), args)
         return
-    views = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+    views = _views(args)
     with warnings.catch_warnings():
         if small_grid:
             warnings.filterwarnings("ignore", message=".*Grid size .* under-utilization")
