@@ -121,32 +121,33 @@ def time_gpu(fn: Callable[[], object], *, warmup: int = WARMUP, reps: int = MAIN
     return summarize([a.elapsed_time(b) for a, b in zip(starts, stops)])
 
 
-def host_time_us(fn: Callable[[], object], reps: int, warmup: int = WARMUP) -> float:
-    """Host wall-clock per call in µs, without synchronising (launch / Python overhead), after
-    ``warmup`` calls. Only meaningful when the GPU work per call is shorter than the host work."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    elapsed = time.perf_counter() - t0
-    sync()
-    return elapsed / reps * 1e6
-
-
-def wall_per_call_us(fn: Callable[[], object], calls: int = TINY_CALLS,
-                     warmup: int = WARMUP) -> float:
-    """Wall clock of ``calls`` calls with one synchronize at the end, per call (µs): what a
-    user waiting on many small back-to-back calls sees, host overhead included."""
+def _per_call_us(fn: Callable[[], object], calls: int, warmup: int, wait: bool) -> float:
+    """µs per call over ``calls`` back-to-back calls after ``warmup``; ``wait``: the clock stops
+    after the GPU has finished them, else as soon as the host has issued them."""
     for _ in range(warmup):
         fn()
     sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    if wait:
+        sync()
+    elapsed = time.perf_counter() - t0
     sync()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return elapsed / calls * 1e6
+
+
+def host_time_us(fn: Callable[[], object], reps: int, warmup: int = WARMUP) -> float:
+    """Host wall-clock per call in µs, without synchronising (launch / Python overhead), after
+    ``warmup`` calls. Only meaningful when the GPU work per call is shorter than the host work."""
+    return _per_call_us(fn, reps, warmup, wait=False)
+
+
+def wall_per_call_us(fn: Callable[[], object], calls: int = TINY_CALLS,
+                     warmup: int = WARMUP) -> float:
+    """Wall clock of ``calls`` calls with one synchronize at the end, per call (µs): what a
+    user waiting on many small back-to-back calls sees, host overhead included."""
+    return _per_call_us(fn, calls, warmup, wait=True)
 
 
 def sync() -> None:
