@@ -1,6 +1,6 @@
 """GPU probe of the gather kernel's tilings on the default problem (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,prefetch,max_regs ...] [--host] [--trace]
+    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,max_regs ...] [--host] [--trace]
 
 For each tiling: the whole pipeline's output against float64 PyTorch (both modes), the kernel
 alone timed with CUDA events (median of 50), its registers, local memory, shared memory and a
@@ -78,7 +78,7 @@ def run_tiling(tiling, x, ref, ref64, mode):
     launch = plan.gather
     wph = pipe._weights["gather_wph_" + ("train" if mode == "train" else "eval")][1]
     out = torch.empty_like(y)
-    args = (x.view(-1), wph, plan.means, out.view(-1), plan.ss, plan.dims)
+    args = (x.view(-1), wph, plan.means, out.view(-1), plan.ss)
     train = mode == "train"
     t_kernel = bench.time_gpu(lambda: gather.launch_gather(launch, "float32", train, *args),
                               warmup=5, reps=50).median_ms
@@ -137,12 +137,12 @@ def main():
     x = get_inputs("cuda")[0]
     tilings = [] if args.only else [None]
     for spec in args.tilings:
-        nc, mh, qw, block, prefetch, max_regs = (int(v) for v in spec.split(","))
+        nc, mh, qw, block, max_regs = (int(v) for v in spec.split(","))
         qw_groups = -(-32 // qw)
         lanes = 1
         while lanes < min(qw_groups, 32):
             lanes *= 2
-        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block, bool(prefetch), max_regs))
+        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block, max_regs))
     rows = []
     for tiling in tilings:
         for mode in args.modes.split(","):
@@ -162,12 +162,12 @@ def main():
         host_profile(x, ref)
     if args.trace:
         gpu_trace(x, ref)
-    print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'pf':>2} {'regs':>4} {'lmem':>4} "
+    print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'cap':>4} {'regs':>4} {'lmem':>4} "
           f"{'kernel':>7} {'pipe':>7} {'err':>8} {'FFMA%':>5} {'LDG':>4} {'LDS':>4} {'total':>5}")
     for r in rows:
         t, s = r["tiling"], r["sass"]
         ffma = 100 * s.get("FFMA", 0) / max(1, s.get("total", 1))
-        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {int(t.prefetch):2}/{t.max_regs:<3} "
+        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {t.max_regs:4} "
               f"{r['regs_per_thread']!s:>4} "
               f"{r['local_mem_per_thread']!s:>4} {r['kernel_ms']:7.3f} {r['pipe_ms']:7.3f} "
               f"{r['err']:8.1e} {ffma:5.1f} {s.get('LDG', 0):4} {s.get('LDS', 0):4} "

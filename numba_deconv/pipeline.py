@@ -62,7 +62,6 @@ class _ShapePlan:
     stats: Any = None      # (2, C) f64: batch mean (with the conv bias) and biased variance
     gather: gather.GatherLaunch | None = None
     wph_index: Any = None
-    dims: Any = None
     ss: Any = None
 
 
@@ -290,7 +289,6 @@ class Pipeline:
             plan.boxes = torch.empty((batch, geom.in_channels, kd, kh, kw), dtype=f64, device=dev)
             dtype = "float32" if x.dtype == torch.float32 else "float64"
             plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
-            plan.dims = torch.from_numpy(plan.gather.dims).to(dev)
             plan.wph_index = torch.from_numpy(
                 gather.phase_weight_index(geom, plan.gather.tiling)).to(dev)
             plan.ss = torch.empty((batch, geom.out_channels, plan.gather.slots), dtype=f64,
@@ -426,7 +424,7 @@ class Pipeline:
             record["mean_from_box_sums"] = plan.means.clone()
         dtype = "float32" if x.dtype == torch.float32 else "float64"
         gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.means,
-                             out.view(-1), plan.ss, plan.dims)
+                             out.view(-1), plan.ss)
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()

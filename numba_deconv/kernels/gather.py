@@ -62,10 +62,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int64, uint32, uint64
+from numba import cuda, float32, float64, int32, int64, uint64
 
 from ..geometry import AxisGeometry
 from ..simulator import is_simulator
+from . import fastdiv
+from .fastdiv import fast_divmod_device as fast_divmod
 from .launch import block_size
 from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
@@ -115,8 +117,7 @@ class GatherTiling:
     qw: int     # W quotients per thread (compile-time)
     lanes: int  # threads along W in one row of the block (power of two <= 32)
     block: int  # threads per block (multiple of 32 and of lanes)
-    prefetch: bool = True  # load the next step's input window before this step's FMAs
-    max_regs: int = 0      # register cap per thread for the compiler (0: its own choice)
+    max_regs: int = 0  # register cap per thread for the compiler (0: its own choice)
 
 
 def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...]:
@@ -131,19 +132,17 @@ def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...
     return tuple(need)
 
 
-# Run-time sizes in ``dims`` (int64), then the D tap table: counts[SD], deltas[SD * TDMAX].
-_DIMS = ("n_batch", "in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
-         "ipg", "opg", "shift_h", "shift_w", "sd", "qd_n", "qh_groups", "qw_groups", "tdmax",
-         "ctiles", "ci_chunk", "row_blocks", "lanes", "d_step", "tiles_per_group", "lane_blocks",
-         "rows_per_block")
-_D_TABLE = len(_DIMS)
-
-
-@cuda.jit(device=True)
-def _divmod(a, b):
-    """(a // b, a % b) for 0 <= a, 0 < b < 2**32, with one unsigned 32-bit division."""
-    q = uint32(a) // uint32(b)
-    return int64(q), int64(uint32(a) - q * uint32(b))
+# Run-time sizes, passed as tuples of integers: kernel parameters live in the constant bank, so
+# reading them costs no load. ``sizes`` follows _DIMS; ``divs`` holds one ``fastdiv.divisor``
+# triple per name in _DIVISORS; ``dtaps`` is the D tap table: counts[SD], then deltas[SD * TDMAX].
+_DIMS = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
+         "ipg", "opg", "shift_h", "shift_w", "sd", "qd_n", "qw_groups", "tdmax",
+         "ci_chunk", "lane_shift", "rows_per_block", "row_blocks", "ctiles")
+_DIVISORS = ("ctiles", "sd", "row_blocks", "lane_blocks", "tiles_per_group", "qh_groups")
+# Weights staged per loop trip of the copy into shared memory, per thread: loads in flight
+STAGE = 8
+# Offsets fit in 32 bits (unsigned, wrapping) when every tensor has fewer elements than this
+NARROW_LIMIT = 2**31
 
 
 def fma_step_source(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple) -> str:
@@ -183,19 +182,28 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple,
-                       train: bool, prefetch: bool = True, max_regs: int = 0):
+                       train: bool, max_regs: int = 0, wide: bool = False):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
-    ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes.
+    ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes. ``wide``: some tensor
+    has 2**31 elements or more, so offsets are 64-bit (otherwise 32-bit, see below).
     """
     acc_t = _NUMBA_TYPES[dtype]
+    # Offsets into x, out and the weights: 32-bit unless a tensor is too large for that (64-bit
+    # offsets cost two instructions per add and compare and twice the registers). They are
+    # signed, and sign-extended where they become addresses, because a window row may start left
+    # of the input (a masked cell at offset -1, then the cell at -1 + 1 = 0): unsigned, that
+    # row start would wrap to 2**32 - 1 and its next cell land at 2**32.
+    idx = int64 if wide else int32
     sh, h_taps, hwin = hpat
     sw, w_taps, wwin = wpat
     nht, nwt = len(h_taps), len(w_taps)
     xr = mh + hwin - 1           # window rows
     xc = qw + wwin - 1           # window columns
     need = _window_cells(mh, qw, hpat, wpat)
-    n_acc = nc * sh * mh * sw * qw
+    out_rows, out_cols = sh * mh, sw * qw   # output rows and columns of one channel's patch
+    per_c = out_rows * out_cols  # accumulators per channel
+    n_acc = nc * per_c
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
     fma_step = _fma_step(nc, mh, qw, hpat, wpat)
@@ -208,43 +216,44 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled, in eval)
         out,    # (N*CO*OD*OH*OW,) output, flattened
         ss,     # (N, CO, slots) f64 centred-square partials (written only with TRAIN)
-        dims,   # (_D_TABLE + SD + SD*TDMAX,) i64: sizes (_DIMS) and the D tap table
+        sizes,  # tuple: the run-time sizes named in _DIMS
+        divs,   # tuple of fastdiv.divisor triples, one per name in _DIVISORS
+        dtaps,  # tuple: the D tap table, counts[SD] then deltas[SD * TDMAX]
     ):
         wsm = cuda.shared.array(0, acc_t, alignment=16)  # staged weights (dynamic size)
         partial = cuda.shared.array((MAX_WARPS, nc), float64)
-        in_ch, in_d, in_h, in_w = dims[1], dims[2], dims[3], dims[4]
-        out_d = dims[6]
-        ipg = dims[9]
-        shift_h, shift_w = dims[11], dims[12]
-        sd, qd_n, qh_groups, qw_groups = dims[13], dims[14], dims[15], dims[16]
-        tdmax, ctiles, ci_chunk, row_blocks = dims[17], dims[18], dims[19], dims[20]
-        lanes = dims[21]
+        stage = cuda.local.array(STAGE, acc_t)
+        (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_h, shift_w,
+         sd, qd_n, qw_groups, tdmax, ci_chunk, lane_shift, rows_per_block, row_blocks,
+         ctiles) = sizes
+        ctiles_d, sd_d, row_blocks_d, lane_blocks_d, tiles_per_group_d, qh_groups_d = divs
 
         # ---- which tile this block and thread own -------------------------------------------
-        # Unsigned 32-bit divisions (a reciprocal and a fix-up each): the signed 64-bit floor
-        # divisions they replace were a fifth of all instructions the kernel issued (ncu,
-        # session 3), as every thread runs this once for ~24 steps of its main loop.
+        # Every thread runs this once for ~24 steps of its main loop, so it has to be cheap:
+        # divisions by multiply-high (fast_divmod), lanes a power of two (a shift and a mask).
+        # Blocks: (((n * lane_blocks + lane_blk) * row_blocks + row_blk) * sd + rd) * ctiles + ctile
         bid = cuda.blockIdx.x
-        bid, ctile = _divmod(bid, ctiles)
-        bid, rd = _divmod(bid, sd)
-        bid, row_blk = _divmod(bid, row_blocks)
-        n, lane_blk = _divmod(bid, dims[24])        # lane_blocks
-        g, c0 = _divmod(ctile, dims[23])            # tiles_per_group
-        c0 *= nc
-
+        bid, ctile = fast_divmod(bid, ctiles_d)
+        bid, rd = fast_divmod(bid, sd_d)
+        bid, row_blk = fast_divmod(bid, row_blocks_d)
+        n, lane_blk = fast_divmod(bid, lane_blocks_d)
+        g, c0 = fast_divmod(ctile, tiles_per_group_d)
+        c0 = int64(c0) * nc
         t = cuda.threadIdx.x
-        row, qwg = _divmod(t, lanes)
-        row += row_blk * dims[25]                   # rows_per_block
-        qwg += lane_blk * lanes
-        qd, qh0 = _divmod(row, qh_groups)
-        qh0 *= mh
+        qwg = int64((lane_blk << lane_shift) + (t & ((1 << lane_shift) - 1)))
+        row = row_blk * rows_per_block + (t >> lane_shift)
+        qd, qh0 = fast_divmod(row, qh_groups_d)
+        qd, qh0 = int64(qd), int64(qh0) * mh
         qw0 = qwg * qw
         od = qd * sd + rd
-        active = row < qd_n * qh_groups and qwg < qw_groups and od < out_d
+        active = qd < qd_n and qwg < qw_groups and od < out_d
 
+        # The accumulators start at -mean, so they end at y - mean: no subtraction per output.
         acc = cuda.local.array(n_acc, acc_t)
-        for a in range(n_acc):
-            acc[a] = 0
+        for c in range(nc):
+            m = -acc_t(mean[n, g * opg + min(c0 + c, opg - 1)])
+            for a in range(per_c):
+                acc[c * per_c + a] = m
         # A window cell outside the input is never loaded: it keeps the zero it starts with.
         xin = cuda.local.array(n_x, acc_t)     # the window the multiply-adds read
         xnext = cuda.local.array(n_x, acc_t)   # the window being loaded
@@ -261,117 +270,96 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             w_ok[e] = iw >= 0 and iw < in_w
 
         plane_size = in_h * in_w
-        # offset of window cell (0, 0) inside a plane; may be negative (masked cells)
-        corner = (qh0 + shift_h) * in_w + qw0 + shift_w
+        row_stride = idx(in_w)
+        ci_stride = idx(in_d * plane_size)
         # D taps this thread can use: deltas fall as the tap index rises, so the valid taps
         # (0 <= qd + delta < in_d) form one range [td_lo, td_hi): no bounds test in the loop.
-        # They fall by the same D_STEP each tap, so a step's input offset is one add away from
-        # the previous step's: no multiplies and no table reads inside the loop.
-        dtab = _D_TABLE + sd + rd * tdmax
+        dtab = sd + rd * tdmax
         td_lo = tdmax
         td_hi = 0
-        for td in range(dims[_D_TABLE + rd]):
-            i_d = qd + dims[dtab + td]
+        for td in range(dtaps[rd]):
+            i_d = qd + dtaps[dtab + td]
             if i_d >= 0 and i_d < in_d:
                 td_lo = min(td_lo, td)
                 td_hi = td + 1
-        n_td = max(0, td_hi - td_lo)
-        ci_stride = in_d * plane_size
-        tap_stride = dims[22] * plane_size   # input offset between consecutive D taps (D_STEP)
-        # from the last D tap of one input channel to the first of the next
-        ci_wrap = ci_stride + (n_td - 1) * tap_stride
-        w_wrap = (tdmax - n_td + 1) * per_step
-        first = ((n * in_ch + g * ipg) * in_d + qd + dims[dtab + min(td_lo, tdmax - 1)]) \
-            * plane_size + corner
+        if not active:
+            td_hi = td_lo  # no steps; the thread still reaches every barrier
+        # offset of window cell (0, 0) of input channel 0 of the group, D offset 0; it may
+        # wrap below zero (masked cells)
+        corner = ((n * in_ch + g * ipg) * in_d + qd) * plane_size \
+            + (qh0 + shift_h) * in_w + qw0 + shift_w
         per_ci = tdmax * per_step
         wslab = ((rd * ctiles + ctile) * ipg) * per_ci
 
         # ---- main loop: chunks of input channels; per (ci, D tap) one window, all H/W taps ---
         for ci0 in range(0, ipg, ci_chunk):
             n_ci = min(ci_chunk, ipg - ci0)
+            # Stage this chunk's weights: STAGE loads in flight per thread, then the stores
+            # (one load at a time left each block waiting on L2 latency at the barrier).
             cuda.syncthreads()  # the previous chunk's weights are no longer read
+            total = n_ci * per_ci
             src = wslab + ci0 * per_ci
-            for i in range(t, n_ci * per_ci, cuda.blockDim.x):
-                wsm[i] = wph[uint64(src + i)]
+            for i0 in range(t, total, STAGE * cuda.blockDim.x):
+                for k in range(STAGE):
+                    i = i0 + k * cuda.blockDim.x
+                    if i < total:
+                        stage[k] = wph[uint64(int64(idx(src + i)))]
+                for k in range(STAGE):
+                    i = i0 + k * cuda.blockDim.x
+                    if i < total:
+                        wsm[i] = stage[k]
             cuda.syncthreads()  # this chunk's weights are staged
-            steps = n_ci * n_td if active else 0
-            # step s = (input channel cl, D tap td); with PREFETCH the window of step s + 1 is
-            # loaded before the multiply-adds of step s, so its latency hides behind them.
-            xoff = first + ci0 * ci_stride   # input offset of the window being loaded
-            ntd = td_lo
-            wb = td_lo * per_step            # shared-memory offset of the step's weights
-            td = td_lo
-            for s in range(-1 if prefetch else 0, steps):
-                if s + 1 < steps or not prefetch:
+            # D taps outside, input channels inside: the inner loop walks the input and the
+            # weights with constant strides. The window of channel cl + 1 is loaded before the
+            # multiply-adds of channel cl, so its latency hides behind them.
+            for td in range(td_lo, td_hi):
+                xoff = idx(corner + (ci0 * in_d + dtaps[dtab + td]) * plane_size)
+                wb = idx(td * per_step)   # the step's weights in the staged chunk
+                for er in range(xr):
+                    rb = int64(idx(xoff + er * row_stride))
+                    for ec in range(xc):
+                        if need[er * xc + ec] and h_ok[er] and w_ok[ec]:
+                            xnext[er * xc + ec] = x[uint64(rb + ec)]
+                for cl in range(n_ci - 1):
+                    for e in range(n_x):
+                        if need[e]:
+                            xin[e] = xnext[e]
+                    xoff = idx(xoff + ci_stride)
                     for er in range(xr):
-                        row_base = xoff + er * in_w
+                        rb = int64(idx(xoff + er * row_stride))
                         for ec in range(xc):
                             if need[er * xc + ec] and h_ok[er] and w_ok[ec]:
-                                xnext[er * xc + ec] = x[uint64(row_base + ec)]
-                    ntd += 1
-                    if ntd == td_hi:
-                        ntd = td_lo
-                        xoff += ci_wrap
-                    else:
-                        xoff -= tap_stride
-                if not prefetch:
-                    for e in range(n_x):
-                        if need[e]:
-                            xin[e] = xnext[e]
-                if s >= 0:
+                                xnext[er * xc + ec] = x[uint64(rb + ec)]
                     fma_step(acc, xin, wsm, wb)  # every H and W tap of this step, unrolled
-                    td += 1
-                    if td == td_hi:
-                        td = td_lo
-                        wb += w_wrap
-                    else:
-                        wb += per_step
-                if prefetch:
-                    for e in range(n_x):
-                        if need[e]:
-                            xin[e] = xnext[e]
+                    wb = idx(wb + per_ci)
+                fma_step(acc, xnext, wsm, wb)    # the chunk's last channel
 
-        # ---- epilogue: subtract the known mean, store once, (train) centred squares ---------
-        # The output sizes are read here, not in the prologue: loads after the loop's barriers
-        # cannot be merged with earlier ones, so these values hold no registers through the loop.
-        out_ch, out_h, out_w = dims[5], dims[7], dims[8]
-        opg = dims[10]
+        # ---- epilogue: store once (the mean is subtracted already), (train) centred squares --
         out_plane = out_h * out_w
-        c_left = opg - c0
-        h_left = out_h - qh0 * sh
-        w_left = out_w - qw0 * sw
-        obase = ((n * out_ch + g * opg + c0) * out_d + od) * out_plane + qh0 * sh * out_w + qw0 * sw
-        sq = cuda.local.array(nc, float64)
+        row_ok = cuda.local.array(out_rows, np.bool_)   # patch row j*SH + rh inside the output
+        col_ok = cuda.local.array(out_cols, np.bool_)   # patch column q*SW + rw inside
+        for k in range(out_rows):
+            row_ok[k] = k < out_h - qh0 * sh
+        for k in range(out_cols):
+            col_ok[k] = k < out_w - qw0 * sw
+        obase = idx(((n * out_ch + g * opg + c0) * out_d + od) * out_plane
+                    + qh0 * sh * out_w + qw0 * sw)
+        sq = cuda.local.array(nc, acc_t)
         for c in range(nc):
-            sq[c] = 0.0
-        if active and c_left >= nc and h_left >= sh * mh and w_left >= sw * qw:
-            # A whole tile inside the output (all but the edge tiles): the same stores as the
-            # guarded loop below without a test per store, which cost ~9 instructions each.
+            sq[c] = 0
+        if active:
             for c in range(nc):
-                m = acc_t(mean[n, g * opg + c0 + c])
-                for rh in range(sh):
-                    for j in range(mh):
-                        rbase = obase + c * out_d * out_plane + (j * sh + rh) * out_w
-                        for q in range(qw):
-                            for rw in range(sw):
-                                v = acc[(((c * sh + rh) * mh + j) * sw + rw) * qw + q] - m
-                                out[uint64(rbase + q * sw + rw)] = v
-                                if train:
-                                    sq[c] += v * v
-        elif active:
-            for c in range(nc):
-                if c < c_left:
-                    m = acc_t(mean[n, g * opg + c0 + c])
+                if c0 + c < opg:
+                    cbase = idx(obase + c * out_d * out_plane)
                     for rh in range(sh):
                         for j in range(mh):
-                            if j * sh + rh < h_left:
-                                rbase = obase + c * out_d * out_plane + (j * sh + rh) * out_w
+                            if row_ok[j * sh + rh]:
+                                rb = int64(idx(cbase + (j * sh + rh) * out_w))
                                 for q in range(qw):
                                     for rw in range(sw):
-                                        if q * sw + rw < w_left:
-                                            v = acc[(((c * sh + rh) * mh + j) * sw + rw) * qw
-                                                    + q] - m
-                                            out[uint64(rbase + q * sw + rw)] = v
+                                        if col_ok[q * sw + rw]:
+                                            v = acc[(((c * sh + rh) * mh + j) * sw + rw) * qw + q]
+                                            out[uint64(rb + (q * sw + rw))] = v
                                             if train:
                                                 sq[c] += v * v
         if train:
@@ -380,17 +368,16 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             lane = t % WARP_SIZE
             warp = t // WARP_SIZE
             for c in range(nc):
-                sq[c] = warp_sum(sq[c])
-            if lane == 0:
-                for c in range(nc):
-                    partial[warp, c] = sq[c]
+                total_c = warp_sum(float64(sq[c]))
+                if lane == 0:
+                    partial[warp, c] = total_c
             cuda.syncthreads()  # every warp's partials are in shared memory
             if t < nc and c0 + t < opg:
-                total = 0.0
+                total_sq = 0.0
                 for w in range(cuda.blockDim.x // WARP_SIZE):
-                    total += partial[w, t]
+                    total_sq += partial[w, t]
                 slot = (lane_blk * row_blocks + row_blk) * sd + rd
-                ss[n, g * opg + c0 + t, slot] = total
+                ss[n, g * opg + c0 + t, slot] = total_sq
 
     return conv_transpose3d_gather
 
@@ -437,8 +424,7 @@ def choose_tiling(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_
     lanes = 1
     while lanes < min(qw_groups, 32):
         lanes *= 2
-    return GatherTiling(nc, mh, qw, lanes, block, prefetch=True,
-                        max_regs=128 if dtype == "float32" else 0)
+    return GatherTiling(nc, mh, qw, lanes, block, max_regs=128 if dtype == "float32" else 0)
 
 
 def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
@@ -489,10 +475,11 @@ class GatherLaunch:
     tiling: GatherTiling
     hpat: tuple
     wpat: tuple
-    dims: np.ndarray   # int64 run-time sizes and D tap table passed to the kernel
+    dims: tuple        # (sizes, divs, dtaps): the kernel's tuple parameters
     grid: int
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
     smem: int          # dynamic shared memory per block, bytes
+    wide: bool         # some tensor has 2**31 elements or more: 64-bit offsets
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
@@ -514,7 +501,8 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     rows_per_block = tiling.block // tiling.lanes
     row_blocks = -(-(qd_n * qh_groups) // rows_per_block)
     lane_blocks = -(-qw_groups // tiling.lanes)
-    ctiles = geom.groups * -(-opg // tiling.nc)
+    tiles_per_group = -(-opg // tiling.nc)
+    ctiles = geom.groups * tiles_per_group
     d_taps = d_axis.phase_taps()
     tdmax = max(1, max(len(taps) for taps in d_taps))
     per_ci = tdmax * len(h_plan.taps) * len(w_plan.taps) * tiling.nc
@@ -529,30 +517,35 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     for rd, taps in enumerate(d_taps):
         for td, (_, delta) in enumerate(taps):
             deltas[rd, td] = delta
-    dims = np.array([
-        batch, geom.in_channels, *in_spatial,
-        geom.out_channels, od, oh, ow,
-        ipg, opg, h_plan.shift, w_plan.shift,
-        sd, qd_n, qh_groups, qw_groups, tdmax,
-        ctiles, ci_chunk, row_blocks, tiling.lanes, d_step,
-        ctiles // geom.groups, lane_blocks, rows_per_block,
-        *counts, *deltas.reshape(-1),
-    ], dtype=np.int64)
-    assert len(dims) == _D_TABLE + sd + sd * tdmax
     slots = lane_blocks * row_blocks * sd
-    return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, dims,
-                        batch * slots * ctiles, slots, ci_chunk * per_ci * item)
+    grid = batch * slots * ctiles
+    sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
+                 in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
+                 ipg=ipg, opg=opg, shift_h=h_plan.shift, shift_w=w_plan.shift, sd=sd,
+                 qd_n=qd_n, qw_groups=qw_groups, tdmax=tdmax, ci_chunk=ci_chunk,
+                 lane_shift=tiling.lanes.bit_length() - 1, rows_per_block=rows_per_block,
+                 row_blocks=row_blocks, ctiles=ctiles, lane_blocks=lane_blocks,
+                 tiles_per_group=tiles_per_group, qh_groups=qh_groups)
+    if grid >= fastdiv.LIMIT:
+        raise ValueError(f"gather grid of {grid} blocks exceeds the 2**31 - 1 a launch allows")
+    dims = (tuple(int(sizes[k]) for k in _DIMS),
+            tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS),
+            tuple(counts) + tuple(int(v) for v in deltas.reshape(-1)))
+    n_wph = sd * ctiles * ipg * per_ci
+    wide = max(batch * geom.in_channels * math.prod(in_spatial),
+               batch * geom.out_channels * math.prod(out_spatial), n_wph) >= NARROW_LIMIT
+    return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, dims, grid, slots,
+                        ci_chunk * per_ci * item, wide)
 
 
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, train,
-                              t.prefetch, t.max_regs)
+                              t.max_regs, launch.wide)
 
 
-def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss,
-                  dims) -> None:
-    """Launch the specialised kernel (``dims`` is ``launch.dims`` already on the device)."""
+def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss) -> None:
+    """Launch the specialised kernel for ``launch`` (x and out flattened, contiguous)."""
     launch_kernel(gather_kernel(launch, dtype, train), launch.grid, launch.tiling.block,
-                  (x, wph, mean, out, ss, dims), smem=launch.smem)
+                  (x, wph, mean, out, ss, *launch.dims), smem=launch.smem)

@@ -11,7 +11,8 @@ a pipeline of a few launches per call that host time was larger than the kernels
 (benchmarks/NOTES.md, session 3). So the first launch of a kernel for a given argument kind goes
 through the dispatcher (which compiles it), and later launches call the compiled function
 directly with the argument list numba would have built: for an array ``(meminfo, parent, size,
-itemsize, data, *shape, *strides)``, for a scalar its C value.
+itemsize, data, *shape, *strides)``, for a scalar its C value, for a (nested) tuple of
+integers (how kernels take many run-time sizes at no load cost) one int64 per integer.
 """
 
 from __future__ import annotations
@@ -125,10 +126,40 @@ def _views(args) -> list:
 
 
 def _kind(arg) -> tuple:
-    """What numba's typing of ``arg`` depends on: dtype, rank and (C-)contiguity, or the type."""
+    """What numba's typing of ``arg`` depends on: dtype, rank and (C-)contiguity, or the type
+    (and a tuple's length)."""
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.dim(), arg.is_contiguous())
+    if isinstance(arg, tuple):
+        return (tuple, _int_tuple(arg))
     return (type(arg),)
+
+
+def _int_tuple(v):
+    """The nesting of a (nested) tuple of int64-sized ints, which numba passes as one int64
+    parameter per int in order; None for anything else."""
+    if not isinstance(v, tuple) or not v:
+        return None
+    layout = []
+    for e in v:
+        if isinstance(e, tuple):
+            inner = _int_tuple(e)
+            if inner is None:
+                return None
+            layout.append(inner)
+        elif type(e) is int and -2**63 <= e < 2**63:
+            layout.append(0)
+        else:
+            return None
+    return tuple(layout)
+
+
+def _flat_ints(v):
+    for e in v:
+        if isinstance(e, tuple):
+            yield from _flat_ints(e)
+        else:
+            yield ctypes.c_int64(e)
 
 
 def _direct_launcher(kernel, views, grid, block, smem):
@@ -142,6 +173,8 @@ def _direct_launcher(kernel, views, grid, block, smem):
     for v in views:
         if isinstance(v, (float, int)) and not isinstance(v, bool):
             scalars.append(_SCALARS[type(v)])
+        elif _int_tuple(v) is not None:
+            scalars.append(tuple)
         elif hasattr(v, "__cuda_array_interface__"):
             scalars.append(None)
         else:
@@ -168,6 +201,8 @@ def _direct_launcher(kernel, views, grid, block, smem):
                 item = arg.element_size()
                 flat += (0, 0, arg.numel(), item, arg.data_ptr(), *arg.shape,
                          *[s * item for s in arg.stride()])
+            elif scalar is tuple:
+                flat += _flat_ints(arg)
             else:
                 flat.append(scalar(arg))
         start(stream, config, function, *flat)
@@ -199,7 +234,8 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
         if small_grid:
             warnings.filterwarnings("ignore", message=".*Grid size .* under-utilization")
         kernel[grid, block, _external_stream(handle), smem](*views)
-    if direct is None and all(isinstance(a, (torch.Tensor, float, int)) for a in args):
+    if direct is None and all(isinstance(a, (torch.Tensor, float, int))
+                              or _int_tuple(a) is not None for a in args):
         if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (a fuzzing session): start afresh
             _DIRECT.clear()
         _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem) or False
