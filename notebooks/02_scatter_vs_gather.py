@@ -162,7 +162,7 @@ print(pipes["scatter"].explain(tuple(x.shape)))
 
 # %% [markdown]
 # **Interpretation.** Both strategies compute the same numbers (within float32 rounding). Scatter
-# is simple but needs one atomic per multiply-add, a bias fill pass, a separate reduction pass
+# is simple but needs one atomic per multiply-add, a zero fill pass, a separate reduction pass
 # for the mean and a final scale pass over the stored output (see the `explain` table: four
 # passes over the output). Gather reads its inputs, keeps sums in registers and writes each
 # output once; with the mean known beforehand (notebook 03) evaluation is a single pass. Even

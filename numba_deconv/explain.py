@@ -215,7 +215,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     out = []
     if pipe.conv_impl == "scatter":
         blk = block_size(epilogue.BLOCK)
-        out.append(("fill_bias", "fill_channels", epilogue.fill_channels,
+        out.append(("fill_zero", "fill_channels", epilogue.fill_channels,
                     _elementwise_grid(rows_nc, vol, blk), blk, 0, n_out * e))
         blk = block_size(scatter.BLOCK)
         work = -(-geom.out_per_group // scatter.CSLICE) * batch * geom.in_channels * vol_in
@@ -340,7 +340,7 @@ _LAUNCHERS = {
                (box_sums, "launch_mean_from_box_sums", "mean_from_box_sums"),
                (gather, "launch_gather", "conv_transpose3d_gather"),
                (batch_stats_kernels, "launch_batch_statistics", "batch_statistics")),
-    "scatter": ((epilogue, "launch_fill_channels", "fill_bias"),
+    "scatter": ((epilogue, "launch_fill_channels", "fill_zero"),
                 (scatter, "launch_scatter", "conv_transpose3d_scatter"),
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
                 (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),

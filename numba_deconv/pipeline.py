@@ -13,7 +13,7 @@ launch configurations (cached per input shape), and hands the small per-channel 
     in-place per-channel multiply (torch) scales the output.
 
 ``"scatter"`` (the teaching baseline)
-    fill bias -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
+    fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
 
 Inputs: torch tensors (zero copy, launches on torch's current stream), numba device arrays and
 numpy arrays; the output is of the same kind. Under the CUDA simulator "device" tensors are CPU
@@ -199,7 +199,7 @@ class Pipeline:
         """Names of the intermediates ``trace`` records (after ``input``), in order."""
         batch = folding.uses_batch_statistics(self.bn, self.training)
         if self.conv_impl == "scatter":
-            core = ("fill_bias", "conv_transpose3d_scatter", "spatial_moments_warp")
+            core = ("fill_zero", "conv_transpose3d_scatter", "spatial_moments_warp")
         else:
             core = ("box_sums", "mean_from_box_sums", "conv_transpose3d_gather")
         return core + (("batch_statistics",) if batch else ()) + ("scale", "output")
@@ -369,18 +369,19 @@ class Pipeline:
     def _scatter(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
         geom, conv = self.geometry, self.conv
         rows = out.view(plan.batch * geom.out_channels, plan.volume)
-        bias = self._bias64(plan)
         weight = conv.weight.detach()
-        if not batch_stats:  # evaluation: fold a_c into weights and bias, then only centre
+        if not batch_stats:  # evaluation: fold a_c into the weights, then only centre
             scale = self._eval_scale()
             key = (self._version(conv.weight), self._version(self.bn.running_var),
                    self._version(self.bn.weight), self.bn.eps)
             weight = self._cached("scatter_folded", key,
                                   lambda: folding.fold_weights(weight, scale, geom.groups))
-            bias = bias * scale
-        epilogue.launch_fill_channels(rows, bias)
+        # The bias shifts a whole channel, so the mean subtraction removes it (DESIGN.md 2.1):
+        # accumulate from zero. Accumulated onto the bias, a channel whose bias dwarfs its spread
+        # lost that spread to float32 rounding (a case hypothesis found: 4e-5 relative error).
+        epilogue.launch_fill_channels(rows, plan.zero_bias)
         if record is not None:
-            record["fill_bias"] = out.clone()
+            record["fill_zero"] = out.clone()
         scatter.launch_scatter(x, weight, out, geom.stride, geom.padding, geom.dilation)
         if record is not None:
             record["conv_transpose3d_scatter"] = out.clone()
@@ -390,11 +391,11 @@ class Pipeline:
         if record is not None:
             record["spatial_moments_warp"] = plan.means.clone()
         if batch_stats:
-            mu_free = plan.means - bias  # batch_statistics adds the bias back for the running mean
-            scale = self._finish_batch_stats(plan, mu_free, plan.css.view(*plan.css.shape, 1),
+            # the means are bias-free; batch_statistics adds the bias back for the running mean
+            scale = self._finish_batch_stats(plan, plan.means, plan.css.view(*plan.css.shape, 1),
                                              record).to(torch.float64)
         else:
-            scale = torch.ones_like(bias)
+            scale = torch.ones_like(plan.zero_bias)
             if record is not None:
                 record["scale"] = self._eval_scale()
         epilogue.launch_scale_centered(rows, means, scale, rows)

@@ -2,7 +2,8 @@
 
 ``scale_centered``: out[n, c, s] = scale[c] * (y[n, c, s] - mean[n, c]), the whole batch-norm +
 mean-subtraction of DESIGN.md 2.1 once the statistics are known (in place when out is y).
-``fill_channels``:  y[n, c, s] = value[c], the bias that a scatter convolution accumulates onto.
+``fill_channels``:  y[n, c, s] = value[c], what a scatter convolution accumulates onto (the pipeline
+fills zeros: the bias cancels with the mean subtraction).
 
 Thread mapping: a 2-D grid; ``blockIdx.y`` strides over rows (n, c), the x dimension strides over
 the S elements of a row, so the per-row constants are loaded once per row and every access is
