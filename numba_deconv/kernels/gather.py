@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint64
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ..geometry import AxisGeometry
 from ..simulator import is_simulator
@@ -136,7 +136,7 @@ def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...
 # reading them costs no load. ``sizes`` follows _DIMS; ``divs`` holds one ``fastdiv.divisor``
 # triple per name in _DIVISORS; ``dtaps`` is the D tap table: counts[SD], then deltas[SD * TDMAX].
 _DIMS = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
-         "ipg", "opg", "shift_h", "shift_w", "sd", "qd_n", "qw_groups", "tdmax",
+         "ipg", "opg", "shift_h", "sd", "qd_n", "qw_groups", "tdmax",
          "ci_chunk", "lane_shift", "rows_per_block", "row_blocks", "ctiles")
 _DIVISORS = ("ctiles", "sd", "row_blocks", "lane_blocks", "tiles_per_group", "qh_groups")
 # Weights staged per loop trip of the copy into shared memory, per thread: loads in flight
@@ -182,18 +182,21 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple,
-                       train: bool, max_regs: int = 0, wide: bool = False):
+                       wshift: int, train: bool, max_regs: int = 0, wide: bool = False):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
-    ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes. ``wide``: some tensor
-    has 2**31 elements or more, so offsets are 64-bit (otherwise 32-bit, see below).
+    ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
+    ``AxisPlan.shift``. ``wide``: some tensor has 2**31 elements or more, so offsets are 64-bit
+    (otherwise unsigned 32-bit, see below).
     """
     acc_t = _NUMBA_TYPES[dtype]
-    # Offsets into x, out and the weights: 32-bit unless a tensor is too large for that (64-bit
-    # offsets cost two instructions per add and compare and twice the registers). They are
-    # signed, and sign-extended where they become addresses, because a window row may start left
-    # of the input (a masked cell at offset -1, then the cell at -1 + 1 = 0): unsigned, that
-    # row start would wrap to 2**32 - 1 and its next cell land at 2**32.
+    # Offsets into x, out and the weights: unsigned 32-bit unless a tensor is too large for that
+    # (64-bit offsets cost two instructions per add and compare and twice the registers; signed
+    # 32-bit ones three per address, to sign-extend). Unsigned arithmetic wraps, which is
+    # harmless where a window row starts above the input (a masked row): a row that is loaded
+    # has a true offset >= 0. Within a row the cells sit at the compile-time columns
+    # ``wshift + ec`` from the thread's first W quotient (>= 0), so a window reaching left of
+    # the input never wraps a loaded cell's offset either, and each cell is an immediate offset.
     idx = int64 if wide else int32
     sh, h_taps, hwin = hpat
     sw, w_taps, wwin = wpat
@@ -207,6 +210,15 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
     fma_step = _fma_step(nc, mh, qw, hpat, wpat)
+
+    @cuda.jit(device=True, inline="always")
+    def load_window(buf, x, xoff, row_stride, h_ok, w_ok):
+        """The cells of one window some tap reads, except those outside the input."""
+        for er in range(xr):
+            rb = int64(idx(int64(xoff) + er * row_stride))
+            for ec in range(xc):
+                if need[er * xc + ec] and h_ok[er] and w_ok[ec]:
+                    buf[er * xc + ec] = x[uint64(rb + (ec + wshift))]
 
     # the simulator's jit takes no register cap (and has no registers)
     @cuda.jit(**({"max_registers": max_regs} if max_regs and not is_simulator() else {}))
@@ -223,7 +235,7 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         wsm = cuda.shared.array(0, acc_t, alignment=16)  # staged weights (dynamic size)
         partial = cuda.shared.array((MAX_WARPS, nc), float64)
         stage = cuda.local.array(STAGE, acc_t)
-        (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_h, shift_w,
+        (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_h,
          sd, qd_n, qw_groups, tdmax, ci_chunk, lane_shift, rows_per_block, row_blocks,
          ctiles) = sizes
         ctiles_d, sd_d, row_blocks_d, lane_blocks_d, tiles_per_group_d, qh_groups_d = divs
@@ -254,19 +266,22 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             m = -acc_t(mean[n, g * opg + min(c0 + c, opg - 1)])
             for a in range(per_c):
                 acc[c * per_c + a] = m
-        # A window cell outside the input is never loaded: it keeps the zero it starts with.
-        xin = cuda.local.array(n_x, acc_t)     # the window the multiply-adds read
-        xnext = cuda.local.array(n_x, acc_t)   # the window being loaded
+        # Two windows, alternating: one is loaded while the multiply-adds read the other. (With
+        # one window read and one loaded, the copy between them at the end of each trip waited
+        # for the loads just issued: a quarter of all stall samples, ncu, session 4.) A cell
+        # outside the input is never loaded: it keeps the zero it starts with.
+        xa = cuda.local.array(n_x, acc_t)
+        xb = cuda.local.array(n_x, acc_t)
         for e in range(n_x):
-            xin[e] = 0
-            xnext[e] = 0
+            xa[e] = 0
+            xb[e] = 0
         h_ok = cuda.local.array(xr, np.bool_)
         w_ok = cuda.local.array(xc, np.bool_)
         for e in range(xr):
             ih = qh0 + shift_h + e
             h_ok[e] = ih >= 0 and ih < in_h
         for e in range(xc):
-            iw = qw0 + shift_w + e
+            iw = qw0 + wshift + e
             w_ok[e] = iw >= 0 and iw < in_w
 
         plane_size = in_h * in_w
@@ -284,10 +299,11 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
                 td_hi = td + 1
         if not active:
             td_hi = td_lo  # no steps; the thread still reaches every barrier
-        # offset of window cell (0, 0) of input channel 0 of the group, D offset 0; it may
-        # wrap below zero (masked cells)
+        # offset of the window's row 0 at the thread's first W quotient (the cells are at
+        # columns wshift + ec from there), input channel 0 of the group, D offset 0; it may wrap
+        # below zero (a masked row)
         corner = ((n * in_ch + g * ipg) * in_d + qd) * plane_size \
-            + (qh0 + shift_h) * in_w + qw0 + shift_w
+            + (qh0 + shift_h) * in_w + qw0
         per_ci = tdmax * per_step
         wslab = ((rd * ctiles + ctile) * ipg) * per_ci
 
@@ -311,37 +327,37 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             cuda.syncthreads()  # this chunk's weights are staged
             # D taps outside, input channels inside: the inner loop walks the input and the
             # weights with constant strides. The window of channel cl + 1 is loaded before the
-            # multiply-adds of channel cl, so its latency hides behind them.
+            # multiply-adds of channel cl, so its latency hides behind them; two channels per
+            # trip, so the windows alternate without a copy.
+            n_pairs = int32(n_ci // 2)
+            odd = n_ci % 2 == 1
             for td in range(td_lo, td_hi):
                 xoff = idx(corner + (ci0 * in_d + dtaps[dtab + td]) * plane_size)
                 wb = idx(td * per_step)   # the step's weights in the staged chunk
-                for er in range(xr):
-                    rb = int64(idx(xoff + er * row_stride))
-                    for ec in range(xc):
-                        if need[er * xc + ec] and h_ok[er] and w_ok[ec]:
-                            xnext[er * xc + ec] = x[uint64(rb + ec)]
-                for cl in range(n_ci - 1):
-                    for e in range(n_x):
-                        if need[e]:
-                            xin[e] = xnext[e]
-                    xoff = idx(xoff + ci_stride)
-                    for er in range(xr):
-                        rb = int64(idx(xoff + er * row_stride))
-                        for ec in range(xc):
-                            if need[er * xc + ec] and h_ok[er] and w_ok[ec]:
-                                xnext[er * xc + ec] = x[uint64(rb + ec)]
-                    fma_step(acc, xin, wsm, wb)  # every H and W tap of this step, unrolled
+                load_window(xa, x, xoff, row_stride, h_ok, w_ok)            # channel 0
+                for pair in range(n_pairs):
+                    xoff = idx(int64(xoff) + ci_stride)
+                    load_window(xb, x, xoff, row_stride, h_ok, w_ok)        # channel 2p + 1
+                    fma_step(acc, xa, wsm, wb)  # channel 2p: every H and W tap, unrolled
                     wb = idx(wb + per_ci)
-                fma_step(acc, xnext, wsm, wb)    # the chunk's last channel
+                    if pair + 1 < n_pairs or odd:
+                        xoff = idx(int64(xoff) + ci_stride)
+                        load_window(xa, x, xoff, row_stride, h_ok, w_ok)    # channel 2p + 2
+                    fma_step(acc, xb, wsm, wb)  # channel 2p + 1
+                    wb = idx(wb + per_ci)
+                if odd:
+                    fma_step(acc, xa, wsm, wb)  # the chunk's last channel
 
         # ---- epilogue: store once (the mean is subtracted already), (train) centred squares --
         out_plane = out_h * out_w
         row_ok = cuda.local.array(out_rows, np.bool_)   # patch row j*SH + rh inside the output
         col_ok = cuda.local.array(out_cols, np.bool_)   # patch column q*SW + rw inside
+        h_left = int32(out_h - qh0 * sh)    # 32-bit compares: one instruction per store
+        w_left = int32(out_w - qw0 * sw)
         for k in range(out_rows):
-            row_ok[k] = k < out_h - qh0 * sh
+            row_ok[k] = int32(k) < h_left
         for k in range(out_cols):
-            col_ok[k] = k < out_w - qw0 * sw
+            col_ok[k] = int32(k) < w_left
         obase = idx(((n * out_ch + g * opg + c0) * out_d + od) * out_plane
                     + qh0 * sh * out_w + qw0 * sw)
         sq = cuda.local.array(nc, acc_t)
@@ -475,6 +491,7 @@ class GatherLaunch:
     tiling: GatherTiling
     hpat: tuple
     wpat: tuple
+    wshift: int        # the W axis' whole shift (compile-time: cells are immediate offsets)
     dims: tuple        # (sizes, divs, dtaps): the kernel's tuple parameters
     grid: int
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
@@ -521,7 +538,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     grid = batch * slots * ctiles
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
-                 ipg=ipg, opg=opg, shift_h=h_plan.shift, shift_w=w_plan.shift, sd=sd,
+                 ipg=ipg, opg=opg, shift_h=h_plan.shift, sd=sd,
                  qd_n=qd_n, qw_groups=qw_groups, tdmax=tdmax, ci_chunk=ci_chunk,
                  lane_shift=tiling.lanes.bit_length() - 1, rows_per_block=rows_per_block,
                  row_blocks=row_blocks, ctiles=ctiles, lane_blocks=lane_blocks,
@@ -534,15 +551,15 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     n_wph = sd * ctiles * ipg * per_ci
     wide = max(batch * geom.in_channels * math.prod(in_spatial),
                batch * geom.out_channels * math.prod(out_spatial), n_wph) >= NARROW_LIMIT
-    return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, dims, grid, slots,
+    return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, dims, grid, slots,
                         ci_chunk * per_ci * item, wide)
 
 
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
-    return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, train,
-                              t.max_regs, launch.wide)
+    return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, launch.wshift,
+                              train, t.max_regs, launch.wide)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss) -> None:
