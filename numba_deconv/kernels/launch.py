@@ -127,39 +127,48 @@ def _views(args) -> list:
 
 def _kind(arg) -> tuple:
     """What numba's typing of ``arg`` depends on: dtype, rank and (C-)contiguity, or the type
-    (and a tuple's length)."""
+    (and a tuple's nesting)."""
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.dim(), arg.is_contiguous())
     if isinstance(arg, tuple):
-        return (tuple, _int_tuple(arg))
+        info = _int_tuple(arg)
+        return (tuple, info and info[0])
     return (type(arg),)
 
 
+# id(tuple of ints) -> (the tuple, its nesting, its int64 kernel parameters): launches pass the
+# same few tuple objects again and again (a plan's sizes), so each is flattened once. Keyed by
+# identity (the entry keeps the tuple alive, so its id is not reused): by value, (1, 2) and
+# (1.0, 2.0) would share an entry.
+_TUPLES: dict[int, tuple] = {}
+
+
 def _int_tuple(v):
-    """The nesting of a (nested) tuple of int64-sized ints, which numba passes as one int64
-    parameter per int in order; None for anything else."""
+    """``(nesting, parameters)`` for a (nested) tuple of int64-sized ints, which numba passes as
+    one int64 parameter per int in order; None for anything else."""
     if not isinstance(v, tuple) or not v:
         return None
-    layout = []
+    entry = _TUPLES.get(id(v))
+    if entry is not None and entry[0] is v:
+        return entry[1]
+    layout, flat = [], []
     for e in v:
         if isinstance(e, tuple):
             inner = _int_tuple(e)
             if inner is None:
                 return None
-            layout.append(inner)
+            layout.append(inner[0])
+            flat += inner[1]
         elif type(e) is int and -2**63 <= e < 2**63:
             layout.append(0)
+            flat.append(e)  # a plain int is passed as 64 bits, like an array's shape
         else:
             return None
-    return tuple(layout)
-
-
-def _flat_ints(v):
-    for e in v:
-        if isinstance(e, tuple):
-            yield from _flat_ints(e)
-        else:
-            yield ctypes.c_int64(e)
+    if len(_TUPLES) >= _DIRECT_LIMIT:
+        _TUPLES.clear()
+    info = (tuple(layout), flat)
+    _TUPLES[id(v)] = (v, info)
+    return info
 
 
 def _direct_launcher(kernel, views, grid, block, smem):
@@ -202,7 +211,7 @@ def _direct_launcher(kernel, views, grid, block, smem):
                 flat += (0, 0, arg.numel(), item, arg.data_ptr(), *arg.shape,
                          *[s * item for s in arg.stride()])
             elif scalar is tuple:
-                flat += _flat_ints(arg)
+                flat += _int_tuple(arg)[1]
             else:
                 flat.append(scalar(arg))
         start(stream, config, function, *flat)
