@@ -15,8 +15,8 @@ and W phases live in one thread, the H and W tap tables are compile-time: every 
 unrolls, every register index is a constant. For one input channel and one D tap the thread
 loads the input window its patch needs, (MH + HWIN - 1) x (QW + WWIN - 1) values (only those a
 tap reads), and the step's weights, NHT*NWT*NC values from shared memory with a warp-uniform
-address (a broadcast, no bank conflict). Default problem: 15 input loads and 18 weight loads feed
-144 fused multiply-adds, and each input value serves up to 4 taps x 2 channels.
+address (a broadcast, no bank conflict). Default problem: 9 input loads and 9 weight loads (16-byte
+vectors) feed 144 fused multiply-adds, and each input value serves up to 4 taps x 4 channels.
 
 Weights: the host arranges them once per weight version by (D phase, channel tile, input
 channel, D tap, H tap, W tap, channel), zero-padded (``phase_weight_index``). A block copies its
@@ -24,12 +24,15 @@ contiguous slab for a chunk of input channels into dynamic shared memory, so sta
 plain copy with no index arithmetic; large geometries take several chunks.
 
 Compile-time (factory arguments): dtype, NC, MH, QW, the H and W tap patterns (phase, window
-offset) and TRAIN. The D taps, the sizes and the paddings' whole-stride parts are run-time
-(``dims``): one compiled kernel serves every size.
+offset), the W padding's whole-stride shift, TRAIN and whether offsets need 64 bits. The D taps,
+the sizes and the H shift are run-time, passed as tuples of integers (``sizes``, ``divs``,
+``dtaps``): kernel parameters sit in the constant bank, so reading them costs no load, and one
+compiled kernel serves every size.
 
 Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
-accumulates, computed beforehand from box sums. Each output is written once as ``acc - mean``.
-In evaluation mode the BN scale is already folded into the weights, so that is the final output.
+accumulates, computed beforehand from box sums. The accumulators start at ``-mean``, so each
+output is written once, already centred. In evaluation mode the BN scale is already folded into
+the weights, so that is the final output.
 With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces its NC
 sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes to shared
 memory, and after one barrier NC threads add them in a fixed order and write one value per
@@ -39,10 +42,10 @@ reduction pass over the output. Deterministic: no atomics anywhere.
 Versions (benchmarks/NOTES.md has the measurements, default problem on an H100): v1 one W
 quotient x 4 H rows of one H phase per thread, weights read from global memory right before
 their FMAs: 1.32 ms. v2 unsigned hot indices, all weights of a step loaded first: 0.71 ms
-(latency-bound: 32 loads per 96 FMAs, 19% occupancy). v4 (this) keeps every H and W phase in the
+(latency-bound: 32 loads per 96 FMAs, 19% occupancy). v4 keeps every H and W phase in the
 thread so the H rows share one input window, stages weights in shared memory (16-byte aligned, so
 a channel tile is one vector load), prefetches the next step's window, walks the input with one
-add per step and caps registers at 128: 0.35 ms (eval), 0.375 ms (train). v5 (this) cuts what
+add per step and caps registers at 128: 0.35 ms (eval), 0.375 ms (train). v5 cuts what
 every thread runs once around its ~24 steps, which ncu showed was a quarter of all issued
 instructions: the block and thread decomposition uses unsigned 32-bit divisions instead of signed
 64-bit floor divisions, whole tiles store without a test per output, and a window cell outside the
@@ -50,6 +53,14 @@ input keeps its initial zero instead of being re-zeroed every step: 257 -> 238 M
 0.33 ms (eval), 0.353 ms (train). The multiply-adds of a step are generated as straight-line code
 (``fma_step_source``): identical for the default tile, and what lets larger tiles keep their
 accumulators in registers (NC=8 then ran as fast as NC=4, no faster: 239 registers, 8 warps/SM).
+v6 (this) removes what ncu showed was left around the multiply-adds: sizes as tuple parameters
+instead of an int64 array (no loads, no 64-bit arithmetic), the block decomposition by
+multiply-high (``fastdiv``), 32-bit offsets unless a tensor needs 64, D taps outside and input
+channels inside (constant strides, no wrap logic), weights staged with 8 loads in flight, one
+guarded store path with 32-bit tests (the whole-tile path never ran: every warp holds the W edge
+of an odd output width), and two input windows that alternate, two channels per trip, because
+copying the freshly loaded window into the one being read waited on the loads (a quarter of the
+stall samples): 238 -> 202 M instructions, 0.292 ms (eval), 0.298 ms (train).
 
 Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
 and of the W lanes; every thread reaches the barriers (none returns early).
@@ -313,15 +324,18 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             # Stage this chunk's weights: STAGE loads in flight per thread, then the stores
             # (one load at a time left each block waiting on L2 latency at the barrier).
             cuda.syncthreads()  # the previous chunk's weights are no longer read
-            total = n_ci * per_ci
-            src = wslab + ci0 * per_ci
-            for i0 in range(t, total, STAGE * cuda.blockDim.x):
+            # 32-bit counters (a staged chunk is at most SMEM_WEIGHT_BYTES); numba widens
+            # integer arithmetic to 64 bits unless told otherwise.
+            total = int32(n_ci * per_ci)
+            bs = int32(cuda.blockDim.x)
+            src = idx(wslab + ci0 * per_ci)
+            for i0 in range(int32(t), total, int32(STAGE * bs)):
                 for k in range(STAGE):
-                    i = i0 + k * cuda.blockDim.x
+                    i = int32(i0 + k * bs)
                     if i < total:
                         stage[k] = wph[uint64(int64(idx(src + i)))]
                 for k in range(STAGE):
-                    i = i0 + k * cuda.blockDim.x
+                    i = int32(i0 + k * bs)
                     if i < total:
                         wsm[i] = stage[k]
             cuda.syncthreads()  # this chunk's weights are staged
