@@ -47,3 +47,23 @@ def test_fma_step_source_matches_the_loop_nest(h_axis, w_axis, tile):
     _loop_nest(want, xin, wsm, wb, nc, mh, qw, hpat, wpat)
     assert np.array_equal(got, want)  # same products, same order: bit for bit
     assert not np.array_equal(got, start)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_64_bit_offsets_match_pytorch(training, device, monkeypatch):
+    """The 64-bit offset variant (tensors of 2**31 elements or more) on a small problem: the
+    kernel picks its offset width from NARROW_LIMIT, lowered here so the wide path runs."""
+    from numba_deconv import Pipeline, testing
+
+    monkeypatch.setattr(gather, "NARROW_LIMIT", 1)
+    geom = testing.ConvGeometry.create(3, 4, (2, 3, 4), (2, 1, 3), (1, 0, 2), dilation=(1, 2, 1))
+    seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
+    case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 4, 3), training, seed=seed)
+    made = []
+
+    def make(conv, bn):
+        made.append(Pipeline.from_modules(conv, bn, poison=True))
+        return made[-1]
+
+    testing.check_case(case, make, device)
+    assert all(plan.gather.wide for plan in made[0]._plans.values())
