@@ -395,7 +395,7 @@ class Pipeline:
             scale = self._finish_batch_stats(plan, plan.means, plan.css.view(*plan.css.shape, 1),
                                              record).to(torch.float64)
         else:
-            scale = torch.ones_like(plan.zero_bias)
+            scale = plan.ones  # the BN scale is folded into the weights
             if record is not None:
                 record["scale"] = self._eval_scale()
         epilogue.launch_scale_centered(rows, means, scale, rows)

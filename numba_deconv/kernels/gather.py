@@ -73,7 +73,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint32, uint64
+from numba import cuda, float32, float64, int32, int64, uint64
 
 from ..geometry import AxisGeometry
 from ..simulator import is_simulator
@@ -198,16 +198,17 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
     ``AxisPlan.shift``. ``wide``: some tensor has 2**31 elements or more, so offsets are 64-bit
-    (otherwise unsigned 32-bit, see below).
+    (otherwise signed 32-bit, see below).
     """
     acc_t = _NUMBA_TYPES[dtype]
-    # Offsets into x, out and the weights: unsigned 32-bit unless a tensor is too large for that
-    # (64-bit offsets cost two instructions per add and compare and twice the registers; signed
-    # 32-bit ones three per address, to sign-extend). Unsigned arithmetic wraps, which is
-    # harmless where a window row starts above the input (a masked row): a row that is loaded
-    # has a true offset >= 0. Within a row the cells sit at the compile-time columns
-    # ``wshift + ec`` from the thread's first W quotient (>= 0), so a window reaching left of
-    # the input never wraps a loaded cell's offset either, and each cell is an immediate offset.
+    # Offsets into x, out and the weights: signed 32-bit unless a tensor is too large for that
+    # (64-bit offsets cost two instructions per add and compare and twice the registers). A
+    # window row may start above or left of the input (masked cells); signed, its offset is
+    # simply negative, and every cell that is loaded has a true offset >= 0. Offsets become
+    # addresses by sign extension, three instructions per window row. Unsigned offsets would
+    # need one, but LLVM widened those loop offsets back to 64 bits with masks, which cost more
+    # (benchmarks/NOTES.md, session 4). Within a row the cells sit at the compile-time columns
+    # ``wshift + ec`` from the thread's first W quotient: immediate offsets.
     idx = int64 if wide else int32
     sh, h_taps, hwin = hpat
     sw, w_taps, wwin = wpat
