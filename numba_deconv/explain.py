@@ -258,8 +258,10 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                     (1,), block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
                     rows_nc * (slots + 1) * 8 + geom.out_channels * 6 * 8))
     if pipe.conv_impl == "gather" and batch_stats:  # the output is centred already
-        out.append(("scale", "torch mul_ (per channel, in place)", None, None, None, n_out,
-                    2 * n_out * e))
+        blk = block_size(epilogue.BLOCK)
+        out.append(("scale", "scale_rows (per channel, in place)", epilogue.make_scale_rows(name),
+                    (-(-vol // (blk * epilogue.SCALE_UNROLL)),
+                     max(1, min(rows_nc, epilogue.MAX_ROW_BLOCKS))), blk, n_out, 2 * n_out * e))
     elif pipe.conv_impl == "scatter":
         blk = block_size(epilogue.BLOCK)
         out.append(("scale", "scale_centered", epilogue.scale_centered,

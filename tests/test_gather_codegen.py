@@ -49,16 +49,13 @@ def test_fma_step_source_matches_the_loop_nest(h_axis, w_axis, tile):
     assert not np.array_equal(got, start)
 
 
-@pytest.mark.parametrize("training", [False, True])
-def test_64_bit_offsets_match_pytorch(training, device, monkeypatch):
-    """The 64-bit offset variant (tensors of 2**31 elements or more) on a small problem: the
-    kernel picks its offset width from NARROW_LIMIT, lowered here so the wide path runs."""
+def _check_against_pytorch(geom, batch: int, in_spatial, training: bool, device) -> list:
+    """One random case of ``geom`` through the gather pipeline against float64 PyTorch; the
+    launch plans the pipeline made."""
     from numba_deconv import Pipeline, testing
 
-    monkeypatch.setattr(gather, "NARROW_LIMIT", 1)
-    geom = testing.ConvGeometry.create(3, 4, (2, 3, 4), (2, 1, 3), (1, 0, 2), dilation=(1, 2, 1))
     seed = int(np.random.default_rng().integers(2**31))  # fresh inputs every run
-    case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 4, 3), training, seed=seed)
+    case = testing.Case(geom, testing.BatchNormSettings(), batch, in_spatial, training, seed=seed)
     made = []
 
     def make(conv, bn):
@@ -66,4 +63,75 @@ def test_64_bit_offsets_match_pytorch(training, device, monkeypatch):
         return made[-1]
 
     testing.check_case(case, make, device)
-    assert all(plan.gather.wide for plan in made[0]._plans.values())
+    return [plan.gather for plan in made[0]._plans.values()]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_64_bit_offsets_match_pytorch(training, device, monkeypatch):
+    """The 64-bit offset variant (tensors of 2**31 elements or more) on a small problem: the
+    kernel picks its offset width from NARROW_LIMIT, lowered here so the wide path runs."""
+    from numba_deconv import testing
+
+    monkeypatch.setattr(gather, "NARROW_LIMIT", 1)
+    geom = testing.ConvGeometry.create(3, 4, (2, 3, 4), (2, 1, 3), (1, 0, 2), dilation=(1, 2, 1))
+    plans = _check_against_pytorch(geom, 2, (3, 4, 3), training, device)
+    assert plans and all(plan.wide for plan in plans)
+
+
+def test_exact_edges_matches_every_output():
+    """``exact_edges`` (closed form) against the definition: every tap of every output reads an
+    input inside the input."""
+    checked = exact = 0
+    for kernel in range(1, 5):
+        for stride in range(1, 4):
+            for padding in range(4):
+                for output_padding in range(3):
+                    for dilation in range(1, 4):
+                        try:
+                            axis = AxisGeometry(kernel, stride, padding, output_padding, dilation)
+                        except ValueError:
+                            continue
+                        for size in range(1, 8):
+                            out = axis.output_size(size)
+                            if out < 1:
+                                continue
+                            taps = axis.phase_taps()
+                            want = all(0 <= o // stride + delta < size
+                                       for o in range(out) for _, delta in taps[o % stride])
+                            assert gather.exact_edges(axis, size) == want, (axis, size)
+                            checked += 1
+                            exact += want
+    assert checked > 1000 and 0 < exact < checked  # both answers occur
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_unmasked_loads_match_pytorch(training, device):
+    """An exact geometry (k=3, s=2, p=1: the default problem's) takes the unmasked window loads,
+    except threads whose windows reach past x's first or last element, which take the masked
+    loop: both run in one launch here."""
+    from numba_deconv import testing
+
+    geom = testing.ConvGeometry.create(3, 4, 3, 2, 1)
+    plans = _check_against_pytorch(geom, 2, (3, 4, 5), training, device)
+    assert plans and all(plan.exact for plan in plans)
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("exact", [True, False])
+def test_weight_chunks_match_pytorch(training, exact, device, monkeypatch):
+    """Input channels staged in several chunks of weights, the last one odd-sized (one piece
+    per D tap of the phase each), forced on a small problem by lowering SMEM_WEIGHT_BYTES."""
+    from numba_deconv import testing
+
+    if exact:
+        geom = testing.ConvGeometry.create(5, 4, 3, 2, 1)
+    else:
+        geom = testing.ConvGeometry.create(10, 4, (2, 3, 3), (2, 1, 2), (1, 0, 1),
+                                           output_padding=(1, 0, 1), groups=2)
+    whole = gather.gather_launch(geom, 2, (3, 4, 5), geom.output_spatial((3, 4, 5)), "float64")
+    per_ci = whole.smem // geom.in_per_group  # bytes of one input channel's weights
+    monkeypatch.setattr(gather, "SMEM_WEIGHT_BYTES", 2 * per_ci)  # chunks of 2 channels
+    plans = _check_against_pytorch(geom, 2, (3, 4, 5), training, device)
+    assert plans and all(plan.exact == exact for plan in plans)
+    sizes = dict(zip(gather._DIMS, plans[0].dims[0]))
+    assert sizes["ci_chunk"] < sizes["ipg"] and sizes["ipg"] % sizes["ci_chunk"]

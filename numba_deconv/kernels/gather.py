@@ -1,4 +1,4 @@
-"""Phase-decomposed gather transposed convolution with a fused epilogue: ``conv_transpose3d_gather``.
+"""Phase-decomposed gather transposed convolution, fused epilogue: ``conv_transpose3d_gather``.
 
 Why gather (DESIGN.md 2.6): per axis, output o = s*q + r receives tap k from input i = q + delta
 exactly when (r + p - d*k) is divisible by s, with delta = (r + p - d*k) / s. Outputs of one
@@ -23,11 +23,11 @@ channel, D tap, H tap, W tap, channel), zero-padded (``phase_weight_index``). A 
 contiguous slab for a chunk of input channels into dynamic shared memory, so staging is one
 plain copy with no index arithmetic; large geometries take several chunks.
 
-Compile-time (factory arguments): dtype, NC, MH, QW, the H and W tap patterns (phase, window
-offset), the W padding's whole-stride shift, TRAIN and whether offsets need 64 bits. The D taps,
-the sizes and the H shift are run-time, passed as tuples of integers (``sizes``, ``divs``,
-``dtaps``): kernel parameters sit in the constant bank, so reading them costs no load, and one
-compiled kernel serves every size.
+Compile-time (factory arguments): dtype, NC, MH, QW, the D, H and W tap patterns (phase, window
+offset), the W padding's whole-stride shift, whether the geometry is EXACT (``exact_edges``), TRAIN
+and whether offsets need 64 bits. The sizes and the D and H shifts are run-time, passed as tuples
+of integers (``sizes``, ``divs``): kernel parameters sit in the constant bank, so reading them
+costs no load, and one compiled kernel serves every size.
 
 Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
 accumulates, computed beforehand from box sums. The accumulators start at ``-mean``, so each
@@ -53,14 +53,20 @@ input keeps its initial zero instead of being re-zeroed every step: 257 -> 238 M
 0.33 ms (eval), 0.353 ms (train). The multiply-adds of a step are generated as straight-line code
 (``fma_step_source``): identical for the default tile, and what lets larger tiles keep their
 accumulators in registers (NC=8 then ran as fast as NC=4, no faster: 239 registers, 8 warps/SM).
-v6 (this) removes what ncu showed was left around the multiply-adds: sizes as tuple parameters
+v6 removes what ncu showed was left around the multiply-adds: sizes as tuple parameters
 instead of an int64 array (no loads, no 64-bit arithmetic), the block decomposition by
 multiply-high (``fastdiv``), 32-bit offsets unless a tensor needs 64, D taps outside and input
 channels inside (constant strides, no wrap logic), weights staged with 8 loads in flight, one
 guarded store path with 32-bit tests (the whole-tile path never ran: every warp holds the W edge
 of an odd output width), and two input windows that alternate, two channels per trip, because
 copying the freshly loaded window into the one being read waited on the loads (a quarter of the
-stall samples): 238 -> 202 M instructions, 0.292 ms (eval), 0.298 ms (train).
+stall samples): 238 -> 202 M instructions, 0.292 ms (eval), 0.298 ms (train). v7 (this) loads
+the windows of EXACT geometries (the default problem's among them) without masks: a cell outside
+the input only feeds outputs outside the output, which are never stored, so only threads whose
+windows reach past x's first or last element keep the masked loop; the offsets of the unmasked
+loop are 64-bit and advance by one add per channel; the D tap pattern is compile-time (no tuple
+indexed at run time, which had gone through the stack): 202 -> 186 M instructions, 15 non-memory
+instructions per 144 FFMA in the loop instead of 35, 0.274 ms (eval), 0.294 ms (train).
 
 Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
 and of the W lanes; every thread reaches the barriers (none returns early).
@@ -131,6 +137,36 @@ class GatherTiling:
     max_regs: int = 0  # register cap per thread for the compiler (0: its own choice)
 
 
+def d_phases(dpat: tuple) -> tuple[int, tuple, tuple, int]:
+    """The D axis' taps as the kernel walks them: ``(stride, counts, first, step)``.
+
+    Phase r has ``counts[r]`` taps; tap td of it reads window offset ``first[r] - td * step``
+    (taps of one phase are s/gcd(s, d) kernel taps apart, so their offsets fall by d/gcd(s, d)).
+    """
+    stride, taps, _ = dpat
+    offsets = [[e for r, e in taps if r == rd] for rd in range(stride)]
+    steps = {a - b for es in offsets for a, b in zip(es, es[1:])}
+    assert len(steps) <= 1 and all(v > 0 for v in steps), offsets
+    return (stride, tuple(len(es) for es in offsets), tuple(es[0] if es else 0 for es in offsets),
+            steps.pop() if steps else 0)
+
+
+def exact_edges(axis: AxisGeometry, in_size: int) -> bool:
+    """Whether every tap of every output inside the output reads an input inside the input.
+
+    Then a window cell outside the input only feeds outputs outside the output (which are never
+    stored), so the kernel may load it unmasked. True for the usual "same" padding, e.g. k=3,
+    s=2, p=1, op=0; false when output padding or little padding lets an edge output read past
+    the input.
+    """
+    out_size = axis.output_size(in_size)
+    for r, taps in enumerate(axis.phase_taps()):
+        q_last = (out_size - 1 - r) // axis.stride   # outputs s*q + r, q in [0, q_last]
+        if q_last >= 0 and any(delta < 0 or q_last + delta >= in_size for _, delta in taps):
+            return False
+    return True
+
+
 def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...]:
     """Which cells of the (MH + HWIN - 1) x (QW + WWIN - 1) input window some tap reads."""
     xc = qw + wpat[2] - 1
@@ -147,9 +183,9 @@ def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...
 # reading them costs no load. ``sizes`` follows _DIMS; ``divs`` holds one ``fastdiv.divisor``
 # triple per name in _DIVISORS; ``dtaps`` is the D tap table: counts[SD], then deltas[SD * TDMAX].
 _DIMS = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
-         "ipg", "opg", "shift_h", "sd", "qd_n", "qw_groups", "tdmax",
+         "ipg", "opg", "shift_d", "shift_h", "qd_n", "qw_groups",
          "ci_chunk", "lane_shift", "rows_per_block", "row_blocks", "ctiles")
-_DIVISORS = ("ctiles", "sd", "row_blocks", "lane_blocks", "tiles_per_group", "qh_groups")
+_DIVISORS = ("ctiles", "row_blocks", "lane_blocks", "tiles_per_group", "qh_groups")
 # Weights staged per loop trip of the copy into shared memory, per thread: loads in flight
 STAGE = 8
 # Offsets fit in 32 bits (unsigned, wrapping) when every tensor has fewer elements than this
@@ -192,8 +228,9 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 
 
 @functools.lru_cache(maxsize=None)
-def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple,
-                       wshift: int, train: bool, max_regs: int = 0, wide: bool = False):
+def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
+                       wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int = 0,
+                       wide: bool = False):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
@@ -210,6 +247,9 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
     # (benchmarks/NOTES.md, session 4). Within a row the cells sit at the compile-time columns
     # ``wshift + ec`` from the thread's first W quotient: immediate offsets.
     idx = int64 if wide else int32
+    sd, d_counts, d_first, d_step = d_phases(dpat)
+    tdmax = max(1, max(d_counts))
+    sd_div = fastdiv.divisor(sd)
     sh, h_taps, hwin = hpat
     sw, w_taps, wwin = wpat
     nht, nwt = len(h_taps), len(w_taps)
@@ -224,13 +264,22 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
     fma_step = _fma_step(nc, mh, qw, hpat, wpat)
 
     @cuda.jit(device=True, inline="always")
+    def load_window_exact(buf, x, p, row_stride):
+        """The cells of one window some tap reads, unmasked (``p``: cell (0, 0), uint64)."""
+        for er in range(xr):
+            rb = p + uint64(er) * row_stride
+            for ec in range(xc):
+                if need[er * xc + ec]:
+                    buf[er * xc + ec] = x[rb + uint64(ec)]
+
+    @cuda.jit(device=True, inline="always")
     def load_window(buf, x, xoff, row_stride, h_ok, w_ok):
         """The cells of one window some tap reads, except those outside the input."""
         for er in range(xr):
             rb = int64(idx(int64(xoff) + er * row_stride))
             for ec in range(xc):
                 if need[er * xc + ec] and h_ok[er] and w_ok[ec]:
-                    buf[er * xc + ec] = x[uint64(rb + (ec + wshift))]
+                    buf[er * xc + ec] = x[uint64(rb + ec)]
 
     # the simulator's jit takes no register cap (and has no registers)
     @cuda.jit(**({"max_registers": max_regs} if max_regs and not is_simulator() else {}))
@@ -242,23 +291,24 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         ss,     # (N, CO, slots) f64 centred-square partials (written only with TRAIN)
         sizes,  # tuple: the run-time sizes named in _DIMS
         divs,   # tuple of fastdiv.divisor triples, one per name in _DIVISORS
-        dtaps,  # tuple: the D tap table, counts[SD] then deltas[SD * TDMAX]
     ):
         wsm = cuda.shared.array(0, acc_t, alignment=16)  # staged weights (dynamic size)
         partial = cuda.shared.array((MAX_WARPS, nc), float64)
         stage = cuda.local.array(STAGE, acc_t)
-        (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_h,
-         sd, qd_n, qw_groups, tdmax, ci_chunk, lane_shift, rows_per_block, row_blocks,
-         ctiles) = sizes
-        ctiles_d, sd_d, row_blocks_d, lane_blocks_d, tiles_per_group_d, qh_groups_d = divs
+        (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
+         qd_n, qw_groups, ci_chunk, lane_shift, rows_per_block, row_blocks, ctiles) = sizes
+        ctiles_d, row_blocks_d, lane_blocks_d, tiles_per_group_d, qh_groups_d = divs
 
         # ---- which tile this block and thread own -------------------------------------------
         # Every thread runs this once for ~24 steps of its main loop, so it has to be cheap:
         # divisions by multiply-high (fast_divmod), lanes a power of two (a shift and a mask).
         # Blocks: (((n * lane_blocks + lane_blk) * row_blocks + row_blk) * sd + rd) * ctiles + ctile
+        # (A block that ran several tiles to stage its weights once was no faster: the tile
+        # loop's state cost a register, which at the 128-register cap spilled inside the main
+        # loop; benchmarks/NOTES.md, session 5.)
         bid = cuda.blockIdx.x
         bid, ctile = fast_divmod(bid, ctiles_d)
-        bid, rd = fast_divmod(bid, sd_d)
+        bid, rd = fast_divmod(bid, sd_div)
         bid, row_blk = fast_divmod(bid, row_blocks_d)
         n, lane_blk = fast_divmod(bid, lane_blocks_d)
         g, c0 = fast_divmod(ctile, tiles_per_group_d)
@@ -278,10 +328,11 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             m = -acc_t(mean[n, g * opg + min(c0 + c, opg - 1)])
             for a in range(per_c):
                 acc[c * per_c + a] = m
-        # Two windows, alternating: one is loaded while the multiply-adds read the other. (With
-        # one window read and one loaded, the copy between them at the end of each trip waited
-        # for the loads just issued: a quarter of all stall samples, ncu, session 4.) A cell
-        # outside the input is never loaded: it keeps the zero it starts with.
+        # Two windows, alternating: one is loaded while the multiply-adds read the other.
+        # (With one window read and one loaded, the copy between them at the end of each
+        # trip waited for the loads just issued: a quarter of all stall samples, ncu,
+        # session 4.) In the masked loop a cell outside the input is never loaded: it keeps
+        # the zero it starts with.
         xa = cuda.local.array(n_x, acc_t)
         xb = cuda.local.array(n_x, acc_t)
         for e in range(n_x):
@@ -299,31 +350,50 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
         plane_size = in_h * in_w
         row_stride = idx(in_w)
         ci_stride = idx(in_d * plane_size)
-        # D taps this thread can use: deltas fall as the tap index rises, so the valid taps
-        # (0 <= qd + delta < in_d) form one range [td_lo, td_hi): no bounds test in the loop.
-        dtab = sd + rd * tdmax
+        # D taps of phase rd: tap td reads input plane qd + shift_d + first - td * step
+        # (compile-time pattern, ``d_phases``). The valid taps (inside the input) form one
+        # range [td_lo, td_hi): no bounds test in the loop.
+        count = 0
+        first = 0
+        for r in range(sd):
+            if r == rd:
+                count = d_counts[r]
+                first = d_first[r]
+        plane0 = qd + shift_d + first
         td_lo = tdmax
         td_hi = 0
-        for td in range(dtaps[rd]):
-            i_d = qd + dtaps[dtab + td]
-            if i_d >= 0 and i_d < in_d:
+        for td in range(tdmax):
+            i_d = plane0 - td * d_step
+            if td < count and i_d >= 0 and i_d < in_d:
                 td_lo = min(td_lo, td)
                 td_hi = td + 1
         if not active:
             td_hi = td_lo  # no steps; the thread still reaches every barrier
-        # offset of the window's row 0 at the thread's first W quotient (the cells are at
-        # columns wshift + ec from there), input channel 0 of the group, D offset 0; it may wrap
-        # below zero (a masked row)
-        corner = ((n * in_ch + g * ipg) * in_d + qd) * plane_size \
-            + (qh0 + shift_h) * in_w + qw0
-        per_ci = tdmax * per_step
+        # offset of window cell (0, 0) for D tap 0, input channel 0 of the group; it may
+        # lie below zero (a masked row or column)
+        corner = ((n * in_ch + g * ipg) * in_d + plane0) * plane_size \
+            + (qh0 + shift_h) * in_w + qw0 + wshift
+        td_plane = d_step * plane_size   # offset from one D tap to the next
+        per_ci = tdmax * per_step        # weights of one input channel
         wslab = ((rd * ctiles + ctile) * ipg) * per_ci
+        # EXACT geometries: a window cell outside the input only feeds outputs outside the
+        # output (never stored), so its value does not matter and the loads need no mask,
+        # as long as every cell the thread reads lies inside x (threads at x's first and
+        # last planes may not: they take the masked loop).
+        first_cell = corner - (td_hi - 1) * td_plane
+        last_cell = corner - td_lo * td_plane + (ipg - 1) * ci_stride \
+            + (xr - 1) * in_w + xc - 1
+        unmasked = exact and first_cell >= 0 and last_cell < x.shape[0]
+        cs_u = uint64(ci_stride)
+        rs_u = uint64(in_w)
 
         # ---- main loop: chunks of input channels; per (ci, D tap) one window, all H/W taps ---
         for ci0 in range(0, ipg, ci_chunk):
             n_ci = min(ci_chunk, ipg - ci0)
             # Stage this chunk's weights: STAGE loads in flight per thread, then the stores
-            # (one load at a time left each block waiting on L2 latency at the barrier).
+            # (one load at a time left each block waiting on L2 latency at the barrier). The
+            # loads are unconditional (the last one repeated past the end), so ``stage`` stays
+            # in registers; conditional loads kept it in local memory.
             cuda.syncthreads()  # the previous chunk's weights are no longer read
             # 32-bit counters (a staged chunk is at most SMEM_WEIGHT_BYTES); numba widens
             # integer arithmetic to 64 bits unless told otherwise.
@@ -332,36 +402,62 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat:
             src = idx(wslab + ci0 * per_ci)
             for i0 in range(int32(t), total, int32(STAGE * bs)):
                 for k in range(STAGE):
-                    i = int32(i0 + k * bs)
-                    if i < total:
-                        stage[k] = wph[uint64(int64(idx(src + i)))]
+                    i = int32(min(i0 + k * bs, total - 1))
+                    stage[k] = wph[uint64(int64(idx(src + i)))]
                 for k in range(STAGE):
                     i = int32(i0 + k * bs)
                     if i < total:
                         wsm[i] = stage[k]
             cuda.syncthreads()  # this chunk's weights are staged
             # D taps outside, input channels inside: the inner loop walks the input and the
-            # weights with constant strides. The window of channel cl + 1 is loaded before the
-            # multiply-adds of channel cl, so its latency hides behind them; two channels per
-            # trip, so the windows alternate without a copy.
+            # weights with constant strides. The window of channel cl + 1 is loaded before
+            # the multiply-adds of channel cl, so its latency hides behind them; two
+            # channels per trip, so the windows alternate without a copy.
             n_pairs = int32(n_ci // 2)
             odd = n_ci % 2 == 1
-            for td in range(td_lo, td_hi):
-                xoff = idx(corner + (ci0 * in_d + dtaps[dtab + td]) * plane_size)
-                wb = idx(td * per_step)   # the step's weights in the staged chunk
-                load_window(xa, x, xoff, row_stride, h_ok, w_ok)            # channel 0
-                for pair in range(n_pairs):
-                    xoff = idx(int64(xoff) + ci_stride)
-                    load_window(xb, x, xoff, row_stride, h_ok, w_ok)        # channel 2p + 1
-                    fma_step(acc, xa, wsm, wb)  # channel 2p: every H and W tap, unrolled
-                    wb = idx(wb + per_ci)
-                    if pair + 1 < n_pairs or odd:
+            if unmasked:
+                for td in range(td_lo, td_hi):
+                    p = uint64(corner - td * td_plane + ci0 * ci_stride)
+                    wb = int32(td * per_step)  # the step's weights in shared memory
+                    load_window_exact(xa, x, p, rs_u)                   # channel 0
+                    for pair in range(n_pairs - int32(1)):
+                        p += cs_u
+                        load_window_exact(xb, x, p, rs_u)               # channel 2p + 1
+                        fma_step(acc, xa, wsm, wb)  # channel 2p: every H and W tap
+                        wb = int32(wb + per_ci)
+                        p += cs_u
+                        load_window_exact(xa, x, p, rs_u)               # channel 2p + 2
+                        fma_step(acc, xb, wsm, wb)  # channel 2p + 1
+                        wb = int32(wb + per_ci)
+                    if n_pairs > 0:  # the last pair: no channel 2p + 2 unless n_ci is odd
+                        p += cs_u
+                        load_window_exact(xb, x, p, rs_u)
+                        fma_step(acc, xa, wsm, wb)
+                        wb = int32(wb + per_ci)
+                        if odd:
+                            p += cs_u
+                            load_window_exact(xa, x, p, rs_u)
+                        fma_step(acc, xb, wsm, wb)
+                        wb = int32(wb + per_ci)
+                    if odd:
+                        fma_step(acc, xa, wsm, wb)  # the chunk's last channel
+            else:
+                for td in range(td_lo, td_hi):
+                    xoff = idx(corner - td * td_plane + ci0 * ci_stride)
+                    wb = int32(td * per_step)
+                    load_window(xa, x, xoff, row_stride, h_ok, w_ok)        # channel 0
+                    for pair in range(n_pairs):
                         xoff = idx(int64(xoff) + ci_stride)
-                        load_window(xa, x, xoff, row_stride, h_ok, w_ok)    # channel 2p + 2
-                    fma_step(acc, xb, wsm, wb)  # channel 2p + 1
-                    wb = idx(wb + per_ci)
-                if odd:
-                    fma_step(acc, xa, wsm, wb)  # the chunk's last channel
+                        load_window(xb, x, xoff, row_stride, h_ok, w_ok)    # channel 2p + 1
+                        fma_step(acc, xa, wsm, wb)
+                        wb = int32(wb + per_ci)
+                        if pair + 1 < n_pairs or odd:
+                            xoff = idx(int64(xoff) + ci_stride)
+                            load_window(xa, x, xoff, row_stride, h_ok, w_ok)  # 2p + 2
+                        fma_step(acc, xb, wsm, wb)
+                        wb = int32(wb + per_ci)
+                    if odd:
+                        fma_step(acc, xa, wsm, wb)
 
         # ---- epilogue: store once (the mean is subtracted already), (train) centred squares --
         out_plane = out_h * out_w
@@ -507,7 +603,9 @@ class GatherLaunch:
     hpat: tuple
     wpat: tuple
     wshift: int        # the W axis' whole shift (compile-time: cells are immediate offsets)
-    dims: tuple        # (sizes, divs, dtaps): the kernel's tuple parameters
+    dpat: tuple        # the D axis' ``AxisPlan.pattern`` (compile-time)
+    exact: bool        # H and W ``exact_edges``: window loads need no mask (compile-time)
+    dims: tuple        # (sizes, divs): the kernel's tuple parameters
     grid: int
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
     smem: int          # dynamic shared memory per block, bytes
@@ -540,41 +638,33 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     per_ci = tdmax * len(h_plan.taps) * len(w_plan.taps) * tiling.nc
     item = _ITEMSIZE[dtype]
     ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))
-    counts = [len(taps) for taps in d_taps]
-    # taps of one phase are s/gcd(s, d) kernel taps apart, so their deltas fall by d/gcd(s, d)
-    d_step = d_axis.dilation // math.gcd(d_axis.stride, d_axis.dilation)
-    for taps in d_taps:
-        assert all(taps[i][1] - taps[i + 1][1] == d_step for i in range(len(taps) - 1)), taps
-    deltas = np.zeros((sd, tdmax), np.int64)
-    for rd, taps in enumerate(d_taps):
-        for td, (_, delta) in enumerate(taps):
-            deltas[rd, td] = delta
+    d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd
     grid = batch * slots * ctiles
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
-                 ipg=ipg, opg=opg, shift_h=h_plan.shift, sd=sd,
-                 qd_n=qd_n, qw_groups=qw_groups, tdmax=tdmax, ci_chunk=ci_chunk,
+                 ipg=ipg, opg=opg, shift_d=d_plan.shift, shift_h=h_plan.shift,
+                 qd_n=qd_n, qw_groups=qw_groups, ci_chunk=ci_chunk,
                  lane_shift=tiling.lanes.bit_length() - 1, rows_per_block=rows_per_block,
                  row_blocks=row_blocks, ctiles=ctiles, lane_blocks=lane_blocks,
                  tiles_per_group=tiles_per_group, qh_groups=qh_groups)
     if grid >= fastdiv.LIMIT:
         raise ValueError(f"gather grid of {grid} blocks exceeds the 2**31 - 1 a launch allows")
     dims = (tuple(int(sizes[k]) for k in _DIMS),
-            tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS),
-            tuple(counts) + tuple(int(v) for v in deltas.reshape(-1)))
+            tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
+    exact = exact_edges(h_axis, in_spatial[1]) and exact_edges(w_axis, in_spatial[2])
     n_wph = sd * ctiles * ipg * per_ci
     wide = max(batch * geom.in_channels * math.prod(in_spatial),
                batch * geom.out_channels * math.prod(out_spatial), n_wph) >= NARROW_LIMIT
-    return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, dims, grid, slots,
-                        ci_chunk * per_ci * item, wide)
+    return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, d_plan.pattern,
+                        exact, dims, grid, slots, ci_chunk * per_ci * item, wide)
 
 
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
-    return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.hpat, launch.wpat, launch.wshift,
-                              train, t.max_regs, launch.wide)
+    return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.dpat, launch.hpat, launch.wpat,
+                              launch.wshift, launch.exact, train, t.max_regs, launch.wide)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss) -> None:
