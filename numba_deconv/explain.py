@@ -12,7 +12,7 @@ fill_channels            0                                   write y
 conv_transpose3d_scatter 2 * macs (one atomic per MAC)       read x, w; read+write y (atomics)
 spatial_moments_warp     S per row (+3 S with css)           read y once (twice with css)
 scale_centered           2 per element                       read + write y
-box_sums                 the adds of its three passes        read x; f64 scratch written+read
+box_sums                 one add per (value, box holding it) read x once; write box sums
 mean_from_box_sums       2 * N*CO*CIg*k^3                    read box sums, w; write means
 conv_transpose3d_gather  2 * macs (+3 per output in train)   read x, w, means; write y once
 =======================  ==================================  ====================================
@@ -192,13 +192,15 @@ def _elementwise_grid(rows: int, size: int, block: int) -> tuple[int, int]:
 
 
 def _box_sums_flops(geom, batch: int, in_spatial) -> int:
-    """Adds of the three separable passes (row, plane, box) of ``box_sums``."""
+    """Adds of ``box_sums``: per input value one per H tap whose interval holds it, per column
+    KH per (D, W) box it belongs to."""
     axes = geom.axes()
-    widths = [sum(max(0, hi - lo + 1) for lo, hi in (ax.box(k, size) for k in range(ax.kernel)))
-              for ax, size in zip(axes, in_spatial)]
-    (kd, kh, kw), (idp, ih, _) = geom.kernel_size, in_spatial
-    per_plane = idp * ih * widths[2] + idp * kw * widths[1] + kh * kw * widths[0]
-    return batch * geom.in_channels * per_plane
+    inside = [[sum(1 for k in range(ax.kernel) if ax.box(k, size)[0] <= i <= ax.box(k, size)[1])
+               for i in range(size)] for ax, size in zip(axes, in_spatial)]
+    kh = geom.kernel_size[1]
+    per_volume = sum(inside[1]) * in_spatial[0] * in_spatial[2] \
+        + kh * sum(inside[0]) * sum(inside[2])
+    return batch * geom.in_channels * per_volume
 
 
 def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, batch_stats: bool):
@@ -231,10 +233,10 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         blk = block_size(box_sums.BLOCK)
         planes = batch * geom.in_channels
         kd, kh, kw = geom.kernel_size
-        scratch = planes * (in_spatial[0] * in_spatial[1] * kw + in_spatial[0] * kh * kw) * 8
         boxes = planes * kd * kh * kw * 8
-        out.append(("box_sums", "box_sums", box_sums.box_sums, (max(1, min(planes, 65535)),), blk,
-                    _box_sums_flops(geom, batch, in_spatial), x_bytes + 2 * scratch + boxes))
+        out.append(("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw),
+                    (max(1, min(planes, 65535)),), blk,
+                    _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes))
         blk = block_size(box_sums.MEAN_BLOCK)
         out.append(("mean_from_box_sums", "mean_from_box_sums", box_sums.mean_from_box_sums,
                     (grid_for(rows_nc * 32, blk),), blk,  # one warp per (n, c)
@@ -341,7 +343,8 @@ _LAUNCHERS = {
     "gather": ((box_sums, "launch_box_sums", "box_sums"),
                (box_sums, "launch_mean_from_box_sums", "mean_from_box_sums"),
                (gather, "launch_gather", "conv_transpose3d_gather"),
-               (batch_stats_kernels, "launch_batch_statistics", "batch_statistics")),
+               (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
+               (epilogue, "launch_scale_rows", "scale")),
     "scatter": ((epilogue, "launch_fill_channels", "fill_zero"),
                 (scatter, "launch_scatter", "conv_transpose3d_scatter"),
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),

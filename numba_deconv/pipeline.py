@@ -50,8 +50,6 @@ class _ShapePlan:
     volume: int
     box_lo: Any = None
     box_hi: Any = None
-    rows: Any = None
-    planes: Any = None
     boxes: Any = None
     means: Any = None
     css: Any = None
@@ -283,9 +281,6 @@ class Pipeline:
             plan.box_lo = torch.from_numpy(lo).to(dev)
             plan.box_hi = torch.from_numpy(hi).to(dev)
             kd, kh, kw = geom.kernel_size
-            planes = batch * geom.in_channels
-            plan.rows = torch.empty((planes, in_spatial[0], kh, in_spatial[2]), dtype=f64, device=dev)
-            plan.planes = torch.empty((planes, kd, kh, in_spatial[2]), dtype=f64, device=dev)
             plan.boxes = torch.empty((batch, geom.in_channels, kd, kh, kw), dtype=f64, device=dev)
             dtype = "float32" if x.dtype == torch.float32 else "float64"
             plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
@@ -324,8 +319,7 @@ class Pipeline:
         plan = self._plan(x, batch, out_spatial)
         out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
-            for t in (out, plan.means, plan.css, plan.rows, plan.planes, plan.boxes, plan.ss,
-                      plan.scale, plan.stats):
+            for t in (out, plan.means, plan.css, plan.boxes, plan.ss, plan.scale, plan.stats):
                 if t is not None:
                     t.fill_(float("nan"))
         if self.conv_impl == "scatter":
@@ -416,7 +410,7 @@ class Pipeline:
         wph = self._cached("gather_wph" + ("_train" if batch_stats else "_eval"),
                            key + (launch.tiling.nc, x.dtype),
                            lambda: gather.arrange_weights(conv_weight, plan.wph_index))
-        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.rows, plan.planes, plan.boxes)
+        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes)
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         box_sums.launch_mean_from_box_sums(plan.boxes.view(plan.batch, -1), flat_w,
                                            plan.zero_bias, 1.0 / plan.volume, plan.means)

@@ -9,77 +9,114 @@ output (per axis an interval [lo_k, hi_k], from ``geometry.AxisGeometry.box``). 
 mean is known from one light pass over the small input, and the convolution's epilogue can write
 the final ``acc - mean`` directly: evaluation mode then writes the output exactly once.
 
-``box_sums``: one block per (n, ci) plane (grid-stride). The box is a product of intervals, so
-the sum separates into three passes, each a loop over the previous pass's result, kept in a
-float64 global scratch that only this block touches (``syncthreads`` between passes makes the
-block's global writes visible to its other threads). Threads run along W in the first two passes,
-so the loads are coalesced and independent (the first version summed rows along W per thread:
-uncoalesced, 0.16 ms on the default problem):
-
-    1. over H   R1[id, kh, iw] = sum_{ih in box_h(kh)} x[id, ih, iw]
-    2. over D   R2[kd, kh, iw] = sum_{id in box_d(kd)} R1[id, kh, iw]
-    3. over W   B[kd, kh, kw]  = sum_{iw in box_w(kw)} R2[kd, kh, iw]
+``box_sums``: one block per (n, ci) volume (grid-stride), one pass over x, no scratch. A thread
+owns whole input columns (id, ., iw) and walks them along H: consecutive threads own consecutive
+iw, so every load is coalesced, and each value is loaded once. Per column it keeps one running
+sum per H tap (the value goes into the sums whose H interval holds ih), then adds those KH sums
+into the KD*KH*KW box sums its column belongs to (by D and W interval), in registers: the kernel
+sizes are compile-time (``make_box_sums``). The block then reduces its threads' box sums (warp
+shuffles, one partial per warp in shared memory, a fixed order: deterministic) and writes
+B[n, ci, :, :, :]. Default problem, H100: 19 us; the first version (three separable passes
+through float64 global scratch, a barrier between passes, 5-D indexing, one load in flight per
+thread) took 35 us.
 
 ``mean_from_box_sums``: one warp per (n, c): mean = sum_{ci, k} w * B / S, in float64.
 
-Cost: box_sums reads x about KH times (L1/L2 hits after the first) and writes
-N*Cin*(ID + KD)*KH*IW doubles of scratch; for the default problem ~16 MB of x, a few MB of
-scratch. Both kernels are deterministic (fixed loop order, no atomics).
+Cost: box_sums reads x once (16 MB for the default problem) and writes N*Cin*KD*KH*KW doubles;
+per element about KH + 1 instructions per lane. Both kernels are deterministic (fixed loop
+order, no atomics).
 """
 
 from __future__ import annotations
 
-from numba import cuda
+import functools
 
+from numba import cuda, float64, int32
+
+from ..simulator import is_simulator
 from .launch import block_size, grid_for, launch
-from .warp import WARP_SIZE, warp_sum
+from .warp import MAX_WARPS, WARP_SIZE, warp_sum
 
 BLOCK = 256
+ROWS = 8  # loads in flight per thread in box_sums
 MEAN_BLOCK = 128
 
 
-@cuda.jit
-def box_sums(x, lo, hi, rows, planes, out):
-    # x: (N, CI, ID, IH, IW); lo, hi: (3, KMAX) int32 inclusive box bounds per axis and tap
-    # rows: (N*CI, ID, KH, IW) f64 scratch; planes: (N*CI, KD, KH, IW) f64 scratch
-    # out: (N, CI, KD, KH, KW) f64 box sums
-    n_batch, in_ch, in_d, in_h, in_w = x.shape
-    kd_n, kh_n, kw_n = out.shape[2], out.shape[3], out.shape[4]
-    tid = cuda.threadIdx.x
-    step = cuda.blockDim.x
-    for plane in range(cuda.blockIdx.x, n_batch * in_ch, cuda.gridDim.x):
-        n = plane // in_ch
-        ci = plane % in_ch
-        # pass 1 (H): threads along (id, iw), lanes along W: coalesced, independent loads
-        for item in range(tid, in_d * in_w, step):
-            i_d = item // in_w
-            iw = item % in_w
-            for kh in range(kh_n):
-                acc = 0.0
-                for ih in range(lo[1, kh], hi[1, kh] + 1):
-                    acc += x[n, ci, i_d, ih, iw]
-                rows[plane, i_d, kh, iw] = acc
-        cuda.syncthreads()  # pass 2 reads sums written by other threads of this block
-        # pass 2 (D): threads along (kd, kh, iw)
-        for item in range(tid, kd_n * kh_n * in_w, step):
-            kd = item // (kh_n * in_w)
-            kh = (item // in_w) % kh_n
-            iw = item % in_w
-            acc = 0.0
-            for i_d in range(lo[0, kd], hi[0, kd] + 1):
-                acc += rows[plane, i_d, kh, iw]
-            planes[plane, kd, kh, iw] = acc
-        cuda.syncthreads()  # pass 3 reads sums written by other threads of this block
-        # pass 3 (W): one thread per box
-        for item in range(tid, kd_n * kh_n * kw_n, step):
-            kd = item // (kh_n * kw_n)
-            kh = (item // kw_n) % kh_n
-            kw = item % kw_n
-            acc = 0.0
-            for iw in range(lo[2, kw], hi[2, kw] + 1):
-                acc += planes[plane, kd, kh, iw]
-            out[n, ci, kd, kh, kw] = acc
-        cuda.syncthreads()  # scratch of this plane is reused by the block's next plane
+@functools.lru_cache(maxsize=None)
+def make_box_sums(kd_n: int, kh_n: int, kw_n: int):
+    """``box_sums`` for one kernel size (its per-thread box sums live in registers)."""
+    n_box = kd_n * kh_n * kw_n
+
+    # 128 registers: two blocks of 256 threads per SM (uncapped it took 162: one block)
+    @cuda.jit(**({} if is_simulator() else {"max_registers": 128}))
+    def box_sums(x, lo, hi, out):
+        # x: (N, CI, ID, IH, IW); lo, hi: (3, KMAX) int32 inclusive box bounds per axis and tap
+        # out: (N, CI, KD, KH, KW) f64 box sums
+        n_batch, in_ch, in_d, in_h, in_w = x.shape
+        partial = cuda.shared.array((MAX_WARPS, n_box), float64)
+        t = cuda.threadIdx.x
+        lane = t % WARP_SIZE
+        warp = t // WARP_SIZE
+        # the boxes' bounds, per axis and tap, in registers
+        dlo, dhi = cuda.local.array(kd_n, int32), cuda.local.array(kd_n, int32)
+        hlo, hhi = cuda.local.array(kh_n, int32), cuda.local.array(kh_n, int32)
+        wlo, whi = cuda.local.array(kw_n, int32), cuda.local.array(kw_n, int32)
+        for k in range(kd_n):
+            dlo[k], dhi[k] = lo[0, k], hi[0, k]
+        for k in range(kh_n):
+            hlo[k], hhi[k] = lo[1, k], hi[1, k]
+        for k in range(kw_n):
+            wlo[k], whi[k] = lo[2, k], hi[2, k]
+        cols = in_d * in_w
+        for plane in range(cuda.blockIdx.x, n_batch * in_ch, cuda.gridDim.x):
+            n = plane // in_ch
+            ci = plane % in_ch
+            box = cuda.local.array(n_box, float64)
+            for j in range(n_box):
+                box[j] = 0.0
+            # the same trip count for every thread (a test inside, not a shorter loop), so the
+            # warps are provably converged at the shuffles below: plain SHFL, no collectives
+            for col0 in range(0, cols, cuda.blockDim.x):
+                col = col0 + t
+                if col >= cols:
+                    continue
+                i_d = col // in_w
+                iw = col - i_d * in_w
+                run = cuda.local.array(kh_n, float64)  # sums over each H tap's interval
+                for b in range(kh_n):
+                    run[b] = 0.0
+                # ROWS loads in flight, then their adds: with one load at a time the column
+                # walk waited a memory latency per row (~26 us on the default problem)
+                vals = cuda.local.array(ROWS, float64)
+                for ih0 in range(0, in_h, ROWS):
+                    for u in range(ROWS):
+                        vals[u] = float64(x[n, ci, i_d, min(ih0 + u, in_h - 1), iw])
+                    for u in range(ROWS):
+                        ih = ih0 + u
+                        for b in range(kh_n):
+                            if ih >= hlo[b] and ih <= hhi[b] and ih < in_h:
+                                run[b] += vals[u]
+                for a in range(kd_n):
+                    if i_d >= dlo[a] and i_d <= dhi[a]:
+                        for c in range(kw_n):
+                            if iw >= wlo[c] and iw <= whi[c]:
+                                for b in range(kh_n):
+                                    box[(a * kh_n + b) * kw_n + c] += run[b]
+            for j in range(n_box):  # warp-uniform: every lane reaches warp_sum
+                total = warp_sum(box[j])
+                if lane == 0:
+                    partial[warp, j] = total
+            cuda.syncthreads()  # every warp's partials are in shared memory
+            for j in range(t, n_box, cuda.blockDim.x):
+                total = 0.0
+                for w in range(cuda.blockDim.x // WARP_SIZE):
+                    total += partial[w, j]
+                a = j // (kh_n * kw_n)
+                b = (j // kw_n) % kh_n
+                out[n, ci, a, b, j % kw_n] = total
+            cuda.syncthreads()  # partial is read before the next plane writes it
+
+    return box_sums
 
 
 @cuda.jit
@@ -109,10 +146,11 @@ def mean_from_box_sums(boxes, w, bias, inv_size, mean):
             mean[n, co] = acc * inv_size + bias[co]
 
 
-def launch_box_sums(x, lo, hi, rows, planes, out, *, block: int | None = None) -> None:
+def launch_box_sums(x, lo, hi, out, *, block: int | None = None) -> None:
+    """``x`` (N, CI, ID, IH, IW); ``out`` (N, CI, KD, KH, KW) float64."""
     block = block_size(BLOCK) if block is None else block
     n, ci = x.shape[0], x.shape[1]
-    launch(box_sums, max(1, min(n * ci, 65535)), block, (x, lo, hi, rows, planes, out))
+    launch(make_box_sums(*out.shape[2:]), max(1, min(n * ci, 65535)), block, (x, lo, hi, out))
 
 
 def launch_mean_from_box_sums(boxes, w, bias, inv_size: float, mean, *, block: int | None = None):
