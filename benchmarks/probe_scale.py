@@ -70,7 +70,7 @@ def main():
         "scale_centered (2-D, f64)": lambda: epilogue.launch_scale_centered(yv, mv, sv, yv),
         "scale_flat (1-D, f32)": lambda: scale_flat[grid, 256, launch_stream()](flat, mv, sv, SIZE, C),
         "torch addcmul in place": lambda: torch.addcmul(ms, y3, s3, out=y3),
-        "torch mul_ in place (the pipeline's)": lambda: y3.mul_(s3),
+        "torch mul_ in place (the pipeline before session 5)": lambda: y3.mul_(s3),
         **{f"scale_rows x{u} (2-D grid, f32)": (
             lambda u=u: SCALE_ROWS[u][(-(-SIZE // (256 * u)), ROWS), 256, launch_stream()](
                 flat, sv, SIZE, C)) for u in SCALE_ROWS},
