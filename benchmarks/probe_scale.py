@@ -4,7 +4,7 @@ bytes at the copy rate?  PYTHONPATH=$PWD python3 benchmarks/probe_scale.py  (GPU
 from __future__ import annotations
 
 import torch
-from numba import cuda, float32, uint64
+from numba import cuda, float32
 
 import numba_deconv  # noqa: F401  (compat + backend before numba.cuda compiles)
 from numba_deconv import bench
@@ -26,30 +26,7 @@ def scale_flat(y, mean, scale, size, channels):
             y[j] = float32(scale[row % channels]) * (y[j] - float32(mean[row]))
 
 
-def make_scale_rows(unroll):
-    @cuda.jit
-    def scale_rows(y, scale, size, channels):
-        # one block per (chunk of UNROLL*blockDim elements, row): no division per element,
-        # UNROLL independent loads in flight per thread, then the stores
-        row = cuda.blockIdx.y
-        a = float32(scale[row % channels])
-        bd = cuda.blockDim.x
-        start = cuda.blockIdx.x * bd * unroll + cuda.threadIdx.x
-        base = uint64(row) * uint64(size) + uint64(start)
-        v = cuda.local.array(unroll, float32)
-        if start + (unroll - 1) * bd < size:
-            for u in range(unroll):
-                v[u] = y[base + uint64(u * bd)]
-            for u in range(unroll):
-                y[base + uint64(u * bd)] = a * v[u]
-        else:
-            for u in range(unroll):
-                if start + u * bd < size:
-                    y[base + uint64(u * bd)] *= a
-    return scale_rows
-
-
-SCALE_ROWS = {u: make_scale_rows(u) for u in (4, 8, 16)}
+UNROLLS = (4, 8, 16)  # loads in flight per thread in epilogue.scale_rows (the pipeline: 4)
 
 
 def main():
@@ -63,6 +40,7 @@ def main():
     s3 = scale.float().view(1, 32, 1)
     y3 = y.view(16, 32, SIZE)
     ms = -(m3 * s3)
+    scale32 = scale.float()
     other = torch.empty_like(y)
     grid = (ROWS * SIZE + 1023) // 1024
     cases = {
@@ -71,14 +49,14 @@ def main():
         "scale_flat (1-D, f32)": lambda: scale_flat[grid, 256, launch_stream()](flat, mv, sv, SIZE, C),
         "torch addcmul in place": lambda: torch.addcmul(ms, y3, s3, out=y3),
         "torch mul_ in place (the pipeline before session 5)": lambda: y3.mul_(s3),
-        **{f"scale_rows x{u} (2-D grid, f32)": (
-            lambda u=u: SCALE_ROWS[u][(-(-SIZE // (256 * u)), ROWS), 256, launch_stream()](
-                flat, sv, SIZE, C)) for u in SCALE_ROWS},
+        **{f"epilogue.scale_rows x{u} (f32)": (
+            lambda u=u: epilogue.launch_scale_rows(y.view(-1), scale32, SIZE, "float32", unroll=u))
+           for u in UNROLLS},
     }
-    for u, kernel in SCALE_ROWS.items():  # same result as torch before timing
+    for u in UNROLLS:  # the library's kernel, same result as torch before timing
         z = torch.randn(ROWS * SIZE + 5, device="cuda")[:ROWS * SIZE]
         want = z.view(16, 32, SIZE) * s3
-        kernel[(-(-SIZE // (256 * u)), ROWS), 256, launch_stream()](v(z), sv, SIZE, C)
+        epilogue.launch_scale_rows(z, scale32, SIZE, "float32", unroll=u)
         assert torch.equal(z.view(16, 32, SIZE), want), u
     nbytes = 2 * y.numel() * 4
     for name, fn in cases.items():

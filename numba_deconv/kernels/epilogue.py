@@ -67,8 +67,9 @@ def fill_channels(y, value):
 
 
 @functools.lru_cache(maxsize=None)
-def make_scale_rows(dtype: str):
-    """``scale_rows`` for one dtype (its staging registers have the element type)."""
+def make_scale_rows(dtype: str, unroll: int = SCALE_UNROLL):
+    """``scale_rows`` for one dtype (its staging registers have the element type) with
+    ``unroll`` loads in flight per thread."""
     elem = {"float32": float32, "float64": float64}[dtype]
 
     @cuda.jit
@@ -77,30 +78,31 @@ def make_scale_rows(dtype: str):
         rows = y.shape[0] // size
         channels = scale.shape[0]
         bd = cuda.blockDim.x
-        start = cuda.blockIdx.x * bd * SCALE_UNROLL + cuda.threadIdx.x
-        vals = cuda.local.array(SCALE_UNROLL, elem)
+        start = cuda.blockIdx.x * bd * unroll + cuda.threadIdx.x
+        vals = cuda.local.array(unroll, elem)
         for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
             a = scale[row % channels]
             base = uint64(row) * uint64(size) + uint64(start)
-            if start + (SCALE_UNROLL - 1) * bd < size:  # a whole chunk: no test per element
-                for u in range(SCALE_UNROLL):
+            if start + (unroll - 1) * bd < size:  # a whole chunk: no test per element
+                for u in range(unroll):
                     vals[u] = y[base + uint64(u * bd)]
-                for u in range(SCALE_UNROLL):
+                for u in range(unroll):
                     y[base + uint64(u * bd)] = a * vals[u]
             else:
-                for u in range(SCALE_UNROLL):
+                for u in range(unroll):
                     if start + u * bd < size:
                         y[base + uint64(u * bd)] *= a
 
     return scale_rows
 
 
-def launch_scale_rows(y, scale, size: int, dtype: str, *, block: int | None = None) -> None:
+def launch_scale_rows(y, scale, size: int, dtype: str, *, block: int | None = None,
+                      unroll: int = SCALE_UNROLL) -> None:
     """``y`` flat and contiguous, ``size`` elements per (n, c) row."""
     block = block_size(BLOCK) if block is None else block
     rows = y.shape[0] // size
-    grid = (-(-size // (block * SCALE_UNROLL)), max(1, min(rows, MAX_ROW_BLOCKS)))
-    launch(make_scale_rows(dtype), grid, block, (y, scale, size))
+    grid = (-(-size // (block * unroll)), max(1, min(rows, MAX_ROW_BLOCKS)))
+    launch(make_scale_rows(dtype, unroll), grid, block, (y, scale, size))
 
 
 def _grid(rows: int, size: int, block: int, row_blocks_cap: int):
