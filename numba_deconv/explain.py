@@ -195,8 +195,9 @@ def _box_sums_flops(geom, batch: int, in_spatial) -> int:
     """Adds of ``box_sums``: per input value one per H tap whose interval holds it, per column
     KH per (D, W) box it belongs to."""
     axes = geom.axes()
-    inside = [[sum(1 for k in range(ax.kernel) if ax.box(k, size)[0] <= i <= ax.box(k, size)[1])
-               for i in range(size)] for ax, size in zip(axes, in_spatial)]
+    boxes = [[ax.box(k, size) for k in range(ax.kernel)] for ax, size in zip(axes, in_spatial)]
+    inside = [[sum(1 for lo, hi in axis_boxes if lo <= i <= hi) for i in range(size)]
+              for axis_boxes, size in zip(boxes, in_spatial)]
     kh = geom.kernel_size[1]
     per_volume = sum(inside[1]) * in_spatial[0] * in_spatial[2] \
         + kh * sum(inside[0]) * sum(inside[2])
