@@ -19,3 +19,11 @@ def test_scale_rows_matches_torch(dtype, size, device):
     name = "float32" if dtype == torch.float32 else "float64"
     epilogue.launch_scale_rows(y.view(-1), scale, size, name)
     assert torch.equal(y, want)  # one multiply per element: bit for bit
+
+
+def test_scale_rows_kernel_is_one_object_per_dtype_and_unroll():
+    # explain reads registers from the kernel object the pipeline launched: the factory must
+    # hand back the same object whether the default unroll is spelled out or not
+    same = epilogue.make_scale_rows("float32")
+    assert epilogue.make_scale_rows("float32", epilogue.SCALE_UNROLL) is same
+    assert epilogue.make_scale_rows("float32", 2 * epilogue.SCALE_UNROLL) is not same

@@ -66,10 +66,15 @@ def fill_channels(y, value):
             y[row, s] = v
 
 
-@functools.lru_cache(maxsize=None)
 def make_scale_rows(dtype: str, unroll: int = SCALE_UNROLL):
     """``scale_rows`` for one dtype (its staging registers have the element type) with
-    ``unroll`` loads in flight per thread."""
+    ``unroll`` loads in flight per thread: one kernel object per (dtype, unroll), however the
+    arguments are spelled (``explain`` reads the resources of the object the pipeline launched)."""
+    return _scale_rows(dtype, int(unroll))
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_rows(dtype: str, unroll: int):
     elem = {"float32": float32, "float64": float64}[dtype]
 
     @cuda.jit
