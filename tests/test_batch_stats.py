@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -86,3 +87,33 @@ def test_deterministic(device):
         results.append((scale, stats, bn.running_mean, bn.running_var))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("max_blocks", [1, 2, 64])
+def test_blocks_stride_over_channels_and_count_once(max_blocks, device, monkeypatch):
+    """Fewer blocks than channels (each block takes several) or one block per channel: every
+    channel matches the torch algebra, num_batches_tracked moves by exactly one per call (the
+    last block to finish bumps it) and the block counter is back at zero after every call."""
+    monkeypatch.setattr(batch_stats, "MAX_BLOCKS", max_blocks)
+    f64 = dict(dtype=torch.float64, device=device)
+    n, c, slots, volume = 3, 7, 5, 11
+    bn = nn.BatchNorm3d(c, momentum=None).to(device, torch.float64)
+    ref_bn = nn.BatchNorm3d(c, momentum=None).to(device, torch.float64)
+    done = torch.zeros(1, dtype=torch.int32, device=device)
+    for call in range(3):
+        means, ss = torch.randn(n, c, **f64) + 2, torch.rand(n, c, slots, **f64)
+        bias = torch.randn(c, **f64)
+        mu, var = folding.batch_statistics(means, ss.sum(dim=2), volume)
+        folding.update_running_stats(ref_bn, mu + bias, var, n * volume)
+        scale = torch.full((c,), float("nan"), **f64)
+        stats = torch.full((2, c), float("nan"), **f64)
+        batch_stats.launch_batch_statistics(
+            means, ss, bias, bn.weight.detach(), bn.running_mean, bn.running_var,
+            bn.num_batches_tracked.view(1), bn.eps, bn.momentum, n * volume, True, scale, stats,
+            done)
+        assert int(done[0]) == 0
+        assert int(bn.num_batches_tracked) == call + 1
+        torch.testing.assert_close(stats[1], var, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(scale, folding.bn_scale(bn, var), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(bn.running_var, ref_bn.running_var, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=1e-12, atol=1e-12)

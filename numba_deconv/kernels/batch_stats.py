@@ -7,9 +7,10 @@ with about twenty small torch operations (``folding.batch_statistics``, ``foldin
 time; at the default problem the host time of those calls exceeded the GPU work they ordered
 (benchmarks/NOTES.md, session 3). This kernel does the same algebra, in float64, in one launch.
 
-What one warp owns: one output channel c at a time (warps stride over channels). Its lanes sum
-the channel's N*SLOTS centred-square partials and its N means (fixed lane order, then
-``warp_sum``: deterministic), and lane 0 finishes (DESIGN.md 2.4, 2.5):
+What one block owns: one output channel c (blocks stride over channels). Its threads sum the
+channel's N*SLOTS centred-square partials (warps over n, lanes over slots: no index division) and
+its N means, each thread in a fixed order, then ``warp.block_sum`` (deterministic), and thread 0
+finishes (DESIGN.md 2.4, 2.5):
 
     mu_c   = mean_n m[n, c]                         (of the bias-free convolution)
     var_c  = sum_{n,slot} ss[n, c, slot] / (N*S) + mean_n (m[n, c] - mu_c)^2
@@ -20,62 +21,75 @@ and, when ``update`` is set, PyTorch's running-statistics update on the module's
 num_batches_tracked += 1; factor = momentum, or 1/num_batches_tracked when momentum < 0 (None);
 running_mean <- (1-f) running_mean + f mu; running_var <- (1-f) running_var + f var*M/(M-1).
 
-One block only (every channel's factor needs the same num_batches_tracked): every thread reads
-the counter before the barrier, thread 0 writes the increment after it.
+Every channel's factor needs the count *before* the increment, so every block reads it first and
+the last block to finish writes it: each block, after its last read, fences and counts itself in
+``done`` with one atomic add; the block that counts last bumps num_batches_tracked and resets
+``done`` to zero for the next call (so a captured graph replays it unchanged). The numbers never
+depend on which block is last: deterministic.
 
-Cost: N*C*(SLOTS + 1) float64 reads, a few per channel written. It is latency-bound (one block,
-dependent float64 adds), so what matters is loads in flight: the first version flattened
-(n, slot) into one index and divided per element, and took 72 µs at the default problem (H100).
+Cost: N*C*(SLOTS + 1) float64 reads, a few per channel written. It is latency-bound (dependent
+float64 adds), so what matters is loads in flight and blocks: the first version flattened (n, slot)
+into one index and divided per element (72 µs at the default problem, H100); one block with a warp
+per channel took 21 µs (session 5); a block per channel spreads the same reads over C SMs.
 """
 
 from __future__ import annotations
 
 import math
 
-from numba import cuda
+import torch
+from numba import cuda, float64, int32
 
-from ..simulator import is_simulator
 from .launch import block_size, launch
-from .warp import WARP_SIZE, warp_sum
+from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
-BLOCK = 1024  # one warp per channel up to 32 channels: the sums are latency-bound
+MAX_BLOCKS = 65535
+
+BLOCK = 256  # one block per channel: 8 warps over the N*SLOTS partials
 
 
-# 1024 threads need at most 64 registers each; the simulator's jit takes no register cap
-@cuda.jit(**({} if is_simulator() else {"max_registers": 64}))
+@cuda.jit
 def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
-                     eps, momentum, count, update, scale, stats):
+                     eps, momentum, count, update, scale, stats, done):
     # means: (N, C) f64 spatial means of the bias-free convolution; ss: (N, C, SLOTS) f64
     # centred-square partials; bias, gamma: (C,) conv bias (zeros if none), BN weight (ones if
     # not affine); running_mean, running_var: (C,) the module's buffers; tracked: (1,) int64
     # num_batches_tracked; eps, momentum (< 0 for None); count: N*S values per channel;
-    # update: 1 to update the running statistics; scale: (C,) a_c out; stats: (2, C) f64 out.
+    # update: 1 to update the running statistics; scale: (C,) a_c out; stats: (2, C) f64 out;
+    # done: (1,) int32, zero between calls: blocks finished so far.
     n_batch, channels, slots = ss.shape[0], ss.shape[1], ss.shape[2]
-    lane = cuda.threadIdx.x % WARP_SIZE
-    warp = cuda.threadIdx.x // WARP_SIZE
+    scratch = cuda.shared.array(MAX_WARPS, float64)
+    mu_shared = cuda.shared.array(1, float64)
+    last = cuda.shared.array(1, int32)
+    t = cuda.threadIdx.x
+    lane = t % WARP_SIZE
+    warp = t // WARP_SIZE
     warps = cuda.blockDim.x // WARP_SIZE
-    batches = tracked[0] + 1  # read by every thread before thread 0 writes it (barrier below)
+    batches = tracked[0] + 1  # read by every thread of every block before the last one writes it
     if momentum < 0:
         factor = 1.0 / batches
     else:
         factor = momentum
-    for c in range(warp, channels, warps):  # warp-uniform: every lane reaches warp_sum
-        m_sum = 0.0
-        for n in range(lane, n_batch, WARP_SIZE):
+    for c in range(cuda.blockIdx.x, channels, cuda.gridDim.x):  # block-uniform: every thread
+        m_sum = 0.0                                              # reaches the barriers
+        for n in range(t, n_batch, cuda.blockDim.x):
             m_sum += means[n, c]
-        mu = warp_sum(m_sum)
-        mu = cuda.shfl_sync(0xFFFFFFFF, mu, 0) / n_batch
-        within = 0.0
+        m_sum = block_sum(m_sum, scratch)
+        if t == 0:
+            mu_shared[0] = m_sum / n_batch
+        cuda.syncthreads()  # mu is in shared memory
+        mu = mu_shared[0]
         between = 0.0
-        for n in range(lane, n_batch, WARP_SIZE):
+        for n in range(t, n_batch, cuda.blockDim.x):
             d = means[n, c] - mu
             between += d * d
-        for n in range(n_batch):  # no index division: a flat loop with j // slots ran 72 us
+        within = 0.0
+        for n in range(warp, n_batch, warps):  # no index division (a flat loop ran 72 us)
             for j in range(lane, slots, WARP_SIZE):
                 within += ss[n, c, j]
-        within = warp_sum(within)
-        between = warp_sum(between)
-        if lane == 0:
+        within = block_sum(within, scratch)
+        between = block_sum(between, scratch)
+        if t == 0:
             var = within / count + between / n_batch
             a = gamma[c] / math.sqrt(var + eps)
             scale[c] = a
@@ -86,17 +100,28 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
                 unbiased = var * (count / (count - 1.0))
                 running_mean[c] = (1.0 - factor) * running_mean[c] + factor * mean_c
                 running_var[c] = (1.0 - factor) * running_var[c] + factor * unbiased
-    cuda.syncthreads()  # every thread has read num_batches_tracked
-    if update and cuda.threadIdx.x == 0:
-        tracked[0] = batches
+    # The last block to get here bumps num_batches_tracked: every block has read it by then.
+    cuda.syncthreads()  # this block's threads have all read num_batches_tracked
+    if t == 0:
+        cuda.threadfence()
+        last[0] = int32(cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1)
+    cuda.syncthreads()
+    if last[0] and t == 0:
+        done[0] = 0  # ready for the next call
+        if update:
+            tracked[0] = batches
 
 
 def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
                             eps: float, momentum: float | None, count: int, update: bool,
-                            scale, stats) -> None:
-    """One block; ``momentum=None`` is the cumulative average. See the module docstring."""
+                            scale, stats, done=None) -> None:
+    """A block per channel; ``momentum=None`` is the cumulative average; ``done``: a (1,) int32
+    zero tensor the caller keeps between calls (a fresh one if None). See the module docstring."""
+    if done is None:
+        done = torch.zeros(1, dtype=torch.int32, device=means.device)
     block = block_size(BLOCK)
-    launch(batch_statistics, 1, block,
+    grid = max(1, min(ss.shape[1], MAX_BLOCKS))
+    launch(batch_statistics, grid, block,
            (means, ss, bias, gamma, running_mean, running_var, tracked, float(eps),
-            -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats),
-           small_grid=True)
+            -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
+            done), small_grid=True)
