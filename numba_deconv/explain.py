@@ -14,6 +14,7 @@ spatial_moments_warp     S per row (+3 S with css)           read y once (twice 
 scale_centered           2 per element                       read + write y
 box_sums                 one add per (value, box holding it) read x once; write box sums
 mean_from_box_sums       2 * N*CO*CIg*k^3                    read box sums, w; write means
+                         (no launch of its own: box_sums' last block per sample)
 conv_transpose3d_gather  2 * macs (+3 per output in train)   read x, w, means; write y once
 =======================  ==================================  ====================================
 
@@ -54,6 +55,8 @@ DEVICE_PEAKS: dict[str, dict[str, float]] = {
 }
 #: Used when the device is unknown (or under the simulator): an H100 SXM.
 DEFAULT_DEVICE = "H100"
+# a stage whose work runs inside another stage's launch (no kernel, no launch shape of its own)
+FUSED_MEANS = "fused: box_sums, last block per sample"
 
 GPU_COLUMNS = ("regs", "shared_bytes", "local_bytes", "occupancy", "measured_us")
 
@@ -235,15 +238,13 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         planes = batch * geom.in_channels
         kd, kh, kw = geom.kernel_size
         boxes = planes * kd * kh * kw * 8
-        out.append(("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw),
-                    (max(1, min(planes, 65535)),), blk,
+        name = "float32" if dtype == torch.float32 else "float64"
+        out.append(("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name),
+                    (max(1, min(planes, box_sums.MAX_GRID)),), blk,
                     _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes))
-        blk = block_size(box_sums.MEAN_BLOCK)
-        out.append(("mean_from_box_sums", "mean_from_box_sums", box_sums.mean_from_box_sums,
-                    (grid_for(rows_nc * 32, blk),), blk,  # one warp per (n, c)
+        out.append(("mean_from_box_sums", FUSED_MEANS, None, None, None,
                     2 * rows_nc * geom.in_per_group * kd * kh * kw,
                     boxes + w_bytes + rows_nc * 8))
-        name = "float32" if dtype == torch.float32 else "float64"
         launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name)
         t = launch.tiling
         kernel = gather.gather_kernel(launch, name, batch_stats)
@@ -258,7 +259,8 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     if batch_stats:
         slots = launch.slots if pipe.conv_impl == "gather" else 1
         out.append(("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
-                    (1,), block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
+                    (min(geom.out_channels, batch_stats_kernels.MAX_BLOCKS),),
+                    block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
                     rows_nc * (slots + 1) * 8 + geom.out_channels * 6 * 8))
     if pipe.conv_impl == "gather" and batch_stats:  # the output is centred already
         blk = block_size(epilogue.BLOCK)
@@ -342,7 +344,6 @@ def _saved_bn_state(bn):
 # launcher module attribute -> stage it serves (per strategy)
 _LAUNCHERS = {
     "gather": ((box_sums, "launch_box_sums", "box_sums"),
-               (box_sums, "launch_mean_from_box_sums", "mean_from_box_sums"),
                (gather, "launch_gather", "conv_transpose3d_gather"),
                (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
                (epilogue, "launch_scale_rows", "scale")),

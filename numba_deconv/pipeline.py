@@ -5,7 +5,8 @@ launch configurations (cached per input shape), and hands the small per-channel 
 ``folding``. Two strategies, selected with ``conv=``:
 
 ``"gather"`` (default, the fast path; DESIGN.md 2.3, 2.4, 2.6)
-    box_sums -> mean_from_box_sums -> conv_transpose3d_gather with the fused epilogue.
+    box_sums (box sums and, in its last block per sample, the means) ->
+    conv_transpose3d_gather with the fused epilogue.
     Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
     convolution, so the output is written once, final. Training: the epilogue writes
     ``y - mean`` and per-block centred sums of squares; one small kernel (``batch_statistics``)
@@ -51,11 +52,14 @@ class _ShapePlan:
     box_lo: Any = None
     box_hi: Any = None
     boxes: Any = None
+    samples_done: Any = None  # (N,) int32 plane counters of box_sums, zero between calls
+    contrib: Any = None       # (N, CI, OPG) f64: each input plane's share of the means
     means: Any = None
     css: Any = None
     zero_bias: Any = None
     ones: Any = None       # gamma when BN is not affine
     counter: Any = None    # num_batches_tracked stand-in when BN tracks no running statistics
+    done: Any = None       # (1,) int32 block counter of batch_statistics, zero between calls
     scale: Any = None      # (C,) batch-statistics scale, in the input's dtype
     stats: Any = None      # (2, C) f64: batch mean (with the conv bias) and biased variance
     gather: gather.GatherLaunch | None = None
@@ -267,6 +271,7 @@ class Pipeline:
         plan.zero_bias = torch.zeros(geom.out_channels, dtype=f64, device=dev)
         plan.ones = torch.ones(geom.out_channels, dtype=f64, device=dev)
         plan.counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        plan.done = torch.zeros(1, dtype=torch.int32, device=dev)
         plan.scale = torch.empty(geom.out_channels, dtype=x.dtype, device=dev)
         plan.stats = torch.empty((2, geom.out_channels), dtype=f64, device=dev)
         if self.conv_impl == "gather":
@@ -282,6 +287,9 @@ class Pipeline:
             plan.box_hi = torch.from_numpy(hi).to(dev)
             kd, kh, kw = geom.kernel_size
             plan.boxes = torch.empty((batch, geom.in_channels, kd, kh, kw), dtype=f64, device=dev)
+            plan.samples_done = torch.zeros(batch, dtype=torch.int32, device=dev)
+            plan.contrib = torch.empty((batch, geom.in_channels, geom.out_per_group), dtype=f64,
+                                       device=dev)
             dtype = "float32" if x.dtype == torch.float32 else "float64"
             plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
             plan.wph_index = torch.from_numpy(
@@ -319,7 +327,8 @@ class Pipeline:
         plan = self._plan(x, batch, out_spatial)
         out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
-            for t in (out, plan.means, plan.css, plan.boxes, plan.ss, plan.scale, plan.stats):
+            for t in (out, plan.means, plan.css, plan.boxes, plan.contrib, plan.ss, plan.scale,
+                      plan.stats):
                 if t is not None:
                     t.fill_(float("nan"))
         if self.conv_impl == "scatter":
@@ -354,7 +363,7 @@ class Pipeline:
             means, ss, self._bias64(plan), bn.weight.detach() if bn.affine else plan.ones,
             bn.running_mean if running else plan.stats[0], bn.running_var if running else
             plan.stats[1], tracked, bn.eps, bn.momentum, plan.batch * plan.volume, update,
-            plan.scale, plan.stats)
+            plan.scale, plan.stats, plan.done)
         if record is not None:
             record["batch_statistics"] = plan.stats.clone()
             record["scale"] = plan.scale.to(torch.float64)
@@ -410,10 +419,9 @@ class Pipeline:
         wph = self._cached("gather_wph" + ("_train" if batch_stats else "_eval"),
                            key + (launch.tiling.nc, x.dtype),
                            lambda: gather.arrange_weights(conv_weight, plan.wph_index))
-        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes)
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
-        box_sums.launch_mean_from_box_sums(plan.boxes.view(plan.batch, -1), flat_w,
-                                           plan.zero_bias, 1.0 / plan.volume, plan.means)
+        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes, flat_w, plan.zero_bias,
+                                 1.0 / plan.volume, plan.contrib, plan.means, plan.samples_done)
         if record is not None:
             record["box_sums"] = plan.boxes.clone()
             record["mean_from_box_sums"] = plan.means.clone()

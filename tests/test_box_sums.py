@@ -1,4 +1,6 @@
-"""``box_sums`` against numpy's sums over the same boxes, on random geometries and sizes."""
+"""``box_sums`` against numpy: the sums over each tap's box, and the means its last block per
+sample computes from them, on random geometries, sizes, groups and grids that make blocks take
+several planes."""
 
 from __future__ import annotations
 
@@ -18,24 +20,54 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_box_sums_match_numpy(case, device):
+# rows=3: columns of 4 or 5 rows take two rounds of loads, the last one partial
+@pytest.mark.parametrize("groups,ipg,grid_cap,rows", [(1, 5, 65535, box_sums.ROWS),
+                                                      (3, 3, 65535, 3), (1, 1, 3, 3)])
+def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, device, monkeypatch):
     kernel, stride, padding, output_padding, dilation, size = case
-    geom = ConvGeometry.create(3, 2, kernel, stride, padding, output_padding=output_padding,
-                               dilation=dilation)
+    batch, in_ch, out_ch = 2, ipg * groups, 2 * groups
+    geom = ConvGeometry.create(in_ch, out_ch, kernel, stride, padding,
+                               output_padding=output_padding, dilation=dilation, groups=groups)
     lo = np.ones((3, max(kernel)), np.int32)
     hi = np.zeros((3, max(kernel)), np.int32)
     for a, axis in enumerate(geom.axes()):
         for k in range(axis.kernel):
             lo[a, k], hi[a, k] = axis.box(k, size[a])
-    x = np.random.default_rng().standard_normal((2, 3, *size)).astype(np.float32) + 0.5
-    out = torch.full((2, 3, *kernel), float("nan"), dtype=torch.float64, device=device)
-    box_sums.launch_box_sums(torch.from_numpy(x).to(device), torch.from_numpy(lo).to(device),
-                             torch.from_numpy(hi).to(device), out)
-    want = np.zeros(out.shape)
-    for a in range(kernel[0]):
-        for b in range(kernel[1]):
-            for c in range(kernel[2]):
-                box = x[:, :, lo[0, a]:hi[0, a] + 1, lo[1, b]:hi[1, b] + 1, lo[2, c]:hi[2, c] + 1]
-                want[:, :, a, b, c] = box.astype(np.float64).sum(axis=(2, 3, 4))
-    assert np.any(want != 0)
-    np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-12, atol=1e-12)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((batch, in_ch, *size)).astype(np.float32) + 0.5
+    w = rng.standard_normal((in_ch, out_ch // groups, *kernel)).astype(np.float32)
+    bias = rng.standard_normal(out_ch)
+    volume = int(np.prod(geom.output_spatial(size)))
+    out = torch.full((batch, in_ch, *kernel), float("nan"), dtype=torch.float64, device=device)
+    mean = torch.full((batch, out_ch), float("nan"), dtype=torch.float64, device=device)
+    done = torch.zeros(batch, dtype=torch.int32, device=device)
+    contrib = torch.empty((batch, in_ch, out_ch // groups), dtype=torch.float64, device=device)
+    # fewer blocks than planes: each block takes several, of different samples
+    monkeypatch.setattr(box_sums, "MAX_GRID", grid_cap)
+    dev = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    for _ in range(2):  # the counters are back at zero after a call: a second call is right too
+        for t in (out, mean, contrib):
+            t.fill_(float("nan"))
+        box_sums.launch_box_sums(dev(x), dev(lo), dev(hi), out,
+                                 dev(w).view(in_ch, out_ch // groups, -1), dev(bias),
+                                 1.0 / volume, contrib, mean, done, rows=rows)
+        want = np.zeros(out.shape)
+        for a in range(kernel[0]):
+            for b in range(kernel[1]):
+                for c in range(kernel[2]):
+                    box = x[:, :, lo[0, a]:hi[0, a] + 1, lo[1, b]:hi[1, b] + 1,
+                            lo[2, c]:hi[2, c] + 1]
+                    want[:, :, a, b, c] = box.astype(np.float64).sum(axis=(2, 3, 4))
+        assert np.any(want != 0)
+        np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-12, atol=1e-12)
+        # mean[n, co] = sum over the group's input channels and taps of w * B / S + bias
+        opg = out_ch // groups
+        want_mean = np.empty((batch, out_ch))
+        for co in range(out_ch):
+            g = co // opg
+            chans = slice(g * ipg, (g + 1) * ipg)
+            want_mean[:, co] = np.einsum("nik,ik->n", want[:, chans].reshape(batch, ipg, -1),
+                                         w[chans, co % opg].reshape(ipg, -1).astype(np.float64))
+        want_mean = want_mean / volume + bias
+        np.testing.assert_allclose(mean.cpu().numpy(), want_mean, rtol=1e-10, atol=1e-12)
+        assert not done.any()

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:.*Grid size.*under-utilization"
 
 
 SHAPE = (2, 3, 3, 4, 5)
-HOST_KERNELS = ("host", "torch")  # stages that are not numba launches
+HOST_KERNELS = ("host", "torch", "fused")  # stages that are not numba launches of their own
 
 
 def make_pipe(conv_impl: str, training: bool, dtype=torch.float32, **conv_kwargs):
