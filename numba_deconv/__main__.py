@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="print the pipeline's plan for the default problem")
     e.add_argument("--batch", type=int, default=reference.batch_size)
     e.add_argument("--mode", choices=("train", "eval"), default="train")
+    e.add_argument("--measure", action="store_true",
+                   help="also time the whole call and every launch (GPU only)")
     return p
 
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench.main(args.out, tiny=args.tiny, geometry=args.geometry, sweep=args.sweep,
                           reps=args.reps)
     if args.command == "explain":
-        return explain(args.batch, args.mode)
+        return explain(args.batch, args.mode, measure=args.measure)
     return run(args.reps)
 
 
@@ -153,7 +155,7 @@ def run(reps: int = RUN_REPS) -> int:
 
 
 # ---- explain ------------------------------------------------------------------------------------
-def explain(batch: int, mode: str) -> int:
+def explain(batch: int, mode: str, measure: bool = False) -> int:
     import torch
 
     from numba_deconv import Pipeline
@@ -166,7 +168,7 @@ def explain(batch: int, mode: str) -> int:
         print("explain: this version of Pipeline has no explain() yet")
         return 1
     shape = (batch, reference.in_channels, reference.depth, reference.height, reference.width)
-    print(pipe.explain(shape, dtype=torch.float32))
+    print(pipe.explain(shape, dtype=torch.float32, measure=measure))
     return 0
 
 

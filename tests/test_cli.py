@@ -52,7 +52,8 @@ def test_bench_needs_a_gpu(capsys, tmp_path):
 def test_default_subcommand_is_run(monkeypatch, argv, expected):
     called = []
     monkeypatch.setattr(cli, "run", lambda reps=cli.RUN_REPS: called.append(("run", reps)) or 0)
-    monkeypatch.setattr(cli, "explain", lambda batch, mode: called.append(("explain", mode)) or 0)
+    monkeypatch.setattr(cli, "explain",
+                        lambda batch, mode, measure=False: called.append(("explain", mode)) or 0)
     assert cli.main(argv) == 0
     assert called[0][0] == expected
     if argv[:1] == ["--reps"]:
@@ -171,3 +172,10 @@ def test_sweep_plot_from_made_up_rows(tmp_path):
     path = tmp_path / "sweep.png"
     bench.plot_sweep(rows, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_measure_flag_reaches_the_report(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "explain", lambda batch, mode, measure=False: seen.append(measure) or 0)
+    assert cli.main(["explain", "--measure"]) == 0 and cli.main(["explain"]) == 0
+    assert seen == [True, False]
