@@ -10,7 +10,7 @@ from numba_deconv.kernels import epilogue
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("size", [1, 7, 300])
+@pytest.mark.parametrize("size", [1, 7, 300, 2100])  # 2100: whole chunks, then a partial one
 def test_scale_rows_matches_torch(dtype, size, device):
     batch, channels = 2, 3
     y = torch.randn(batch, channels, size, dtype=dtype, device=device) + 2.0
