@@ -39,6 +39,9 @@ from .kernels.launch import tensor_device
 from .simulator import is_simulator
 
 CONV_STRATEGIES = ("gather", "scatter")
+# Input shapes whose launch plans (configurations and GPU scratch buffers) a pipeline keeps, least
+# recently used first out: a long fuzzing session does not hold every shape's buffers.
+PLAN_CACHE = 16
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 
@@ -96,8 +99,8 @@ class Pipeline:
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._capturing = False
         self.training = bn.training
-        self._plans: dict[tuple, _ShapePlan] = {}
-        self._shapes: dict[tuple, tuple] = {}  # input shape -> (batch, output spatial)
+        self._plans: OrderedDict[tuple, _ShapePlan] = OrderedDict()
+        self._shapes: OrderedDict[tuple, tuple] = OrderedDict()  # shape -> (batch, out spatial)
         self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     # ---- construction ------------------------------------------------------------------------
@@ -163,12 +166,14 @@ class Pipeline:
                     static_out = self._forward(static_x, record=None)
             finally:
                 self._capturing = False
-            self._graphs[key] = (graph, static_x, static_out)
+            # the graph's kernels use this plan's scratch buffers: the entry keeps them alive
+            # even after the plan cache lets the shape go
+            self._graphs[key] = (graph, static_x, static_out, self._plans[self._plan_key(x)])
             if len(self._graphs) > 8:
                 self._graphs.popitem(last=False)
             return out
         self._graphs.move_to_end(key)
-        graph, static_x, static_out = entry
+        graph, static_x, static_out, _ = entry
         static_x.copy_(x)
         graph.replay()
         if self.training and self.bn.track_running_stats:
@@ -252,15 +257,18 @@ class Pipeline:
         checked = self._shapes.get(shape)
         if checked is None:  # validated once per shape (a few µs of host time per call)
             checked = self._shapes[shape] = self.geometry.check_input_shape(shape)
+            if len(self._shapes) > 4 * PLAN_CACHE:
+                self._shapes.popitem(last=False)
         return checked
 
     # ---- buffers and cached launch configurations ---------------------------------------------
     def _plan(self, x: torch.Tensor, batch: int, out_spatial) -> _ShapePlan:
         # Scratch buffers are reused across calls, which stream order makes safe; one pipeline
         # must not run on two streams at once.
-        key = (tuple(x.shape), x.dtype, x.device, self.conv_impl)
+        key = self._plan_key(x)
         plan = self._plans.get(key)
         if plan is not None:
+            self._plans.move_to_end(key)
             return plan
         geom = self.geometry
         dev, f64 = x.device, torch.float64
@@ -297,7 +305,12 @@ class Pipeline:
             plan.ss = torch.empty((batch, geom.out_channels, plan.gather.slots), dtype=f64,
                                   device=dev)
         self._plans[key] = plan
+        if len(self._plans) > PLAN_CACHE:  # a captured graph keeps its own plan alive
+            self._plans.popitem(last=False)
         return plan
+
+    def _plan_key(self, x: torch.Tensor) -> tuple:
+        return (tuple(x.shape), x.dtype, x.device, self.conv_impl)
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""

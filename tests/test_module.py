@@ -96,3 +96,24 @@ def test_clear_cache_after_changes_through_data(device):
     with torch.no_grad():
         expected = copy.deepcopy(model).double()(x.double())
     testing.assert_close(pipe(x), expected, 1e-5)
+
+
+def test_plan_cache_is_bounded_and_evicted_shapes_still_work(device, monkeypatch):
+    """The pipeline keeps launch plans (GPU scratch buffers) for PLAN_CACHE input shapes, least
+    recently used out; a shape that was let go gets a fresh plan and the right answer."""
+    from numba_deconv import pipeline
+
+    monkeypatch.setattr(pipeline, "PLAN_CACHE", 2)
+    ref = Model(3, 4, 3, 2, 1).double().to(device).eval()
+    with torch.no_grad():
+        ref.batch_norm.running_var.uniform_(0.5, 2.0)
+        ref.batch_norm.running_mean.normal_()
+    new = ModelNew(3, 4, 3, 2, 1).to(device).eval()
+    new.load_state_dict({k: v.float() if v.is_floating_point() else v
+                         for k, v in ref.state_dict().items()})
+    for batch in (1, 2, 3, 1):  # the last call's shape was evicted by the two before it
+        x = torch.randn(batch, 3, 2, 3, 2, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            testing.assert_close(new(x.float()), ref(x), 1e-5)
+        assert len(new.pipeline._plans) <= 2
+    assert [k[0][0] for k in new.pipeline._plans] == [3, 1]
