@@ -83,15 +83,22 @@ _installed = False
 _install_lock = threading.Lock()
 
 
+_SIMULATOR: bool | None = None  # is_simulator's answer, once numba.cuda has been imported
+
+
 def is_simulator() -> bool:
     """True when ``numba.cuda`` is Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``).
 
-    This is the flag numba-cuda itself consults (``numba.cuda.core.config``) both when
-    ``numba.cuda`` is imported and at every ``cuda.jit``.
+    This is the flag numba-cuda itself consults (``numba.cuda.core.config``) when ``numba.cuda``
+    is imported, which fixes the implementation for the life of the process: so the answer is
+    read once (every launch asks, and the import inside cost ~1 µs of host time per question).
     """
-    from numba.cuda.core import config
+    global _SIMULATOR
+    if _SIMULATOR is None:
+        from numba.cuda.core import config
 
-    return bool(config.ENABLE_CUDASIM)
+        _SIMULATOR = bool(config.ENABLE_CUDASIM)
+    return _SIMULATOR
 
 
 def is_installed() -> bool:
