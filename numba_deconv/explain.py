@@ -240,7 +240,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         boxes = planes * kd * kh * kw * 8
         name = "float32" if dtype == torch.float32 else "float64"
         out.append(("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name),
-                    (max(1, min(planes, box_sums.MAX_GRID)),), blk,
+                    (box_sums.grid_size(planes),), blk,
                     _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes))
         out.append(("mean_from_box_sums", FUSED_MEANS, None, None, None,
                     2 * rows_nc * geom.in_per_group * kd * kh * kw,
@@ -259,14 +259,13 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     if batch_stats:
         slots = launch.slots if pipe.conv_impl == "gather" else 1
         out.append(("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
-                    (min(geom.out_channels, batch_stats_kernels.MAX_BLOCKS),),
+                    (batch_stats_kernels.grid_size(geom.out_channels),),
                     block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
                     rows_nc * (slots + 1) * 8 + geom.out_channels * 6 * 8))
     if pipe.conv_impl == "gather" and batch_stats:  # the output is centred already
         blk = block_size(epilogue.BLOCK)
         out.append(("scale", "scale_rows (per channel, in place)", epilogue.make_scale_rows(name),
-                    (-(-vol // (blk * epilogue.SCALE_UNROLL)),
-                     max(1, min(rows_nc, epilogue.MAX_ROW_BLOCKS))), blk, n_out, 2 * n_out * e))
+                    epilogue.scale_rows_grid(rows_nc, vol, blk), blk, n_out, 2 * n_out * e))
     elif pipe.conv_impl == "scatter":
         blk = block_size(epilogue.BLOCK)
         out.append(("scale", "scale_centered", epilogue.scale_centered,

@@ -450,5 +450,5 @@ class Pipeline:
             record["conv_transpose3d_gather"] = out.clone()
         scale = self._finish_batch_stats(plan, plan.means, plan.ss, record)
         # The output is already centred: what is left is one per-channel multiply, in place
-        # (epilogue.scale_rows: 2.8 TB/s, torch's broadcast mul_ 2.35 TB/s; benchmarks/NOTES.md).
+        # (epilogue.scale_rows: 2.86 TB/s, torch's broadcast mul_ 2.35 TB/s; benchmarks/NOTES.md).
         epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)

@@ -44,7 +44,6 @@ from .launch import block_size, launch
 from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
 MAX_BLOCKS = 65535
-
 BLOCK = 256  # one block per channel: 8 warps over the N*SLOTS partials
 
 
@@ -112,6 +111,11 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
             tracked[0] = batches
 
 
+def grid_size(channels: int) -> int:
+    """Blocks of a launch: one per channel up to MAX_BLOCKS (the launcher and explain)."""
+    return max(1, min(channels, MAX_BLOCKS))
+
+
 def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
                             eps: float, momentum: float | None, count: int, update: bool,
                             scale, stats, done=None) -> None:
@@ -120,8 +124,7 @@ def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, t
     if done is None:
         done = torch.zeros(1, dtype=torch.int32, device=means.device)
     block = block_size(BLOCK)
-    grid = max(1, min(ss.shape[1], MAX_BLOCKS))
-    launch(batch_statistics, grid, block,
+    launch(batch_statistics, grid_size(ss.shape[1]), block,
            (means, ss, bias, gamma, running_mean, running_var, tracked, float(eps),
             -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
             done), small_grid=True)

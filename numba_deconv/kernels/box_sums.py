@@ -193,6 +193,11 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
     return box_sums
 
 
+def grid_size(planes: int) -> int:
+    """Blocks of a ``box_sums`` launch over ``planes`` (n, ci) planes (the launcher and explain)."""
+    return max(1, min(planes, MAX_GRID))
+
+
 def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, done, *,
                     block: int | None = None, rows: int = ROWS) -> None:
     """``x`` (N, CI, ID, IH, IW); ``out`` (N, CI, KD, KH, KW) float64 box sums; ``w`` (CI, OPG, K)
@@ -204,5 +209,5 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
     n, ci = x.shape[0], x.shape[1]
     kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",
                            rows)
-    launch(kernel, max(1, min(n * ci, MAX_GRID)), block,
+    launch(kernel, grid_size(n * ci), block,
            (x, lo, hi, out.view(n, -1), w, bias, float(inv_size), contrib, mean, done))

@@ -102,12 +102,16 @@ def _scale_rows(dtype: str, unroll: int):
     return scale_rows
 
 
+def scale_rows_grid(rows: int, size: int, block: int, unroll: int = SCALE_UNROLL) -> tuple:
+    """(chunks of a row, row blocks) of a ``scale_rows`` launch (the launcher and explain)."""
+    return (-(-size // (block * unroll)), max(1, min(rows, MAX_ROW_BLOCKS)))
+
+
 def launch_scale_rows(y, scale, size: int, dtype: str, *, block: int | None = None,
                       unroll: int = SCALE_UNROLL) -> None:
     """``y`` flat and contiguous, ``size`` elements per (n, c) row."""
     block = block_size(BLOCK) if block is None else block
-    rows = y.shape[0] // size
-    grid = (-(-size // (block * unroll)), max(1, min(rows, MAX_ROW_BLOCKS)))
+    grid = scale_rows_grid(y.shape[0] // size, size, block, unroll)
     launch(make_scale_rows(dtype, unroll), grid, block, (y, scale, size))
 
 
