@@ -1,0 +1,371 @@
+"""Training's batch variance before the convolution: the bookkeeping of the Gram path (host only).
+
+Training needs, per output channel c, ``Q_c = sum_{n,o} y[n, c, o]^2`` of the bias-free
+convolution y; with the mean (known from the box sums) it gives the batch variance. Computing it
+from y costs a second pass over the output (``epilogue.scale_rows``, 0.18 ms at the default
+problem). Computing it from the input costs a third of the convolution's multiply-adds and
+lets the evaluation kernel write the final output once (benchmarks/NOTES.md, sessions 6-7),
+though the kernels that do it are not yet faster than the second pass (``kernels/gram.py``).
+
+**The algebra** (checked in float64 against PyTorch by ``benchmarks/probe_gram_variance.py``).
+Per axis, tap ``a`` of input ``i`` lands on output ``s*i - p + d*a``. Two taps ``a, b`` reach the
+same output from inputs ``i`` and ``i + delta`` with ``delta = d*(a - b)/s`` when that is a whole
+number (the pair *meets*), and the inputs ``i`` of tap ``a`` that do so form one interval
+(``pair_interval``): ``i`` and ``i + delta`` inside the input, the output inside the output. So
+
+    Q_c = sum_{a, b meet} sum_{ci, ci' in c's group} w[ci, c, a] w[ci', c, b] G_box(a,b)(delta)[ci, ci']
+
+    G_B(delta)[ci, ci'] = sum_n sum_{i in B} x[n, ci, i] x[n, ci', i + delta]
+
+with ``B`` a box (one interval per axis). Pair ``(b, a)`` has offset ``-delta`` and contributes
+exactly what ``(a, b)`` does (substitute ``i -> i + delta``), so only offsets in one half-space
+are needed: ``delta = 0`` (then ``a = b``) once, every other pair of the half-space twice.
+
+**Cells.** The interval ends of all pairs cut each axis into segments; every pair's box is a
+union of *cells* (products of segments), and for the default problem (k=3, s=2, p=1) only the
+first and last input row of each axis are special: 3 x 3 x 3 cells, one of them the interior.
+The kernel (``kernels/gram.py``) sums per cell, never across a cell boundary; a *term* (one pair
+of the half-space) adds the cells of its box.
+
+**Work.** A thread owns CB input channels x one input channel ci' x one D offset x a WH x WW
+window of (H, W) offsets (``CB*WH*WW`` accumulators); the block's threads together own every
+(channel pair, offset) of the half-space in D (offsets ``0..Md`` there, both signs in H and W).
+The input is cut into *tiles* (one sample, one D plane, a few H rows, a run of W columns of at
+most one warp with the halo, all inside one cell; narrow tiles get more rows); each block takes
+a contiguous run of tiles of about equal work, staging each tile (with the halo its offsets
+reach) in shared memory, and writes one float64 partial per (block, cell) it touched: a
+*slot*. The reduction, in a fixed order (deterministic), first adds runs of at most
+SLOT_CHUNK slots of one cell (*chunks*, many sums in parallel), then the chunks of each term's
+cells.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .geometry import AxisGeometry, ConvGeometry
+
+CB = 4            # input channels per thread (the "a" side of a channel pair)
+WINDOW = 3        # offsets per thread along H and along W (a WINDOW x WINDOW window)
+TILE_AREA = 320   # shared-memory floats per (channel, D plane) of one tile, halo included
+LANES = 32        # a staged row (tile columns and W halo) fits one warp
+SMEM_BYTES = 44 * 1024  # a tile's staging area at most (static shared memory is 48 KiB)
+BLOCK = 256       # threads per block at most (task groups beyond go to grid.y)
+BLOCKS_PER_SM = 2
+TILE_COST = 64    # a tile's staging and barriers, in positions of work (for the schedule)
+ROW_COST = 4      # a row's window set-up, in positions
+STATS_WEIGHTS = 6144  # batch_stats.gram_statistics stages CG * K float64 weights (48 KiB)
+SLOT_CHUNK = 16   # the reduction's first stage adds at most this many slots per sum
+
+
+def pair_interval(axis: AxisGeometry, size: int, a: int, b: int) -> tuple[int, int, int] | None:
+    """``(lo, hi, delta)``: the inputs ``lo <= i < hi`` of tap ``a`` whose output also reads
+    ``i + delta`` through tap ``b``; None when the two taps never meet inside the output."""
+    s, d, p = axis.stride, axis.dilation, axis.padding
+    if (d * (a - b)) % s:
+        return None
+    delta = d * (a - b) // s
+    out = axis.output_size(size)
+    lo = max(0, -delta, -((d * a - p) // s))          # s*i - p + d*a >= 0
+    hi = min(size, size - delta, (out - 1 + p - d * a) // s + 1)  # ... <= out - 1
+    return (lo, hi, delta) if lo < hi else None
+
+
+@dataclass(frozen=True)
+class AxisGram:
+    """One axis of the Gram plan: meeting pairs, the offset progression, the segments."""
+
+    pairs: tuple[tuple[int, int, int, int, int], ...]  # (a, b, delta, lo, hi)
+    step: int      # offsets are multiples of step ...
+    reach: int     # ... from -reach*step to reach*step
+    cuts: tuple[int, ...]  # segment boundaries, 0 first and the input size last
+
+    @property
+    def segments(self) -> int:
+        return len(self.cuts) - 1
+
+    def segment_range(self, lo: int, hi: int) -> range:
+        return range(self.cuts.index(lo), self.cuts.index(hi))
+
+
+def axis_gram(axis: AxisGeometry, size: int) -> AxisGram:
+    pairs = []
+    for a in range(axis.kernel):
+        for b in range(axis.kernel):
+            iv = pair_interval(axis, size, a, b)
+            if iv is not None:
+                pairs.append((a, b, iv[2], iv[0], iv[1]))
+    deltas = sorted({abs(p[2]) for p in pairs if p[2]})
+    step = math.gcd(*deltas) if deltas else 1
+    reach = max(deltas) // step if deltas else 0
+    cuts = sorted({0, size} | {p[3] for p in pairs} | {p[4] for p in pairs})
+    return AxisGram(tuple(pairs), step, reach, tuple(cuts))
+
+
+@dataclass(frozen=True)
+class GramTerm:
+    a: int                     # flat tap index (kd, kh, kw) of the first weight
+    b: int                     # ... of the second
+    offset: tuple[int, int, int]   # (m_d, m_h, m_w): delta = m * step per axis, m_d >= 0
+    coef: float                # 1 for delta = 0, 2 for the half-space (the mirror pair)
+    cells: tuple[int, ...]     # the cells of the pair's box
+
+
+@dataclass(frozen=True)
+class GramPlan:
+    """Everything about the Gram path that depends only on the geometry and the input shape."""
+
+    groups: int
+    cg: int            # input channels per group
+    nb: int            # channel blocks of CB per group
+    planes: int        # D offsets 0..planes-1 (times step_d)
+    step: tuple[int, int, int]
+    reach: tuple[int, int, int]
+    hchunks: int       # windows of WINDOW H offsets per thread task
+    wchunks: int
+    wh: int            # offsets per window along H (WINDOW, or fewer when fewer exist)
+    ww: int
+    halo: tuple[int, int, int, int]   # rows above, rows below, columns left, columns right
+    area: int          # staged floats per (channel, D plane) of a tile at most, halo included
+    plane_stride: int  # shared memory: floats per (channel, plane) and per channel; a tile's
+    channel_stride: int  # row stride is its own width plus the W halo
+    smem: int          # floats of the staging area
+    tasks: int         # thread tasks (all groups)
+    terms: tuple[GramTerm, ...]
+    cells: int
+    tiles: np.ndarray        # (T, 7) int32: n, d, h0, rows, w0, cols, cell (sorted by cell)
+    blocks: np.ndarray       # (B, 3) int32: first tile, end tile, first slot
+    cell_slots: np.ndarray   # (cells, 2) int32: the slots of each cell, [start, end)
+    slots: int
+    chunks: np.ndarray       # (K, 2) int32: runs of at most SLOT_CHUNK slots of one cell
+    cell_chunks: np.ndarray  # (cells, 2) int32: the chunks of each cell, [start, end)
+    fma: int                 # multiply-adds the kernel does (waste included)
+    max_block: int           # threads per block at most
+
+    @property
+    def nk(self) -> int:
+        """Accumulators per thread task."""
+        return CB * self.wh * self.ww
+
+    @property
+    def tasks_pad(self) -> int:
+        """Threads of one team: the tasks rounded up to whole warps (at most max_block)."""
+        return min(self.max_block, -(-self.tasks // 32) * 32)
+
+    @property
+    def teams(self) -> int:
+        """Copies of the task set in a block; they share the staged tile and split its rows."""
+        return max(1, self.max_block // self.tasks_pad) if self.tasks <= self.max_block else 1
+
+    @property
+    def block(self) -> int:
+        return self.teams * self.tasks_pad
+
+    @property
+    def task_groups(self) -> int:
+        """Blocks over one tile when the tasks do not fit one block (grid.y)."""
+        return -(-self.tasks // self.tasks_pad)
+
+    @property
+    def columns(self) -> int:
+        """Threads of one tile (all task groups): the partials' columns per accumulator."""
+        return self.task_groups * self.block
+
+    @property
+    def staged_channels(self) -> int:
+        return self.groups * self.nb * CB
+
+    def task_index(self, g: int, ci: int, ci2: int, m: tuple[int, int, int]) -> tuple[int, int]:
+        """(task, accumulator) holding G(m)[ci, ci'] of group g; m_d >= 0. Tasks run ci' fastest
+        (a warp's lanes read 16 different "b" channels and share their "a" channels), then the
+        channel block, the D offset, the H window, the W window, the group."""
+        md, mh, mw = m
+        rd, rh, rw = self.reach
+        hc, hk = divmod(mh + rh, self.wh)
+        wc, wk = divmod(mw + rw, self.ww)
+        task = ci2 + self.cg * (ci // CB + self.nb * (md + self.planes * (hc + self.hchunks * (
+            wc + self.wchunks * g))))
+        return task, ((ci % CB) * self.wh + hk) * self.ww + wk
+
+
+def axis_reach(axis: AxisGeometry) -> tuple[int, int]:
+    """(step, reach) of the axis' offsets for inputs large enough that every meeting pair meets
+    (smaller inputs can only have fewer offsets)."""
+    s, d = axis.stride, axis.dilation
+    deltas = sorted({abs(d * (a - b)) // s for a in range(axis.kernel) for b in range(axis.kernel)
+                     if (d * (a - b)) % s == 0 and a != b})
+    step = math.gcd(*deltas) if deltas else 1
+    return step, (max(deltas) // step if deltas else 0)
+
+
+def _windows(reach: int) -> tuple[int, int]:
+    """(offsets per window, windows) along H or W."""
+    width = min(WINDOW, 2 * reach + 1)
+    return width, -(-(2 * reach + 1) // width)
+
+
+def _tile_area(channels: int, planes: int, itemsize: int) -> int:
+    return min(TILE_AREA, SMEM_BYTES // (itemsize * channels * planes) - 1)
+
+
+def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
+    """Whether the Gram path runs this geometry for inputs of any size: a one-position tile and
+    its halo fit the staging area, the staged channels a block, the weights of one output
+    channel ``gram_statistics``' shared memory (smaller inputs can only have fewer offsets, so
+    smaller halos)."""
+    steps = [axis_reach(ax) for ax in geom.axes()]
+    (wh, nh), (ww, nw) = _windows(steps[1][1]), _windows(steps[2][1])
+    planes = steps[0][1] + 1
+    nb = -(-geom.in_per_group // CB)
+    halo_h = (nh * wh - 1) * steps[1][0]
+    halo_w = (nw * ww - 1) * steps[2][0]
+    area = _tile_area(geom.groups * nb * CB, planes, itemsize)
+    return (halo_w < LANES and (1 + halo_h) * (1 + halo_w) <= area
+            and geom.groups * nb * CB <= BLOCK
+            and geom.in_per_group * math.prod(geom.kernel_size) <= STATS_WEIGHTS)
+
+
+def _chunks(start: int, end: int, most: int) -> list[tuple[int, int]]:
+    """``[start, end)`` in the fewest runs of at most ``most``, as even as can be: (first, length)."""
+    count = -(-(end - start) // most)
+    base, extra = divmod(end - start, count)
+    runs, first = [], start
+    for i in range(count):
+        length = base + (i < extra)
+        runs.append((first, length))
+        first += length
+    return runs
+
+
+def _half_space(m: tuple[int, int, int]) -> int:
+    """1 for the zero offset, 2 for the half-space ``m > 0`` (lexicographic), 0 otherwise."""
+    if m == (0, 0, 0):
+        return 1
+    return 2 if m > (0, 0, 0) else 0
+
+
+def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
+              sms: int = 132, max_block: int = BLOCK) -> GramPlan | None:
+    """The plan for one input shape; None when a tile's staging area cannot fit shared memory.
+    ``max_block`` (raised to the staged channels, rounded to warps): the simulator's is small."""
+    axes = [axis_gram(ax, n) for ax, n in zip(geom.axes(), in_spatial)]
+    step = tuple(a.step for a in axes)
+    reach = tuple(a.reach for a in axes)
+    planes = reach[0] + 1
+    wh, hchunks = _windows(reach[1])
+    ww, wchunks = _windows(reach[2])
+    halo = (reach[1] * step[1], (hchunks * wh - 1 - reach[1]) * step[1],
+            reach[2] * step[2], (wchunks * ww - 1 - reach[2]) * step[2])
+    cg = geom.in_per_group
+    nb = -(-cg // CB)
+    channels = geom.groups * nb * CB
+    area = _tile_area(channels, planes, itemsize)
+    halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
+    cols_max = LANES - halo_w  # a staged row (halo included) is at most one warp wide
+    if cols_max < 1 or (1 + halo_h) * (1 + halo_w) > area or channels > BLOCK:
+        return None
+    max_block = max(max_block, -(-channels // 32) * 32)
+    plane_stride = area + (1 - area) % 32  # = 1 mod 32: lanes on different (ci', plane) banks
+    channel_stride = planes * plane_stride
+    tasks = geom.groups * nb * cg * planes * hchunks * wchunks
+
+    # cells: products of segments, numbered D-major
+    nsh, nsw = axes[1].segments, axes[2].segments
+    ncells = axes[0].segments * nsh * nsw
+    kh_n, kw_n = geom.kernel_size[1], geom.kernel_size[2]
+    terms = []
+    for pd, ph, pw in itertools.product(*(a.pairs for a in axes)):
+        m = (pd[2] // step[0], ph[2] // step[1], pw[2] // step[2])
+        coef = _half_space(m)
+        if not coef:
+            continue
+        cells = tuple((sd * nsh + sh) * nsw + sw
+                      for sd in axes[0].segment_range(pd[3], pd[4])
+                      for sh in axes[1].segment_range(ph[3], ph[4])
+                      for sw in axes[2].segment_range(pw[3], pw[4]))
+        terms.append(GramTerm((pd[0] * kh_n + ph[0]) * kw_n + pw[0],
+                              (pd[1] * kh_n + ph[1]) * kw_n + pw[1], m, float(coef), cells))
+
+    # tiles, in cell order; a tile's rows are as many as the staging area holds at its width
+    tiles = []
+    for sd, sh, sw in itertools.product(range(axes[0].segments), range(nsh), range(nsw)):
+        cell = (sd * nsh + sh) * nsw + sw
+        d_cuts, h_cuts, w_cuts = axes[0].cuts, axes[1].cuts, axes[2].cuts
+        for n in range(batch):
+            for d in range(d_cuts[sd], d_cuts[sd + 1]):
+                for w0, cols in _chunks(w_cuts[sw], w_cuts[sw + 1], cols_max):
+                    rows_max = area // (cols + halo_w) - halo_h
+                    for h0, rows in _chunks(h_cuts[sh], h_cuts[sh + 1], rows_max):
+                        tiles.append((n, d, h0, rows, w0, cols, cell))
+    tiles = np.array(tiles, np.int32).reshape(-1, 7)
+
+    # blocks: contiguous runs of tiles of about equal work (a tile also costs its staging)
+    work = tiles[:, 3].astype(np.int64) * tiles[:, 5] + TILE_COST + ROW_COST * tiles[:, 3]
+    nblocks = max(1, min(len(tiles), BLOCKS_PER_SM * sms // max(1, -(-tasks // max_block))))
+    ends = np.searchsorted(np.cumsum(work), np.arange(1, nblocks + 1) * (work.sum() / nblocks),
+                           side="left") + 1
+    bounds = np.unique(np.concatenate([[0], np.minimum(ends, len(tiles))]))
+    blocks, slot_cell = [], []
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        blocks.append((t0, t1, len(slot_cell)))
+        cells_run = tiles[t0:t1, 6]
+        slot_cell.append(cells_run[0])
+        slot_cell += [c for prev, c in zip(cells_run[:-1], cells_run[1:]) if c != prev]
+    slot_cell = np.array(slot_cell, np.int64)
+    cell_slots = np.zeros((ncells, 2), np.int32)
+    for c in range(ncells):
+        where = np.nonzero(slot_cell == c)[0]
+        if len(where):
+            cell_slots[c] = (where[0], where[-1] + 1)
+    chunks, cell_chunks = [], np.zeros((ncells, 2), np.int32)
+    for c in range(ncells):
+        cell_chunks[c, 0] = len(chunks)
+        for first in range(cell_slots[c, 0], cell_slots[c, 1], SLOT_CHUNK):
+            chunks.append((first, min(first + SLOT_CHUNK, cell_slots[c, 1])))
+        cell_chunks[c, 1] = len(chunks)
+    positions = batch * math.prod(in_spatial)
+    fma = positions * tasks * CB * wh * ww
+    return GramPlan(geom.groups, cg, nb, planes, step, reach, hchunks, wchunks, wh, ww, halo,
+                    area, plane_stride, channel_stride,
+                    channels * channel_stride, tasks, tuple(terms), ncells, tiles,
+                    np.array(blocks, np.int32), cell_slots, len(slot_cell),
+                    np.array(chunks, np.int32).reshape(-1, 2), cell_chunks, fma, max_block)
+
+
+def term_sums_reference(plan: GramPlan, geom: ConvGeometry, x: np.ndarray) -> np.ndarray:
+    """What the kernels compute, in numpy (float64): (groups, terms, CG, CG) box Gram sums."""
+    spatial = x.shape[2:]
+    axes = [axis_gram(ax, n) for ax, n in zip(geom.axes(), spatial)]
+    out = np.zeros((plan.groups, len(plan.terms), plan.cg, plan.cg))
+    nsh, nsw = axes[1].segments, axes[2].segments
+    for t, term in enumerate(plan.terms):
+        delta = [m * s for m, s in zip(term.offset, plan.step)]
+        for cell in term.cells:
+            seg = (cell // (nsh * nsw), (cell // nsw) % nsh, cell % nsw)
+            lo = [a.cuts[s] for a, s in zip(axes, seg)]
+            hi = [a.cuts[s + 1] for a, s in zip(axes, seg)]
+            left = x[(slice(None), slice(None)) + tuple(slice(l, h) for l, h in zip(lo, hi))]
+            right = x[(slice(None), slice(None))
+                      + tuple(slice(l + dl, h + dl) for l, h, dl in zip(lo, hi, delta))]
+            for g in range(plan.groups):
+                ch = slice(g * plan.cg, (g + 1) * plan.cg)
+                out[g, t] += np.einsum("nixyz,njxyz->ij", left[:, ch], right[:, ch])
+    return out
+
+
+def sum_of_squares(plan: GramPlan, geom: ConvGeometry, term_sums: np.ndarray,
+                   weight: np.ndarray) -> np.ndarray:
+    """``Q_c`` (per output channel) from the term sums and the (CI, OPG, KD, KH, KW) weight."""
+    opg, cg = geom.out_per_group, plan.cg
+    w = weight.reshape(weight.shape[0], opg, -1)
+    q = np.zeros(geom.out_channels)
+    for g in range(plan.groups):
+        wg = w[g * cg:(g + 1) * cg]
+        for t, term in enumerate(plan.terms):
+            q[g * opg:(g + 1) * opg] += term.coef * np.einsum(
+                "ic,ij,jc->c", wg[:, :, term.a], term_sums[g, t], wg[:, :, term.b])
+    return q
