@@ -1,4 +1,4 @@
-"""Training's per-channel finish in one launch: ``batch_statistics``.
+"""Training's per-channel finish in one launch: ``batch_statistics`` (or ``gram_statistics``).
 
 What it replaces: after the convolution, training mode turned its per-(n, c) means and per-block
 centred sums of squares into the batch statistics, the BN scale and the running-statistics update
@@ -31,6 +31,16 @@ Cost: N*C*(SLOTS + 1) float64 reads, a few per channel written. It is latency-bo
 float64 adds), so what matters is loads in flight and blocks: the first version flattened (n, slot)
 into one index and divided per element (72 µs at the default problem, H100); one block with a warp
 per channel took 21 µs (session 5); a block per channel spreads the same reads over C SMs.
+
+``gram_statistics`` is the same finish for ``Pipeline(..., variance="gram")``: the variance comes
+from the input's Gram sums (``kernels/gram.py``) before the convolution,
+
+    Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]   (a thread per channel pair, the
+                                                               channel's weights in shared memory)
+    var_c = Q_c / (N*S) - mu_c^2                               (float64)
+
+and, with a_c known, the block also writes the gather's phase-arranged weights and the means
+times a_c, so the evaluation kernel writes the final output (no second pass over it).
 """
 
 from __future__ import annotations
@@ -45,6 +55,36 @@ from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
 MAX_BLOCKS = 65535
 BLOCK = 256  # one block per channel: 8 warps over the N*SLOTS partials
+
+
+@cuda.jit(device=True, inline="always")
+def _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running_mean,
+                    running_var, scale, stats):
+    """Thread 0 of channel c's block: the scale a_c, the statistics and the running update."""
+    a = gamma[c] / math.sqrt(var + eps)
+    scale[c] = a
+    mean_c = mu + bias[c]
+    stats[0, c] = mean_c
+    stats[1, c] = var
+    if update:
+        unbiased = var * (count / (count - 1.0))
+        running_mean[c] = (1.0 - factor) * running_mean[c] + factor * mean_c
+        running_var[c] = (1.0 - factor) * running_var[c] + factor * unbiased
+    return a
+
+
+@cuda.jit(device=True, inline="always")
+def _count_block(done, tracked, batches, update, last):
+    """The last block to get here bumps num_batches_tracked: every block has read it by then."""
+    cuda.syncthreads()  # this block's threads have all read num_batches_tracked
+    if cuda.threadIdx.x == 0:
+        cuda.threadfence()
+        last[0] = int32(cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1)
+    cuda.syncthreads()
+    if last[0] and cuda.threadIdx.x == 0:
+        done[0] = 0  # ready for the next call
+        if update:
+            tracked[0] = batches
 
 
 @cuda.jit
@@ -89,26 +129,91 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
         within = block_sum(within, scratch)
         between = block_sum(between, scratch)
         if t == 0:
-            var = within / count + between / n_batch
-            a = gamma[c] / math.sqrt(var + eps)
-            scale[c] = a
-            mean_c = mu + bias[c]
-            stats[0, c] = mean_c
-            stats[1, c] = var
-            if update:
-                unbiased = var * (count / (count - 1.0))
-                running_mean[c] = (1.0 - factor) * running_mean[c] + factor * mean_c
-                running_var[c] = (1.0 - factor) * running_var[c] + factor * unbiased
-    # The last block to get here bumps num_batches_tracked: every block has read it by then.
-    cuda.syncthreads()  # this block's threads have all read num_batches_tracked
-    if t == 0:
-        cuda.threadfence()
-        last[0] = int32(cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1)
-    cuda.syncthreads()
-    if last[0] and t == 0:
-        done[0] = 0  # ready for the next call
-        if update:
-            tracked[0] = batches
+            _finish_channel(c, within / count + between / n_batch, mu, bias, gamma, eps, factor,
+                            count, update, running_mean, running_var, scale, stats)
+    _count_block(done, tracked, batches, update, last)
+
+
+@cuda.jit(device=True, inline="always")
+def _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2):
+    """One term of Q_c: coef * w[ci, c, a] * sums[ci, ci'] * w[ci', c, b] (gram_plan); the
+    channel's weights are in shared memory, ``wsm[ci * taps + tap]``."""
+    return (term_coef[tt] * wsm[ci * taps + term_taps[tt, 0]] * sums[g, tt, ci, ci2]
+            * wsm[ci2 * taps + term_taps[tt, 1]])
+
+
+@cuda.jit
+def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
+                    running_var, tracked, eps, momentum, count, update, scale, stats, done,
+                    wph, wph_slots, wph_out, means_out):
+    # The Gram path's finish (kernels/gram.py): the batch variance from the term sums, then
+    # what batch_statistics does, then the scale folded into the evaluation kernel's inputs.
+    # sums: (G, T, CG, CG) f64 term sums; weight: (CI, OPG, K) conv weight; term_taps: (T, 2)
+    # int32 flat taps (a, b); term_coef: (T,) f64; means: (N, C) f64 spatial means of the
+    # bias-free convolution; bias ... done: as batch_statistics; wph: the gather's phase-
+    # arranged unscaled weights; wph_slots: (C, L) int32 the slots of wph holding channel c (-1
+    # pads); wph_out: wph scaled per channel (slots of no channel stay zero); means_out: (N, C)
+    # f64 the means scaled per channel.
+    n_batch, channels = means.shape[0], means.shape[1]
+    terms, cg = sums.shape[1], sums.shape[2]
+    opg, taps = weight.shape[1], weight.shape[2]
+    wsm = cuda.shared.array(0, float64)  # the channel's (CG, K) weights (dynamic size)
+    scratch = cuda.shared.array(MAX_WARPS, float64)
+    shared = cuda.shared.array(2, float64)
+    last = cuda.shared.array(1, int32)
+    t = cuda.threadIdx.x
+    batches = tracked[0] + 1  # read by every thread of every block before the last one writes it
+    if momentum < 0:
+        factor = 1.0 / batches
+    else:
+        factor = momentum
+    for c in range(cuda.blockIdx.x, channels, cuda.gridDim.x):  # block-uniform
+        g = c // opg
+        oc = c - g * opg
+        base = g * cg
+        for e in range(t, cg * taps, cuda.blockDim.x):
+            ci = e // taps
+            wsm[e] = weight[base + ci, oc, e - ci * taps]
+        cuda.syncthreads()  # the channel's weights are staged
+        q = 0.0
+        for pair in range(t, cg * cg, cuda.blockDim.x):  # a thread per channel pair, terms
+            ci = pair // cg                              # inside: four in flight
+            ci2 = pair - ci * cg
+            q0 = 0.0
+            q1 = 0.0
+            q2 = 0.0
+            q3 = 0.0
+            tt = 0
+            while tt + 4 <= terms:
+                q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
+                q1 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 1, ci, ci2)
+                q2 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 2, ci, ci2)
+                q3 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 3, ci, ci2)
+                tt += 4
+            while tt < terms:
+                q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
+                tt += 1
+            q += (q0 + q1) + (q2 + q3)
+        q = block_sum(q, scratch)
+        m_sum = 0.0
+        for n in range(t, n_batch, cuda.blockDim.x):
+            m_sum += means[n, c]
+        m_sum = block_sum(m_sum, scratch)
+        if t == 0:
+            mu = m_sum / n_batch
+            var = max(q / count - mu * mu, 0.0)  # E[y^2] - E[y]^2 in float64
+            shared[0] = _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update,
+                                        running_mean, running_var, scale, stats)
+        cuda.syncthreads()  # a_c is in shared memory
+        a = shared[0]
+        for n in range(t, n_batch, cuda.blockDim.x):
+            means_out[n, c] = means[n, c] * a
+        for j in range(t, wph_slots.shape[1], cuda.blockDim.x):
+            slot = wph_slots[c, j]
+            if slot >= 0:
+                wph_out[slot] = wph[slot] * a
+        cuda.syncthreads()  # shared[0] and wsm are reused by the next channel
+    _count_block(done, tracked, batches, update, last)
 
 
 def grid_size(channels: int) -> int:
@@ -128,3 +233,15 @@ def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, t
            (means, ss, bias, gamma, running_mean, running_var, tracked, float(eps),
             -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
             done), small_grid=True)
+
+
+def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
+                           running_var, tracked, eps: float, momentum: float | None, count: int,
+                           update: bool, scale, stats, done, wph, wph_slots, wph_out,
+                           means_out) -> None:
+    """A block per channel, as ``launch_batch_statistics``; see ``gram_statistics``."""
+    launch(gram_statistics, grid_size(means.shape[1]), block_size(BLOCK),
+           (sums, weight, term_taps, term_coef, means, bias, gamma, running_mean, running_var,
+            tracked, float(eps), -1.0 if momentum is None else float(momentum), int(count),
+            int(update), scale, stats, done, wph, wph_slots, wph_out, means_out),
+           smem=8 * sums.shape[2] * weight.shape[2], small_grid=True)

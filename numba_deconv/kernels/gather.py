@@ -587,6 +587,23 @@ def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
     return index
 
 
+def phase_weight_channels(geom, index: np.ndarray) -> np.ndarray:
+    """(CO, L) int32: the slots of the phase layout (flattened ``index``) holding each output
+    channel's weights, -1 padded; what a kernel needs to scale the layout per channel."""
+    flat = index.reshape(-1)
+    taps = int(np.prod(geom.kernel_size))
+    used = np.nonzero(flat >= 0)[0]
+    ci, co_g = flat[used] // (geom.out_per_group * taps), (flat[used] // taps) % geom.out_per_group
+    channel = (ci // geom.in_per_group) * geom.out_per_group + co_g
+    order = np.argsort(channel, kind="stable")
+    counts = np.bincount(channel, minlength=geom.out_channels)
+    out = np.full((geom.out_channels, max(1, counts.max())), -1, np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    for c in range(geom.out_channels):
+        out[c, :counts[c]] = used[order[starts[c]:starts[c] + counts[c]]]
+    return out
+
+
 def arrange_weights(weight, index):
     """The kernel's ``wph`` from a (CI, OPG, KD, KH, KW) weight and ``phase_weight_index``."""
     import torch

@@ -1,0 +1,92 @@
+"""The Gram path of training (``gram_plan``, ``kernels/gram.py``): algebra, then kernels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from numba_deconv import Pipeline, testing
+from numba_deconv.geometry import ConvGeometry
+from numba_deconv.gram_plan import gram_fits, gram_plan, sum_of_squares, term_sums_reference
+from numba_deconv.kernels import gram
+from numba_deconv.kernels.launch import block_size
+
+
+@given(case=testing.cases(), offset=st.floats(-3, 3), data=st.data())
+def test_plan_gives_pytorchs_sum_of_squares(case, offset, data):
+    """Per output channel, sum_{n,o} y^2 from the plan's terms and cells (numpy, float64) is the
+    one of PyTorch's convolution: the algebra and the bookkeeping, without kernels."""
+    geom = case.geometry
+    plan = gram_plan(geom, case.batch, case.input_spatial, 8, sms=3)
+    assume(plan is not None)
+    rng = np.random.default_rng(case.seed)
+    x = rng.standard_normal(case.input_shape) + offset
+    w = rng.standard_normal(geom.weight_shape())
+    y = torch.nn.functional.conv_transpose3d(
+        torch.from_numpy(x), torch.from_numpy(w), stride=geom.stride, padding=geom.padding,
+        output_padding=geom.output_padding, groups=geom.groups, dilation=geom.dilation)
+    want = (y ** 2).sum(dim=(0, 2, 3, 4)).numpy()
+    got = sum_of_squares(plan, geom, term_sums_reference(plan, geom, x), w)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+    # every slot belongs to one cell; the tiles cover every input position once
+    covered = np.zeros((case.batch, *case.input_spatial), np.int64)
+    for n, d, h0, rows, w0, cols, _ in plan.tiles:
+        covered[n, d, h0:h0 + rows, w0:w0 + cols] += 1
+    assert (covered == 1).all()
+
+
+GEOMETRIES = [  # (geometry, batch, input spatial, dtype)
+    (ConvGeometry.create(4, 4, 3, 2, 1), 2, (3, 5, 6), torch.float32),          # the default's
+    (ConvGeometry.create(3, 4, (2, 3, 2), (1, 2, 3), (0, 1, 1), dilation=(2, 1, 2)), 1, (4, 4, 5),
+     torch.float32),                                                            # steps, dilation
+    (ConvGeometry.create(6, 2, 3, 1, 1, groups=2), 1, (2, 3, 4), torch.float32),  # 2 H/W windows
+    (ConvGeometry.create(5, 3, (3, 1, 4), 2, (1, 0, 2), output_padding=(1, 0, 1)), 2, (2, 3, 3),
+     torch.float64),
+]
+
+
+@pytest.mark.parametrize("geom,batch,spatial,dtype", GEOMETRIES)
+def test_kernels_match_numpy(geom, batch, spatial, dtype, device):
+    plan = gram_plan(geom, batch, spatial, dtype.itemsize, sms=2, max_block=block_size(256))
+    gen = torch.Generator().manual_seed(batch + geom.in_channels)
+    x = torch.randn((batch, geom.in_channels, *spatial), generator=gen, dtype=torch.float64) + 4
+    gl = gram.gram_launch(plan, device, dtype)
+    for t in (gl.partial, gl.chunk_sums, gl.sums):
+        t.fill_(float("nan"))
+    name = "float32" if dtype == torch.float32 else "float64"
+    gram.launch_gram_sums(gl, name, x.to(device=device, dtype=dtype))
+    gram.launch_gram_reduce(gl)
+    want = term_sums_reference(plan, geom, x.to(dtype).double().numpy())
+    got = gl.sums.cpu().numpy()
+    scale = np.abs(want).max()
+    # float32: each product is exact in float64 terms, the tile sums round at ~1e-7 of |x_a x_b|
+    np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if dtype == torch.float32 else 1e-12) * scale)
+    assert torch.isfinite(gl.cvals).all()
+
+
+def test_geometries_the_path_refuses():
+    assert gram_fits(ConvGeometry.create(16, 32, 3, 2, 1), 4)
+    # 300 staged channels are more than a block's threads
+    assert not gram_fits(ConvGeometry.create(300, 8, 3, 2, 1), 4)
+    # kernel 5, stride 1: offsets -4..4 need a 9 x 9 halo per tile; 64 channels leave no room
+    assert not gram_fits(ConvGeometry.create(64, 8, 5, 1, 2), 4)
+    conv = torch.nn.ConvTranspose3d(64, 8, 5, 1, 2)
+    bn = torch.nn.BatchNorm3d(8)
+    with pytest.raises(ValueError, match="variance='gram'"):
+        Pipeline(conv, bn, variance="gram")
+    with pytest.raises(ValueError, match="variance must be one of"):
+        Pipeline(conv, bn, variance="auto")
+
+
+def test_cost_is_a_fraction_of_the_convolution():
+    """The reason the path exists: at the default problem the kernel does about a third of the
+    convolution's multiply-adds (both signs of the H and W offsets at D offset 0 included)."""
+    geom = ConvGeometry.create(16, 32, 3, 2, 1)
+    plan = gram_plan(geom, 16, (16, 32, 32), 4)
+    assert plan.fma == 16 * math.prod((16, 32, 32)) * 4608
+    assert plan.fma < 0.4 * geom.macs(16, (16, 32, 32))
