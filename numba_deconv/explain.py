@@ -16,6 +16,9 @@ box_sums                 one add per (value, box holding it) read x once; write 
 mean_from_box_sums       2 * N*CO*CIg*k^3                    read box sums, w; write means
                          (no launch of its own: box_sums' last block per sample)
 conv_transpose3d_gather  2 * macs (+3 per output in train)   read x, w, means; write y once
+gram_sums                2 per multiply-add (gram_plan.fma)  read x; write the slot totals
+gram_reduce              one add per slot value              read the slots; write term sums
+gram_statistics          4 per (term, ci, ci') per channel   read the term sums, w
 =======================  ==================================  ====================================
 
 ``macs`` is :meth:`ConvGeometry.macs`, the multiply-adds of taps that land inside the output.
@@ -41,7 +44,9 @@ import torch
 
 from . import folding
 from .kernels import batch_stats as batch_stats_kernels
-from .kernels import box_sums, epilogue, gather, scatter, spatial_reduce
+from .gram_plan import BLOCK as GRAM_BLOCK
+from .gram_plan import CB, gram_plan
+from .kernels import box_sums, epilogue, gather, gram, scatter, spatial_reduce
 from .kernels.launch import block_size, grid_for
 from .simulator import is_simulator
 
@@ -57,6 +62,7 @@ DEVICE_PEAKS: dict[str, dict[str, float]] = {
 DEFAULT_DEVICE = "H100"
 # a stage whose work runs inside another stage's launch (no kernel, no launch shape of its own)
 FUSED_MEANS = "fused: box_sums, last block per sample"
+FUSED_SCALE = "fused: gram_statistics scales the weights and means"
 
 GPU_COLUMNS = ("regs", "shared_bytes", "local_bytes", "occupancy", "measured_us")
 
@@ -245,8 +251,18 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         out.append(("mean_from_box_sums", FUSED_MEANS, None, None, None,
                     2 * rows_nc * geom.in_per_group * kd * kh * kw,
                     boxes + w_bytes + rows_nc * 8))
+        gram_path = batch_stats and pipe.uses_gram
+        if gram_path:
+            out += _gram_rows(pipe, batch, in_spatial, dtype, x_bytes)
         launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name)
         t = launch.tiling
+        if gram_path:  # the evaluation kernel, on weights and means the statistics scaled
+            out.append(("conv_transpose3d_gather",
+                        f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw}]",
+                        gather.gather_kernel(launch, name, False), (launch.grid,), t.block,
+                        2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e))
+            out.append(("scale", FUSED_SCALE, None, None, None, 0, 0))
+            return out, macs, x_bytes + w_bytes + n_out * e
         kernel = gather.gather_kernel(launch, name, batch_stats)
         flops = 2 * macs + (3 * n_out if batch_stats else 0)
         nbytes = x_bytes + w_bytes + rows_nc * 8 + n_out * e
@@ -273,6 +289,30 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     else:
         out.append(("scale", "host (folded into the weights)", None, None, None, 0, 0))
     return out, macs, x_bytes + w_bytes + n_out * e
+
+
+def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
+    """The Gram path's rows: gram_sums, gram_reduce and gram_statistics (``pipe.uses_gram``)."""
+    geom = pipe.geometry
+    e = torch.empty((), dtype=dtype).element_size()
+    name = "float32" if dtype == torch.float32 else "float64"
+    sms = 1 if is_simulator() else _device_limits()["sms"]
+    layout = gram_plan(geom, batch, tuple(in_spatial), e, sms, block_size(GRAM_BLOCK))
+    width = layout.nk * layout.columns + layout.staged_channels
+    slot_bytes = layout.slots * width * 8
+    terms = len(layout.terms) * layout.groups * layout.cg * layout.cg
+    stat_block = block_size(batch_stats_kernels.BLOCK)
+    return [
+        ("gram_sums", f"gram_sums[cb={CB},window={layout.wh}x{layout.ww},teams={layout.teams}]",
+         gram.make_gram_sums(name, layout), (len(layout.blocks), layout.task_groups),
+         layout.block, 2 * layout.fma, x_bytes + slot_bytes),
+        ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.gram_reduce,
+         (gram.reduce_grid(layout),), gram.REDUCE_BLOCK, layout.slots * width + terms * 8,
+         slot_bytes + 2 * len(layout.chunks) * width * 8 + terms * 8),
+        ("batch_statistics", "gram_statistics", batch_stats_kernels.gram_statistics,
+         (batch_stats_kernels.grid_size(geom.out_channels),), stat_block,
+         4 * terms * geom.out_per_group, terms * 8 * geom.out_per_group),
+    ]
 
 
 # ---- GPU-only: resources, occupancy, timings ---------------------------------------------------
@@ -345,7 +385,10 @@ _LAUNCHERS = {
     "gather": ((box_sums, "launch_box_sums", "box_sums"),
                (gather, "launch_gather", "conv_transpose3d_gather"),
                (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
-               (epilogue, "launch_scale_rows", "scale")),
+               (epilogue, "launch_scale_rows", "scale"),
+               (gram, "launch_gram_sums", "gram_sums"),
+               (gram, "launch_gram_reduce", "gram_reduce"),
+               (batch_stats_kernels, "launch_gram_statistics", "batch_statistics")),
     "scatter": ((epilogue, "launch_fill_channels", "fill_zero"),
                 (scatter, "launch_scatter", "conv_transpose3d_scatter"),
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),

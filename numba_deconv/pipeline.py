@@ -8,10 +8,18 @@ launch configurations (cached per input shape), and hands the small per-channel 
     box_sums (box sums and, in its last block per sample, the means) ->
     conv_transpose3d_gather with the fused epilogue.
     Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
-    convolution, so the output is written once, final. Training: the epilogue writes
-    ``y - mean`` and per-block centred sums of squares; one small kernel (``batch_statistics``)
-    turns those into the batch variance, the scale and the running-statistics update, and one
-    in-place per-channel multiply (``epilogue.scale_rows``) scales the output.
+    convolution, so the output is written once, final. Training, two ways (``variance=``):
+
+    ``"epilogue"`` (default): the gather's epilogue writes ``y - mean`` and per-block centred
+    sums of squares; ``batch_statistics`` turns those into the variance, the scale and the
+    running-statistics update, and one in-place per-channel multiply
+    (``epilogue.scale_rows``) scales the output: a second pass over the output.
+    ``"gram"``: the batch variance is known before the convolution too (``gram_plan``): the
+    input's Gram sums (``gram_sums``, ``gram_reduce``), then ``gram_statistics`` (variance,
+    scale, running statistics, the scale folded into the weights and means), then the
+    evaluation kernel writes the final output once. It does less arithmetic than the second
+    pass moves bytes, but measured slower on every problem so far (benchmarks/NOTES.md,
+    session 7), so it is opt-in.
 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
@@ -34,11 +42,14 @@ from torch import nn
 
 from . import folding
 from .geometry import ConvGeometry
-from .kernels import batch_stats, box_sums, epilogue, gather, scatter, spatial_reduce
-from .kernels.launch import tensor_device
+from .gram_plan import BLOCK as GRAM_BLOCK
+from .gram_plan import gram_fits, gram_plan
+from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
+from .kernels.launch import block_size, tensor_device
 from .simulator import is_simulator
 
 CONV_STRATEGIES = ("gather", "scatter")
+VARIANCE_STRATEGIES = ("epilogue", "gram")
 # Input shapes whose launch plans (configurations and GPU scratch buffers) a pipeline keeps, least
 # recently used first out: a long fuzzing session does not hold every shape's buffers.
 PLAN_CACHE = 16
@@ -68,6 +79,10 @@ class _ShapePlan:
     gather: gather.GatherLaunch | None = None
     wph_index: Any = None
     ss: Any = None
+    gram: gram.GramLaunch | None = None  # the Gram path's tables and buffers
+    wph_slots: Any = None     # (C, L) int32: slots of the phase-arranged weights per channel
+    wph_scaled: Any = None    # the phase-arranged weights times a_c (zero slots stay zero)
+    means_scaled: Any = None  # (N, C) f64: the means times a_c
 
 
 class Pipeline:
@@ -79,7 +94,7 @@ class Pipeline:
     """
 
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
-                 poison: bool = False, graphs: bool = False):
+                 variance: str = "epilogue", poison: bool = False, graphs: bool = False):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -91,9 +106,17 @@ class Pipeline:
             raise ValueError(
                 f"BatchNorm3d has num_features={bn.num_features} but the convolution produces "
                 f"out_channels={self.geometry.out_channels}")
+        if variance not in VARIANCE_STRATEGIES:
+            raise ValueError(f"variance must be one of {VARIANCE_STRATEGIES}, got {variance!r}")
         self.conv = conv
         self.bn = bn
         self.conv_impl = conv_impl
+        self.variance = variance
+        # the Gram path replaces the gather's training finish; the scatter path has its own
+        self.uses_gram = conv_impl == "gather" and variance == "gram"
+        if self.uses_gram and not gram_fits(self.geometry, conv.weight.element_size()):
+            raise ValueError("variance='gram': this geometry's Gram tiles or weights do not fit "
+                             "shared memory (too many input channels for its offsets)")
         self.poison = poison  # fill outputs and scratch with NaN before each run (tests)
         self.graphs = graphs  # replay a captured CUDA graph of the whole call (GPU only)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
@@ -145,7 +168,7 @@ class Pipeline:
         """
         bn, conv = self.bn, self.conv
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, self.conv_impl,
+        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, self.conv_impl, self.uses_gram,
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
@@ -207,6 +230,9 @@ class Pipeline:
         batch = folding.uses_batch_statistics(self.bn, self.training)
         if self.conv_impl == "scatter":
             core = ("fill_zero", "conv_transpose3d_scatter", "spatial_moments_warp")
+        elif batch and self.uses_gram:
+            return ("box_sums", "mean_from_box_sums", "gram_sums", "gram_reduce",
+                    "batch_statistics", "conv_transpose3d_gather", "scale", "output")
         else:
             core = ("box_sums", "mean_from_box_sums", "conv_transpose3d_gather")
         return core + (("batch_statistics",) if batch else ()) + ("scale", "output")
@@ -309,8 +335,25 @@ class Pipeline:
             self._plans.popitem(last=False)
         return plan
 
+    def _gram_plan(self, plan: _ShapePlan, x: torch.Tensor) -> gram.GramLaunch:
+        """The Gram path's tables and buffers, built at the first training call of a shape."""
+        if plan.gram is None:
+            geom, dev = self.geometry, x.device
+            sms = 1 if is_simulator() else torch.cuda.get_device_properties(dev).multi_processor_count
+            layout = gram_plan(geom, plan.batch, tuple(x.shape[2:]), x.element_size(), sms,
+                               block_size(GRAM_BLOCK))
+            if layout is None:  # gram_fits checked the geometry for any input size
+                raise RuntimeError(f"no Gram plan for input {tuple(x.shape)}")
+            index = gather.phase_weight_index(geom, plan.gather.tiling)
+            plan.wph_slots = torch.from_numpy(gather.phase_weight_channels(geom, index)).to(dev)
+            plan.wph_scaled = torch.zeros(index.size, dtype=x.dtype, device=dev)
+            plan.means_scaled = torch.empty((plan.batch, geom.out_channels), dtype=torch.float64,
+                                            device=dev)
+            plan.gram = gram.gram_launch(layout, dev, x.dtype)
+        return plan.gram
+
     def _plan_key(self, x: torch.Tensor) -> tuple:
-        return (tuple(x.shape), x.dtype, x.device, self.conv_impl)
+        return (tuple(x.shape), x.dtype, x.device, self.conv_impl, self.uses_gram)
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""
@@ -340,8 +383,9 @@ class Pipeline:
         plan = self._plan(x, batch, out_spatial)
         out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
+            gram_buffers = (plan.gram.partial, plan.gram.sums) if plan.gram else ()
             for t in (out, plan.means, plan.css, plan.boxes, plan.contrib, plan.ss, plan.scale,
-                      plan.stats):
+                      plan.stats, plan.means_scaled, *gram_buffers):
                 if t is not None:
                     t.fill_(float("nan"))
         if self.conv_impl == "scatter":
@@ -439,6 +483,9 @@ class Pipeline:
             record["box_sums"] = plan.boxes.clone()
             record["mean_from_box_sums"] = plan.means.clone()
         dtype = "float32" if x.dtype == torch.float32 else "float64"
+        if batch_stats and self.uses_gram:
+            self._gram_train(x, out, plan, wph, flat_w, dtype, record)
+            return
         gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.means,
                              out.view(-1), plan.ss)
         if not batch_stats:
@@ -452,3 +499,32 @@ class Pipeline:
         # The output is already centred: what is left is one per-channel multiply, in place
         # (epilogue.scale_rows: 2.86 TB/s, torch's broadcast mul_ 2.35 TB/s; benchmarks/NOTES.md).
         epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)
+
+    def _gram_train(self, x, out, plan: _ShapePlan, wph, flat_w, dtype: str, record) -> None:
+        """Training on the Gram path: the variance from the input, then the evaluation kernel."""
+        bn = self.bn
+        gl = self._gram_plan(plan, x)
+        gram.launch_gram_sums(gl, dtype, x)
+        if record is not None:
+            record["gram_sums"] = gl.partial.clone()
+        gram.launch_gram_reduce(gl)
+        if record is not None:
+            record["gram_reduce"] = gl.sums.clone()
+        running = folding.tracks_running_stats(bn)
+        update = self.training and record is None and running
+        tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
+            else plan.counter
+        batch_stats.launch_gram_statistics(
+            gl.sums, flat_w, gl.term_taps, gl.term_coef, plan.means, self._bias64(plan),
+            bn.weight.detach() if bn.affine else plan.ones,
+            bn.running_mean if running else plan.stats[0],
+            bn.running_var if running else plan.stats[1], tracked, bn.eps, bn.momentum,
+            plan.batch * plan.volume, update, plan.scale, plan.stats, plan.done, wph,
+            plan.wph_slots, plan.wph_scaled, plan.means_scaled)
+        if record is not None:
+            record["batch_statistics"] = plan.stats.clone()
+        gather.launch_gather(plan.gather, dtype, False, x.view(-1), plan.wph_scaled,
+                             plan.means_scaled, out.view(-1), plan.ss)
+        if record is not None:
+            record["conv_transpose3d_gather"] = out.clone()
+            record["scale"] = plan.scale.to(torch.float64)

@@ -22,25 +22,30 @@ HOST_KERNELS = ("host", "torch", "fused")  # stages that are not numba launches 
 
 
 def make_pipe(conv_impl: str, training: bool, dtype=torch.float32, **conv_kwargs):
+    """``conv_impl`` "gram": the gather with training's variance from the Gram sums."""
     kwargs = dict(kernel_size=3, stride=2, padding=1) | conv_kwargs
     conv = nn.ConvTranspose3d(3, 4, **kwargs).to(dtype=dtype, device=tensor_device())
     bn = nn.BatchNorm3d(4).to(dtype=dtype, device=tensor_device())
-    return nd.Pipeline.from_modules(conv, bn, conv_impl=conv_impl).train(training)
+    variance = "gram" if conv_impl == "gram" else "epilogue"
+    return nd.Pipeline.from_modules(conv, bn, conv_impl=conv_impl.replace("gram", "gather"),
+                                    variance=variance).train(training)
 
 
-@pytest.mark.parametrize("conv_impl", ["gather", "scatter"])
+@pytest.mark.parametrize("conv_impl", ["gather", "scatter", "gram"])
 @pytest.mark.parametrize("training", [True, False])
 def test_rows_follow_stages_and_flops(conv_impl, training):
     pipe = make_pipe(conv_impl, training)
     report = pipe.explain(SHAPE)
     assert [r.stage for r in report.rows] == [s for s in pipe.stages if s != "output"]
-    conv_stage = f"conv_transpose3d_{conv_impl}"
+    conv_stage = f"conv_transpose3d_{pipe.conv_impl}"
     macs = pipe.geometry.macs(SHAPE[0], SHAPE[2:])
     assert report.macs == macs
     conv = report.row(conv_stage)
     extra = 3 * report.output_shape[0] * 4 * (report.output_shape[2] * report.output_shape[3]
                                               * report.output_shape[4])
     assert conv.flops == 2 * macs + (extra if conv_impl == "gather" and training else 0)
+    if conv_impl == "gram" and training:
+        assert report.row("gram_sums").flops > 0 and report.row("gram_reduce").bytes > 0
     assert conv.kernel.startswith(conv_stage)
     for row in report.rows:  # every kernel stage has a launch shape and costs something
         if not row.kernel.startswith(HOST_KERNELS):
@@ -104,7 +109,7 @@ def test_simulator_says_which_columns_need_a_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("conv_impl", ["gather", "scatter"])
+@pytest.mark.parametrize("conv_impl", ["gather", "scatter", "gram"])
 @pytest.mark.parametrize("training", [True, False])
 def test_gpu_resources_and_timings(conv_impl, training):
     pipe = make_pipe(conv_impl, training)

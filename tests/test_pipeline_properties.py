@@ -11,12 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_deconv import Pipeline, testing
+from numba_deconv.simulator import is_simulator
+
+SIM = is_simulator()
 
 IMPLS = ["gather", "scatter"]
 
 
-def _pipeline(impl):
-    return lambda conv, bn: Pipeline.from_modules(conv, bn, conv_impl=impl, poison=True)
+def _pipeline(impl, variance="epilogue"):
+    return lambda conv, bn: Pipeline.from_modules(conv, bn, conv_impl=impl, variance=variance,
+                                                  poison=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -36,6 +40,23 @@ def test_float64_matches_pytorch(training, data, limits, device):
     testing.check_case(case, _pipeline("gather"), device)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=min(6, settings().max_examples) if SIM else settings().max_examples)
+@given(data=st.data())
+def test_gram_variance_matches_pytorch(dtype, data, limits, device):
+    """Training with the variance from the input's Gram sums (``variance="gram"``)."""
+    limits = dataclasses.replace(limits, max_channels_per_group=min(3, limits.max_channels_per_group))
+    case = data.draw(testing.cases(limits, dtypes=(dtype,), training=True))
+    testing.check_case(case, _pipeline("gather", "gram"), device)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_default_like_problem_gram(training, device):
+    geom = testing.ConvGeometry.create(4, 8, 3, 2, 1)
+    case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 5, 4), training, seed=7)
+    testing.check_case(case, _pipeline("gather", "gram"), device)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("training", [False, True])
 def test_default_like_problem(impl, training, device):
@@ -45,14 +66,15 @@ def test_default_like_problem(impl, training, device):
     testing.check_case(case, _pipeline(impl), device)
 
 
+@pytest.mark.parametrize("variance", ["epilogue", "gram"])
 @settings(max_examples=3)
 @given(data=st.data())
-def test_repeated_training_steps_track_running_stats(data, limits, device):
+def test_repeated_training_steps_track_running_stats(variance, data, limits, device):
     """Several steps in a row: running statistics accumulate exactly as PyTorch's."""
     case = data.draw(testing.cases(limits, training=True))
     conv64, bn64 = testing.build_modules(case, device)
     conv, bn = (copy.deepcopy(m).to(case.dtype) for m in (conv64, bn64))
-    pipe = Pipeline.from_modules(conv, bn, poison=True)
+    pipe = Pipeline.from_modules(conv, bn, variance=variance, poison=True)
     for step in range(3):
         x = torch.randn(case.input_shape, dtype=torch.float64, device=device)
         out = pipe(x.to(case.dtype))
