@@ -301,7 +301,7 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
     width = layout.nk * layout.columns + layout.staged_channels
     slot_bytes = layout.slots * width * 8
     terms = len(layout.terms) * layout.groups * layout.cg * layout.cg
-    stat_block = block_size(batch_stats_kernels.BLOCK)
+    stat_block = block_size(batch_stats_kernels.GRAM_BLOCK)
     return [
         ("gram_sums", f"gram_sums[cb={CB},window={layout.wh}x{layout.ww},teams={layout.teams}]",
          gram.make_gram_sums(name, layout), (len(layout.blocks), layout.task_groups),

@@ -158,8 +158,11 @@ class GramPlan:
 
     @property
     def teams(self) -> int:
-        """Copies of the task set in a block; they share the staged tile and split its rows."""
-        return max(1, self.max_block // self.tasks_pad) if self.tasks <= self.max_block else 1
+        """Copies of the task set in a block; they share the staged tile and split its rows.
+        A block has at least one thread per staged channel (its channel sums)."""
+        if self.tasks > self.max_block:
+            return 1
+        return max(self.max_block // self.tasks_pad, -(-self.staged_channels // self.tasks_pad))
 
     @property
     def block(self) -> int:
@@ -172,8 +175,9 @@ class GramPlan:
 
     @property
     def columns(self) -> int:
-        """Threads of one tile (all task groups): the partials' columns per accumulator."""
-        return self.task_groups * self.block
+        """Tasks of all task groups, padded: the partials' columns per accumulator (the teams
+        of a block add their copies before they write)."""
+        return self.task_groups * self.tasks_pad
 
     @property
     def staged_channels(self) -> int:

@@ -405,6 +405,21 @@ class Pipeline:
             return plan.zero_bias
         return self._cached("bias64", self._version(bias), lambda: bias.detach().to(torch.float64))
 
+    def _updates(self, record) -> bool:
+        """Whether this call updates the running statistics (training, not a trace)."""
+        return self.training and record is None and folding.tracks_running_stats(self.bn)
+
+    def _bn_buffers(self, plan: _ShapePlan) -> tuple:
+        """(gamma, running_mean, running_var, num_batches_tracked) for the statistics kernels:
+        the module's own, or the plan's stand-ins when BN is not affine or tracks nothing."""
+        bn = self.bn
+        running = folding.tracks_running_stats(bn)
+        tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
+            else plan.counter
+        return (bn.weight.detach() if bn.affine else plan.ones,
+                bn.running_mean if running else plan.stats[0],
+                bn.running_var if running else plan.stats[1], tracked)
+
     def _finish_batch_stats(self, plan, means, ss, record) -> torch.Tensor:
         """Batch statistics -> per-channel scale (one kernel), updating running stats outside a trace.
 
@@ -412,15 +427,9 @@ class Pipeline:
         centred sums of squares in partials.
         """
         bn = self.bn
-        running = folding.tracks_running_stats(bn)
-        update = self.training and record is None and running
-        tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
-            else plan.counter
         batch_stats.launch_batch_statistics(
-            means, ss, self._bias64(plan), bn.weight.detach() if bn.affine else plan.ones,
-            bn.running_mean if running else plan.stats[0], bn.running_var if running else
-            plan.stats[1], tracked, bn.eps, bn.momentum, plan.batch * plan.volume, update,
-            plan.scale, plan.stats, plan.done)
+            means, ss, self._bias64(plan), *self._bn_buffers(plan), bn.eps, bn.momentum,
+            plan.batch * plan.volume, self._updates(record), plan.scale, plan.stats, plan.done)
         if record is not None:
             record["batch_statistics"] = plan.stats.clone()
             record["scale"] = plan.scale.to(torch.float64)
@@ -510,17 +519,11 @@ class Pipeline:
         gram.launch_gram_reduce(gl)
         if record is not None:
             record["gram_reduce"] = gl.sums.clone()
-        running = folding.tracks_running_stats(bn)
-        update = self.training and record is None and running
-        tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
-            else plan.counter
         batch_stats.launch_gram_statistics(
             gl.sums, flat_w, gl.term_taps, gl.term_coef, plan.means, self._bias64(plan),
-            bn.weight.detach() if bn.affine else plan.ones,
-            bn.running_mean if running else plan.stats[0],
-            bn.running_var if running else plan.stats[1], tracked, bn.eps, bn.momentum,
-            plan.batch * plan.volume, update, plan.scale, plan.stats, plan.done, wph,
-            plan.wph_slots, plan.wph_scaled, plan.means_scaled)
+            *self._bn_buffers(plan), bn.eps, bn.momentum, plan.batch * plan.volume,
+            self._updates(record), plan.scale, plan.stats, plan.done, wph, plan.wph_slots,
+            plan.wph_scaled, plan.means_scaled)
         if record is not None:
             record["batch_statistics"] = plan.stats.clone()
         gather.launch_gather(plan.gather, dtype, False, x.view(-1), plan.wph_scaled,

@@ -35,7 +35,7 @@ per channel took 21 µs (session 5); a block per channel spreads the same reads 
 ``gram_statistics`` is the same finish for ``Pipeline(..., variance="gram")``: the variance comes
 from the input's Gram sums (``kernels/gram.py``) before the convolution,
 
-    Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]   (a thread per channel pair, the
+    Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]   (threads per channel pair, the
                                                                channel's weights in shared memory)
     var_c = Q_c / (N*S) - mu_c^2                               (float64)
 
@@ -55,6 +55,9 @@ from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
 MAX_BLOCKS = 65535
 BLOCK = 256  # one block per channel: 8 warps over the N*SLOTS partials
+# gram_statistics: threads per channel pair = GRAM_BLOCK // CG^2. It takes 136 registers, so 512
+# threads do not launch on an H100 (session 7); 256 always do (at most 255 registers each).
+GRAM_BLOCK = 256
 
 
 @cuda.jit(device=True, inline="always")
@@ -176,23 +179,27 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
             wsm[e] = weight[base + ci, oc, e - ci * taps]
         cuda.syncthreads()  # the channel's weights are staged
         q = 0.0
-        for pair in range(t, cg * cg, cuda.blockDim.x):  # a thread per channel pair, terms
-            ci = pair // cg                              # inside: four in flight
+        pairs = cg * cg
+        split = max(1, cuda.blockDim.x // pairs)  # threads per channel pair, terms strided
+        for e in range(t, pairs * split, cuda.blockDim.x):
+            part = e // pairs
+            pair = e - part * pairs
+            ci = pair // cg
             ci2 = pair - ci * cg
             q0 = 0.0
             q1 = 0.0
             q2 = 0.0
             q3 = 0.0
-            tt = 0
-            while tt + 4 <= terms:
+            tt = part
+            while tt + 3 * split < terms:  # four terms in flight
                 q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
-                q1 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 1, ci, ci2)
-                q2 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 2, ci, ci2)
-                q3 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 3, ci, ci2)
-                tt += 4
+                q1 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + split, ci, ci2)
+                q2 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split, ci, ci2)
+                q3 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split, ci, ci2)
+                tt += 4 * split
             while tt < terms:
                 q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
-                tt += 1
+                tt += split
             q += (q0 + q1) + (q2 + q3)
         q = block_sum(q, scratch)
         m_sum = 0.0
@@ -240,7 +247,7 @@ def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamm
                            update: bool, scale, stats, done, wph, wph_slots, wph_out,
                            means_out) -> None:
     """A block per channel, as ``launch_batch_statistics``; see ``gram_statistics``."""
-    launch(gram_statistics, grid_size(means.shape[1]), block_size(BLOCK),
+    launch(gram_statistics, grid_size(means.shape[1]), block_size(GRAM_BLOCK),
            (sums, weight, term_taps, term_coef, means, bias, gamma, running_mean, running_var,
             tracked, float(eps), -1.0 if momentum is None else float(momentum), int(count),
             int(update), scale, stats, done, wph, wph_slots, wph_out, means_out),

@@ -32,7 +32,7 @@ reduction puts the shift back exactly: ``G = G' + c_ci' * sum_cell x_ci``.
 
 ``gram_chunk_sums`` then ``gram_reduce``: a thread per (chunk, column) adds a run of at most
 SLOT_CHUNK slots of one cell, then a thread per (group, term, ci, ci') adds the chunks of the
-term's cells and both teams, each in a fixed order (deterministic), into the term sums that
+term's cells, each in a fixed order (deterministic), into the term sums that
 ``batch_stats.gram_statistics`` contracts with the weights.
 
 Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the window
@@ -99,9 +99,21 @@ def gram_sums_source(consts: dict) -> str:
         ]
 
     def flush(ind: str) -> list[str]:
-        """Write this thread's sums to the slot and the channel sums (parts added in order)."""
-        lines = [f"{ind}if active:"]
-        lines += [f"{ind}    partial[slot, {k * cols} + tcol] = s{k}" for k in range(nk)]
+        """Write this thread's sums to the slot, the teams' copies and the channel sums' parts
+        added in a fixed order (in float64, through shared memory)."""
+        if c["TEAMS"] == 1:  # a padding task writes its zeros: every column is defined
+            lines = [f"{ind}partial[slot, {k * cols} + task] = s{k}" for k in range(nk)]
+        else:
+            lines = []
+            teams_sum = " + ".join(f"asm[t + {m * c['TP']}]" for m in range(c["TEAMS"]))
+            for k in range(nk):
+                lines += [
+                    f"{ind}asm[t] = float64(s{k})",
+                    f"{ind}cuda.syncthreads()",
+                    f"{ind}if team == 0:",
+                    f"{ind}    partial[slot, {k * cols} + task] = {teams_sum}",
+                    f"{ind}cuda.syncthreads()",
+                ]
         lines += [
             f"{ind}asm[t] = atot",
             f"{ind}cuda.syncthreads()  # every part of every channel sum is in shared memory",
@@ -124,7 +136,6 @@ def gram_sums_source(consts: dict) -> str:
         "    nwarps = cuda.blockDim.x // 32",
         f"    team = t // {c['TP']}",
         f"    task = cuda.blockIdx.y * {c['TP']} + t - team * {c['TP']}",
-        "    tcol = cuda.blockIdx.y * cuda.blockDim.x + t",
         f"    active = task < {c['TASKS']}",
         f"    tk = min(task, {c['TASKS'] - 1})",
         f"    ci2 = tk % {c['CG']}",
@@ -217,11 +228,11 @@ def gram_sums_source(consts: dict) -> str:
         "                sm[dst + j * rpp * ncol] = v0",
         "                j += 1",
         "        cuda.syncthreads()  # the tile is staged",
-        "        if a_live:",
-        "            for rr in range(rows):",
-        f"                ab = ach * {c['CS']} + ({c['HT']} + rr) * ncol + {c['HL']}",
-        f"                for col in range(apart, cols, {c['PARTS']}):",
-        "                    atot += float64(sm[ab + col])",
+        "        if a_live:  # a thread per (channel, row), rows strided by PARTS",
+        f"            for rr in range(apart, rows, {c['PARTS']}):",
+        f"                ab = uint64(ach * {c['CS']} + ({c['HT']} + rr) * ncol + {c['HL']})",
+        "                for col in range(cols):",
+        "                    atot += float64(sm[ab + uint64(col)])",
         "        if active:",
         f"            qa0 = uint64(achan + {c['HT']} * ncol + {c['HL']})",
         "            qbt = uint64(bchan + brow * ncol + bcol)",
@@ -321,10 +332,10 @@ def gram_reduce(chunk_sums, term_col, term_chunks, cvals, out, dims):
     # chunk_sums: (K, NK*COLS + NCH) f64 chunk sums of the slots; term_col: (T, 2) int32: the
     # task offset (the D, H, W window part) and the accumulator offset of each term's offset;
     # term_chunks: (T, MAXK) int32 the chunks of each term's cells (-1 pads); cvals: (CI,) the
-    # shifts c; out: (G, T, CG, CG) f64. dims: (cg, nb, gstride, win, cols, tp, teams, cgp).
-    # A thread per (group, term, ci, ci'), the team copies and chunks in a fixed order:
+    # shifts c; out: (G, T, CG, CG) f64. dims: (cg, nb, gstride, win, cols, cgp).
+    # A thread per (group, term, ci, ci'), the chunks in a fixed order:
     #     G(ci, ci') = sum x_a (x_b - c_b) + c_b * sum x_a
-    cg, nb, gstride, win, cols, tp, teams, cgp = dims
+    cg, nb, gstride, win, cols, cgp = dims
     groups, terms = out.shape[0], out.shape[1]
     e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if e >= groups * terms * cg * cg:
@@ -341,18 +352,21 @@ def gram_reduce(chunk_sums, term_col, term_chunks, cvals, out, dims):
     s0 = 0.0
     s1 = 0.0
     a0 = 0.0
+    a1 = 0.0
     m = 0
     width = term_chunks.shape[1]
-    while m < width and term_chunks[tt, m] >= 0:
-        k = term_chunks[tt, m]
-        for team in range(teams):
-            if team % 2 == 0:
-                s0 += chunk_sums[k, col + team * tp]
-            else:
-                s1 += chunk_sums[k, col + team * tp]
-        a0 += chunk_sums[k, acol]
-        m += 1
-    out[g, tt, ci, ci2] = (s0 + s1) + cvals[g * cg + ci2] * a0
+    while m + 2 <= width and term_chunks[tt, m + 1] >= 0:  # two chunks in flight
+        k0 = term_chunks[tt, m]
+        k1 = term_chunks[tt, m + 1]
+        s0 += chunk_sums[k0, col]
+        a0 += chunk_sums[k0, acol]
+        s1 += chunk_sums[k1, col]
+        a1 += chunk_sums[k1, acol]
+        m += 2
+    if m < width and term_chunks[tt, m] >= 0:
+        s0 += chunk_sums[term_chunks[tt, m], col]
+        a0 += chunk_sums[term_chunks[tt, m], acol]
+    out[g, tt, ci, ci2] = (s0 + s1) + cvals[g * cg + ci2] * (a0 + a1)
 
 
 @dataclass
@@ -422,5 +436,4 @@ def launch_gram_reduce(gl: GramLaunch) -> None:
     gstride = plan.cg * plan.nb * plan.planes * plan.hchunks * plan.wchunks
     launch(gram_reduce, reduce_grid(plan), REDUCE_BLOCK,
            (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.cvals, gl.sums,
-            (plan.cg, plan.nb, gstride, plan.wh * plan.ww, plan.columns, plan.tasks_pad,
-             plan.teams, plan.nb * CB)))
+            (plan.cg, plan.nb, gstride, plan.wh * plan.ww, plan.columns, plan.nb * CB)))
