@@ -10,7 +10,10 @@ What one run does, in order (STYLE.md rule 7):
    checks the output against PyTorch in float64 (``testing.relative_error``; the numba providers
    must be below :data:`NUMBA_RTOL` or the row is marked FAIL), then times it with
    :func:`time_gpu` (warm-up, one CUDA-event pair per call, median with p10/p90 spread).
-   Providers: ``numba_gather`` (the default ``ModelNew``), ``numba_scatter``, ``torch_eager``
+   Providers: ``numba_gather`` (the default ``ModelNew``), ``numba_gather_graph`` (the same as
+   one captured CUDA graph), ``numba_gram`` (training's variance from the Gram sums,
+   ``variance="gram"``; in evaluation the same kernels as ``numba_gather``), ``numba_scatter``,
+   ``torch_eager``
    (cuDNN TF32 allowed, PyTorch's default), ``torch_strict_fp32`` (TF32 off for cuDNN and
    matmul) and ``torch_compile`` (Inductor; compile time is spent in the warm-up, a failure is
    recorded, not raised).
@@ -49,7 +52,7 @@ from .testing import relative_error
 #: Relative error (vs float64) above which a numba provider's row is marked FAIL.
 NUMBA_RTOL = 1e-5
 MODES = ("train", "eval")
-PROVIDERS = ("numba_gather", "numba_gather_graph", "numba_scatter", "torch_eager",
+PROVIDERS = ("numba_gather", "numba_gather_graph", "numba_gram", "numba_scatter", "torch_eager",
              "torch_strict_fp32", "torch_compile")
 MAIN_REPS = 100
 SCATTER_REPS = 20  # the atomics baseline is slow; its spread is small anyway
@@ -208,12 +211,14 @@ class GeneralModel(nn.Module):
 class NumbaModel(nn.Module):
     """A numba pipeline over a copy of a reference-like model (keeps its parameters/buffers)."""
 
-    def __init__(self, model: nn.Module, conv_impl: str, graphs: bool = False):
+    def __init__(self, model: nn.Module, conv_impl: str, graphs: bool = False,
+                 variance: str = "epilogue"):
         super().__init__()
         from .pipeline import Pipeline
 
         self.inner = model
-        self.pipe = Pipeline.from_torch(model, conv_impl=conv_impl, graphs=graphs)
+        self.pipe = Pipeline.from_torch(model, conv_impl=conv_impl, graphs=graphs,
+                                        variance=variance)
 
     def forward(self, x):
         return self.pipe.train(self.training)(x)
@@ -272,6 +277,8 @@ def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
         return NumbaModel(model, "gather").train(mode == "train")
     if name == "numba_gather_graph":  # the same kernels replayed as one captured CUDA graph
         return NumbaModel(model, "gather", graphs=True).train(mode == "train")
+    if name == "numba_gram":
+        return NumbaModel(model, "gather", variance="gram").train(mode == "train")
     if name == "numba_scatter":
         return NumbaModel(model, "scatter").train(mode == "train")
     if name in ("torch_eager", "torch_strict_fp32"):

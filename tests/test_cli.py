@@ -179,3 +179,16 @@ def test_explain_measure_flag_reaches_the_report(monkeypatch):
     monkeypatch.setattr(cli, "explain", lambda batch, mode, measure=False: seen.append(measure) or 0)
     assert cli.main(["explain", "--measure"]) == 0 and cli.main(["explain"]) == 0
     assert seen == [True, False]
+
+
+@pytest.mark.parametrize("name", ["numba_gather", "numba_gram"])
+def test_numba_providers_match_float64_in_both_modes(name):
+    """What the benchmark times is checked first; here on the tiny case (any backend)."""
+    from numba_deconv.kernels.launch import tensor_device
+
+    base, x = bench.tiny_case().build(tensor_device())
+    for mode in bench.MODES:
+        expected = bench.float64_reference(base, x, mode)
+        with torch.no_grad():
+            out = bench.make_provider(name, base, mode)(x)
+        assert bench.relative_error(out, expected) < bench.NUMBA_RTOL, mode
