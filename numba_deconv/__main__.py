@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--mode", choices=("train", "eval"), default="train")
     e.add_argument("--measure", action="store_true",
                    help="also time the whole call and every launch (GPU only)")
+    e.add_argument("--variance", choices=("epilogue", "gram"), default="epilogue",
+                   help="training's variance: the gather's epilogue (default) or the Gram sums")
     return p
 
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench.main(args.out, tiny=args.tiny, geometry=args.geometry, sweep=args.sweep,
                           reps=args.reps)
     if args.command == "explain":
-        return explain(args.batch, args.mode, measure=args.measure)
+        return explain(args.batch, args.mode, measure=args.measure, variance=args.variance)
     return run(args.reps)
 
 
@@ -155,7 +157,7 @@ def run(reps: int = RUN_REPS) -> int:
 
 
 # ---- explain ------------------------------------------------------------------------------------
-def explain(batch: int, mode: str, measure: bool = False) -> int:
+def explain(batch: int, mode: str, measure: bool = False, variance: str = "epilogue") -> int:
     import torch
 
     from numba_deconv import Pipeline
@@ -163,7 +165,7 @@ def explain(batch: int, mode: str, measure: bool = False) -> int:
 
     model = reference.Model(*reference.get_init_inputs()).to(tensor_device())
     model.train(mode == "train")
-    pipe = Pipeline.from_torch(model)
+    pipe = Pipeline.from_torch(model, variance=variance)
     if not hasattr(pipe, "explain"):
         print("explain: this version of Pipeline has no explain() yet")
         return 1

@@ -53,7 +53,7 @@ def test_default_subcommand_is_run(monkeypatch, argv, expected):
     called = []
     monkeypatch.setattr(cli, "run", lambda reps=cli.RUN_REPS: called.append(("run", reps)) or 0)
     monkeypatch.setattr(cli, "explain",
-                        lambda batch, mode, measure=False: called.append(("explain", mode)) or 0)
+                        lambda batch, mode, **kw: called.append(("explain", mode)) or 0)
     assert cli.main(argv) == 0
     assert called[0][0] == expected
     if argv[:1] == ["--reps"]:
@@ -174,11 +174,19 @@ def test_sweep_plot_from_made_up_rows(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_explain_measure_flag_reaches_the_report(monkeypatch):
+def test_explain_flags_reach_the_report(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "explain", lambda batch, mode, measure=False: seen.append(measure) or 0)
+    monkeypatch.setattr(cli, "explain", lambda batch, mode, **kw: seen.append(kw) or 0)
     assert cli.main(["explain", "--measure"]) == 0 and cli.main(["explain"]) == 0
-    assert seen == [True, False]
+    assert cli.main(["explain", "--variance", "gram"]) == 0
+    assert [k["measure"] for k in seen] == [True, False, False]
+    assert [k["variance"] for k in seen] == ["epilogue", "epilogue", "gram"]
+
+
+def test_explain_shows_the_gram_path(capsys):
+    assert cli.main(["explain", "--batch", "2", "--variance", "gram"]) == 0
+    out = capsys.readouterr().out
+    assert "gram_sums" in out and "gram_statistics" in out
 
 
 @pytest.mark.parametrize("name", ["numba_gather", "numba_gram"])
