@@ -383,9 +383,8 @@ class Pipeline:
         plan = self._plan(x, batch, out_spatial)
         out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
-            gram_buffers = (plan.gram.partial, plan.gram.sums) if plan.gram else ()
             for t in (out, plan.means, plan.css, plan.boxes, plan.contrib, plan.ss, plan.scale,
-                      plan.stats, plan.means_scaled, *gram_buffers):
+                      plan.stats):
                 if t is not None:
                     t.fill_(float("nan"))
         if self.conv_impl == "scatter":
@@ -513,6 +512,9 @@ class Pipeline:
         """Training on the Gram path: the variance from the input, then the evaluation kernel."""
         bn = self.bn
         gl = self._gram_plan(plan, x)
+        if self.poison:  # built at the first training call: poisoned here, not with the others
+            for t in (gl.partial, gl.chunk_sums, gl.sums, gl.cvals, plan.means_scaled):
+                t.fill_(float("nan"))
         gram.launch_gram_sums(gl, dtype, x)
         if record is not None:
             record["gram_sums"] = gl.partial.clone()
