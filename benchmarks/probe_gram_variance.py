@@ -36,20 +36,15 @@ import numpy as np
 import torch
 
 from numba_deconv.geometry import AxisGeometry, ConvGeometry
+from numba_deconv.gram_plan import pair_interval
 
 
 def pair_box(axis: AxisGeometry, n: int, k: int, k2: int) -> tuple[int, int, int] | None:
     """(first i, last i, delta) of the inputs i of tap k whose output also reads i + delta
-    through tap k2, per axis; None when no output reads both."""
-    s, d, p = axis.stride, axis.dilation, axis.padding
-    if (d * (k - k2)) % s:
-        return None
-    delta = d * (k - k2) // s
-    out = axis.output_size(n)
-    # o = s*i + d*k - p in [0, out)  <=>  i in [ceil((p - d*k)/s), floor((out - 1 + p - d*k)/s)]
-    lo = max(0, -delta, -((d * k - p) // s))
-    hi = min(n - 1, n - 1 - delta, (out - 1 + p - d * k) // s)
-    return (lo, hi, delta) if lo <= hi else None
+    through tap k2, per axis; None when no output reads both (``gram_plan.pair_interval``, whose
+    interval ends are exclusive)."""
+    interval = pair_interval(axis, n, k, k2)
+    return None if interval is None else (interval[0], interval[1] - 1, interval[2])
 
 
 def gram_sum_of_squares(geom: ConvGeometry, x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -44,8 +44,7 @@ import torch
 
 from . import folding
 from .kernels import batch_stats as batch_stats_kernels
-from .gram_plan import BLOCK as GRAM_BLOCK
-from .gram_plan import CB, gram_plan
+from .gram_plan import CB
 from .kernels import box_sums, epilogue, gather, gram, scatter, spatial_reduce
 from .kernels.launch import block_size, grid_for
 from .simulator import is_simulator
@@ -296,15 +295,14 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
     geom = pipe.geometry
     e = torch.empty((), dtype=dtype).element_size()
     name = "float32" if dtype == torch.float32 else "float64"
-    sms = 1 if is_simulator() else _device_limits()["sms"]
-    layout = gram_plan(geom, batch, tuple(in_spatial), e, sms, block_size(GRAM_BLOCK))
-    width = layout.nk * layout.columns + layout.staged_channels
+    layout = gram.plan_for(geom, batch, in_spatial, e)
+    width = layout.partial_width
     slot_bytes = layout.slots * width * 8
     terms = len(layout.terms) * layout.groups * layout.cg * layout.cg
     stat_block = block_size(batch_stats_kernels.GRAM_BLOCK)
     return [
         ("gram_sums", f"gram_sums[cb={CB},window={layout.wh}x{layout.ww},teams={layout.teams}]",
-         gram.make_gram_sums(name, layout), (len(layout.blocks), layout.task_groups),
+         gram.make_gram_sums(name, layout), gram.sums_grid(layout),
          layout.block, 2 * layout.fma, x_bytes + slot_bytes),
         ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.gram_reduce,
          (gram.reduce_grid(layout),), gram.REDUCE_BLOCK, layout.slots * width + terms * 8,

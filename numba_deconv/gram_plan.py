@@ -99,11 +99,16 @@ def axis_gram(axis: AxisGeometry, size: int) -> AxisGram:
             iv = pair_interval(axis, size, a, b)
             if iv is not None:
                 pairs.append((a, b, iv[2], iv[0], iv[1]))
-    deltas = sorted({abs(p[2]) for p in pairs if p[2]})
-    step = math.gcd(*deltas) if deltas else 1
-    reach = max(deltas) // step if deltas else 0
+    step, reach = _progression(p[2] for p in pairs)
     cuts = sorted({0, size} | {p[3] for p in pairs} | {p[4] for p in pairs})
     return AxisGram(tuple(pairs), step, reach, tuple(cuts))
+
+
+def _progression(deltas) -> tuple[int, int]:
+    """(step, reach) of a set of offsets: multiples of step from -reach*step to reach*step."""
+    nonzero = sorted({abs(d) for d in deltas if d})
+    step = math.gcd(*nonzero) if nonzero else 1
+    return step, (max(nonzero) // step if nonzero else 0)
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,11 @@ class GramPlan:
     def staged_channels(self) -> int:
         return self.groups * self.nb * CB
 
+    @property
+    def partial_width(self) -> int:
+        """Values per slot: NK accumulators per column, then one channel sum per staged channel."""
+        return self.nk * self.columns + self.staged_channels
+
     def task_index(self, g: int, ci: int, ci2: int, m: tuple[int, int, int]) -> tuple[int, int]:
         """(task, accumulator) holding G(m)[ci, ci'] of group g; m_d >= 0. Tasks run ci' fastest
         (a warp's lanes read 16 different "b" channels and share their "a" channels), then the
@@ -200,10 +210,8 @@ def axis_reach(axis: AxisGeometry) -> tuple[int, int]:
     """(step, reach) of the axis' offsets for inputs large enough that every meeting pair meets
     (smaller inputs can only have fewer offsets)."""
     s, d = axis.stride, axis.dilation
-    deltas = sorted({abs(d * (a - b)) // s for a in range(axis.kernel) for b in range(axis.kernel)
-                     if (d * (a - b)) % s == 0 and a != b})
-    step = math.gcd(*deltas) if deltas else 1
-    return step, (max(deltas) // step if deltas else 0)
+    return _progression(d * (a - b) // s for a in range(axis.kernel) for b in range(axis.kernel)
+                        if (d * (a - b)) % s == 0)
 
 
 def _windows(reach: int) -> tuple[int, int]:
@@ -212,8 +220,29 @@ def _windows(reach: int) -> tuple[int, int]:
     return width, -(-(2 * reach + 1) // width)
 
 
-def _tile_area(channels: int, planes: int, itemsize: int) -> int:
-    return min(TILE_AREA, SMEM_BYTES // (itemsize * channels * planes) - 1)
+@dataclass(frozen=True)
+class _Staging:
+    """The thread windows and a tile's staging area for given offsets and channels."""
+
+    wh: int
+    hchunks: int
+    ww: int
+    wchunks: int
+    halo: tuple[int, int, int, int]  # rows above, rows below, columns left, columns right
+    area: int                        # staged floats per (channel, D plane) at most
+    fits: bool  # a one-position tile and its halo fit, a staged row one warp, the channels a block
+
+
+def _staging(step, reach, channels: int, itemsize: int) -> _Staging:
+    wh, hchunks = _windows(reach[1])
+    ww, wchunks = _windows(reach[2])
+    halo = (reach[1] * step[1], (hchunks * wh - 1 - reach[1]) * step[1],
+            reach[2] * step[2], (wchunks * ww - 1 - reach[2]) * step[2])
+    planes = reach[0] + 1
+    area = min(TILE_AREA, SMEM_BYTES // (itemsize * channels * planes) - 1)
+    halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
+    fits = halo_w < LANES and (1 + halo_h) * (1 + halo_w) <= area and channels <= BLOCK
+    return _Staging(wh, hchunks, ww, wchunks, halo, area, fits)
 
 
 def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
@@ -222,15 +251,9 @@ def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
     channel ``gram_statistics``' shared memory (smaller inputs can only have fewer offsets, so
     smaller halos)."""
     steps = [axis_reach(ax) for ax in geom.axes()]
-    (wh, nh), (ww, nw) = _windows(steps[1][1]), _windows(steps[2][1])
-    planes = steps[0][1] + 1
-    nb = -(-geom.in_per_group // CB)
-    halo_h = (nh * wh - 1) * steps[1][0]
-    halo_w = (nw * ww - 1) * steps[2][0]
-    area = _tile_area(geom.groups * nb * CB, planes, itemsize)
-    return (halo_w < LANES and (1 + halo_h) * (1 + halo_w) <= area
-            and geom.groups * nb * CB <= BLOCK
-            and geom.in_per_group * math.prod(geom.kernel_size) <= STATS_WEIGHTS)
+    channels = geom.groups * -(-geom.in_per_group // CB) * CB
+    staging = _staging([st for st, _ in steps], [r for _, r in steps], channels, itemsize)
+    return staging.fits and geom.in_per_group * math.prod(geom.kernel_size) <= STATS_WEIGHTS
 
 
 def _chunks(start: int, end: int, most: int) -> list[tuple[int, int]]:
@@ -260,18 +283,16 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     step = tuple(a.step for a in axes)
     reach = tuple(a.reach for a in axes)
     planes = reach[0] + 1
-    wh, hchunks = _windows(reach[1])
-    ww, wchunks = _windows(reach[2])
-    halo = (reach[1] * step[1], (hchunks * wh - 1 - reach[1]) * step[1],
-            reach[2] * step[2], (wchunks * ww - 1 - reach[2]) * step[2])
     cg = geom.in_per_group
     nb = -(-cg // CB)
     channels = geom.groups * nb * CB
-    area = _tile_area(channels, planes, itemsize)
+    staging = _staging(step, reach, channels, itemsize)
+    if not staging.fits:
+        return None
+    wh, hchunks, ww, wchunks = staging.wh, staging.hchunks, staging.ww, staging.wchunks
+    halo, area = staging.halo, staging.area
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
     cols_max = LANES - halo_w  # a staged row (halo included) is at most one warp wide
-    if cols_max < 1 or (1 + halo_h) * (1 + halo_w) > area or channels > BLOCK:
-        return None
     max_block = max(max_block, -(-channels // 32) * 32)
     plane_stride = area + (1 - area) % 32  # = 1 mod 32: lanes on different (ci', plane) banks
     channel_stride = planes * plane_stride

@@ -42,10 +42,9 @@ from torch import nn
 
 from . import folding
 from .geometry import ConvGeometry
-from .gram_plan import BLOCK as GRAM_BLOCK
-from .gram_plan import gram_fits, gram_plan
+from .gram_plan import gram_fits
 from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
-from .kernels.launch import block_size, tensor_device
+from .kernels.launch import tensor_device
 from .simulator import is_simulator
 
 CONV_STRATEGIES = ("gather", "scatter")
@@ -339,12 +338,10 @@ class Pipeline:
         """The Gram path's tables and buffers, built at the first training call of a shape."""
         if plan.gram is None:
             geom, dev = self.geometry, x.device
-            sms = 1 if is_simulator() else torch.cuda.get_device_properties(dev).multi_processor_count
-            layout = gram_plan(geom, plan.batch, tuple(x.shape[2:]), x.element_size(), sms,
-                               block_size(GRAM_BLOCK))
+            layout = gram.plan_for(geom, plan.batch, x.shape[2:], x.element_size())
             if layout is None:  # gram_fits checked the geometry for any input size
                 raise RuntimeError(f"no Gram plan for input {tuple(x.shape)}")
-            index = gather.phase_weight_index(geom, plan.gather.tiling)
+            index = plan.wph_index.cpu().numpy()
             plan.wph_slots = torch.from_numpy(gather.phase_weight_channels(geom, index)).to(dev)
             plan.wph_scaled = torch.zeros(index.size, dtype=x.dtype, device=dev)
             plan.means_scaled = torch.empty((plan.batch, geom.out_channels), dtype=torch.float64,

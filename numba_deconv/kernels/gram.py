@@ -52,9 +52,9 @@ import numpy as np
 import torch
 from numba import cuda, float32, float64, uint64
 
-from ..gram_plan import CB, GramPlan
+from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
-from .launch import launch
+from .launch import block_size, launch, tensor_device
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
 REDUCE_BLOCK = 128
@@ -387,8 +387,16 @@ class GramLaunch:
     sums: torch.Tensor
 
 
+def plan_for(geom, batch: int, in_spatial, itemsize: int) -> GramPlan | None:
+    """``gram_plan`` for the device these kernels run on: blocks per SM count, and the
+    simulator's small blocks (the pipeline and explain both plan through this)."""
+    sms = 1 if is_simulator() else torch.cuda.get_device_properties(
+        tensor_device()).multi_processor_count
+    return gram_plan(geom, batch, tuple(in_spatial), itemsize, sms, block_size(BLOCK))
+
+
 def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
-    width = plan.nk * plan.columns + plan.staged_channels
+    width = plan.partial_width
     col = []
     for term in plan.terms:
         task, k = plan.task_index(0, 0, 0, term.offset)
@@ -410,6 +418,12 @@ def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
                     device=device))
 
 
+def sums_grid(plan: GramPlan) -> tuple[int, int]:
+    """``gram_sums``' grid: a block per run of tiles, times the task groups (the launcher and
+    explain)."""
+    return len(plan.blocks), plan.task_groups
+
+
 def reduce_grid(plan: GramPlan) -> int:
     return -(-plan.groups * len(plan.terms) * plan.cg * plan.cg // REDUCE_BLOCK)
 
@@ -421,7 +435,7 @@ def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
         return
     n, ci, d, h, w = x.shape
     kernel = make_gram_sums(dtype, plan)
-    launch(kernel, (len(plan.blocks), plan.task_groups), plan.block,
+    launch(kernel, sums_grid(plan), plan.block,
            (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.cvals, ci, d, h, w))
 
 
