@@ -38,12 +38,13 @@ def test_fma_step_source_matches_the_loop_nest(h_axis, w_axis, tile):
     rng = np.random.default_rng()  # fresh inputs every run
     n_acc = nc * hpat[0] * mh * wpat[0] * qw
     n_x = (mh + hpat[2] - 1) * (qw + wpat[2] - 1)
-    wb = 7
+    wv = 7  # the step's first weight, in whole channel tiles of nc weights
+    wb = wv * nc
     wsm = rng.standard_normal(wb + len(hpat[1]) * len(wpat[1]) * nc)
     xin = rng.standard_normal(n_x)
     start = rng.standard_normal(n_acc)
     got, want = start.copy(), start.copy()
-    namespace["fma_step"](got, xin, wsm, wb)
+    namespace["fma_step"](got, xin, wsm, wv)
     _loop_nest(want, xin, wsm, wb, nc, mh, qw, hpat, wpat)
     assert np.array_equal(got, want)  # same products, same order: bit for bit
     assert not np.array_equal(got, start)

@@ -60,13 +60,20 @@ channels inside (constant strides, no wrap logic), weights staged with 8 loads i
 guarded store path with 32-bit tests (the whole-tile path never ran: every warp holds the W edge
 of an odd output width), and two input windows that alternate, two channels per trip, because
 copying the freshly loaded window into the one being read waited on the loads (a quarter of the
-stall samples): 238 -> 202 M instructions, 0.292 ms (eval), 0.298 ms (train). v7 (this) loads
+stall samples): 238 -> 202 M instructions, 0.292 ms (eval), 0.298 ms (train). v7 loads
 the windows of EXACT geometries (the default problem's among them) without masks: a cell outside
 the input only feeds outputs outside the output, which are never stored, so only threads whose
 windows reach past x's first or last element keep the masked loop; the offsets of the unmasked
 loop are 64-bit and advance by one add per channel; the D tap pattern is compile-time (no tuple
 indexed at run time, which had gone through the stack): 202 -> 186 M instructions, 15 non-memory
-instructions per 144 FFMA in the loop instead of 35, 0.274 ms (eval), 0.294 ms (train).
+instructions per 144 FFMA in the loop instead of 35, 0.274 ms (eval), 0.294 ms (train). v8
+(this) follows ncu's per-instruction stall samples: the block copies its weights first, while
+few registers are live (staged after the set-up, each load had waited for the previous store:
+19% of the samples), in one trip of ``stage_n`` loads per thread; a geometry with one chunk of
+input channels compiles without the chunk loop; the D tap and channel pair loops count in 32
+bits (numba's ``range`` kept 64-bit state, which spilled into the main loop); shared-memory
+weight offsets count whole channel tiles so every tile is one 16-byte load: 186 -> 168 M
+instructions, no spill in the main loop, 0.240 ms (eval), 0.251 ms (train).
 
 Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
 and of the W lanes; every thread reaches the barriers (none returns early).
@@ -79,7 +86,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint64
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ..geometry import AxisGeometry
 from ..simulator import is_simulator
@@ -186,8 +193,8 @@ _DIMS = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
          "ipg", "opg", "shift_d", "shift_h", "qd_n", "qw_groups",
          "ci_chunk", "lane_shift", "rows_per_block", "row_blocks", "ctiles")
 _DIVISORS = ("ctiles", "row_blocks", "lane_blocks", "tiles_per_group", "qh_groups")
-# Weights staged per loop trip of the copy into shared memory, per thread: loads in flight
-STAGE = 8
+# Most weights one thread copies into shared memory per trip of the staging loop (loads in flight)
+STAGE_MAX = 16
 # Offsets fit in 32 bits (unsigned, wrapping) when every tensor has fewer elements than this
 NARROW_LIMIT = 2**31
 
@@ -206,11 +213,11 @@ def fma_step_source(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple) -> str:
     sw, w_taps, wwin = wpat
     nwt = len(w_taps)
     xc = qw + wwin - 1
-    lines = ["def fma_step(acc, xin, wsm, wb):"]
+    lines = ["def fma_step(acc, xin, wsm, wv):"]
     for th, (rh, eh) in enumerate(h_taps):
         for tw, (rw, ew) in enumerate(w_taps):
             for c in range(nc):
-                lines.append(f"    w{c} = wsm[uint64(wb + {(th * nwt + tw) * nc + c})]")
+                lines.append(f"    w{c} = wsm[uint64(wv) * uint64({nc}) + uint64({(th * nwt + tw) * nc + c})]")
             for c in range(nc):
                 for j in range(mh):
                     for q in range(qw):
@@ -230,12 +237,14 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
                        wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int = 0,
-                       wide: bool = False):
+                       wide: bool = False, stage_n: int = 8, chunked: bool = True):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
     ``AxisPlan.shift``. ``wide``: some tensor has 2**31 elements or more, so offsets are 64-bit
-    (otherwise signed 32-bit, see below).
+    (otherwise signed 32-bit, see below). ``stage_n``: weights each thread loads per trip of
+    the staging copy (``stage_count``; one trip for a chunk of up to ``stage_n`` x block).
+    ``chunked``: the input channels take several chunks of staged weights.
     """
     acc_t = _NUMBA_TYPES[dtype]
     # Offsets into x, out and the weights: signed 32-bit unless a tensor is too large for that
@@ -261,7 +270,32 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     n_acc = nc * per_c
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
+    # Shared-memory weight offsets in the multiply-adds count whole channel tiles (units of NC
+    # weights), so the compiler sees every tile start at a multiple of NC and loads a tile as
+    # one 16-byte vector; counted in weights, a loop-carried offset lost that (session 8).
+    per_step_v = nht * nwt
+    per_ci_v = tdmax * per_step_v
     fma_step = _fma_step(nc, mh, qw, hpat, wpat)
+
+    @cuda.jit(device=True, inline="always")
+    def stage_weights(wsm, wph, src, total, t, bs):
+        """Copy ``wph[src:src + total]`` to ``wsm[:total]``: per trip every thread issues its
+        ``stage_n`` loads, then its stores. The loads are unconditional (the last weight
+        repeated past the end) so ``stage`` stays in registers; offsets are unsigned 32-bit
+        within the slab (at most SMEM_WEIGHT_BYTES) and the slab start ``src`` is an int64."""
+        stage = cuda.local.array(stage_n, acc_t)
+        last = uint32(total - 1)
+        step = uint32(stage_n * bs)
+        i0 = uint32(t)
+        while i0 <= last:
+            for k in range(stage_n):
+                i = uint32(min(uint32(i0 + uint32(k * bs)), last))
+                stage[k] = wph[uint64(src + int64(i))]
+            for k in range(stage_n):
+                i = uint32(i0 + uint32(k * bs))
+                if i <= last:
+                    wsm[uint64(i)] = stage[k]
+            i0 = uint32(i0 + step)
 
     @cuda.jit(device=True, inline="always")
     def load_window_exact(buf, x, p, row_stride):
@@ -294,26 +328,36 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     ):
         wsm = cuda.shared.array(0, acc_t, alignment=16)  # staged weights (dynamic size)
         partial = cuda.shared.array((MAX_WARPS, nc), float64)
-        stage = cuda.local.array(STAGE, acc_t)
         (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
          qd_n, qw_groups, ci_chunk, lane_shift, rows_per_block, row_blocks, ctiles) = sizes
         ctiles_d, row_blocks_d, lane_blocks_d, tiles_per_group_d, qh_groups_d = divs
 
-        # ---- which tile this block and thread own -------------------------------------------
-        # Every thread runs this once for ~24 steps of its main loop, so it has to be cheap:
-        # divisions by multiply-high (fast_divmod), lanes a power of two (a shift and a mask).
+        # ---- the first chunk's weights, before anything else ---------------------------------
         # Blocks: (((n * lane_blocks + lane_blk) * row_blocks + row_blk) * sd + rd) * ctiles + ctile
-        # (A block that ran several tiles to stage its weights once was no faster: the tile
-        # loop's state cost a register, which at the 128-register cap spilled inside the main
-        # loop; benchmarks/NOTES.md, session 5.)
+        # The weight slab depends only on (rd, ctile). It is copied first, while few registers
+        # are live, so every load of a thread is in flight at once. (Copied after the set-up
+        # below, with the 64 accumulators live, the compiler interleaved each load with its
+        # store: nine dependent L2 round trips per block, 19% of the stall samples; ncu,
+        # benchmarks/NOTES.md, session 8.) The barrier waits until just before the main loop.
+        t = cuda.threadIdx.x
+        bs = int32(cuda.blockDim.x)
         bid = cuda.blockIdx.x
         bid, ctile = fast_divmod(bid, ctiles_d)
         bid, rd = fast_divmod(bid, sd_div)
+        per_ci = tdmax * per_step        # weights of one input channel
+        wslab = int64((rd * ctiles + ctile) * ipg) * per_ci
+        stage_weights(wsm, wph, wslab, int32(min(ci_chunk, ipg) * per_ci), t, bs)
+
+        # ---- which tile this block and thread own -------------------------------------------
+        # Every thread runs this once for ~24 steps of its main loop, so it has to be cheap:
+        # divisions by multiply-high (fast_divmod), lanes a power of two (a shift and a mask).
+        # (A block that ran several tiles to stage its weights once was no faster: the tile
+        # loop's state cost a register, which at the 128-register cap spilled inside the main
+        # loop; benchmarks/NOTES.md, session 5.)
         bid, row_blk = fast_divmod(bid, row_blocks_d)
         n, lane_blk = fast_divmod(bid, lane_blocks_d)
         g, c0 = fast_divmod(ctile, tiles_per_group_d)
         c0 = int64(c0) * nc
-        t = cuda.threadIdx.x
         qwg = int64((lane_blk << lane_shift) + (t & ((1 << lane_shift) - 1)))
         row = row_blk * rows_per_block + (t >> lane_shift)
         qd, qh0 = fast_divmod(row, qh_groups_d)
@@ -360,13 +404,13 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
                 count = d_counts[r]
                 first = d_first[r]
         plane0 = qd + shift_d + first
-        td_lo = tdmax
-        td_hi = 0
+        td_lo = int32(tdmax)
+        td_hi = int32(0)
         for td in range(tdmax):
             i_d = plane0 - td * d_step
             if td < count and i_d >= 0 and i_d < in_d:
-                td_lo = min(td_lo, td)
-                td_hi = td + 1
+                td_lo = int32(min(td_lo, td))
+                td_hi = int32(td + 1)
         if not active:
             td_hi = td_lo  # no steps; the thread still reaches every barrier
         # offset of window cell (0, 0) for D tap 0, input channel 0 of the group; it may
@@ -374,8 +418,6 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         corner = ((n * in_ch + g * ipg) * in_d + plane0) * plane_size \
             + (qh0 + shift_h) * in_w + qw0 + wshift
         td_plane = d_step * plane_size   # offset from one D tap to the next
-        per_ci = tdmax * per_step        # weights of one input channel
-        wslab = ((rd * ctiles + ctile) * ipg) * per_ci
         # EXACT geometries: a window cell outside the input only feeds outputs outside the
         # output (never stored), so its value does not matter and the loads need no mask,
         # as long as every cell the thread reads lies inside x (threads at x's first and
@@ -388,76 +430,74 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         rs_u = uint64(in_w)
 
         # ---- main loop: chunks of input channels; per (ci, D tap) one window, all H/W taps ---
-        for ci0 in range(0, ipg, ci_chunk):
-            n_ci = min(ci_chunk, ipg - ci0)
-            # Stage this chunk's weights: STAGE loads in flight per thread, then the stores
-            # (one load at a time left each block waiting on L2 latency at the barrier). The
-            # loads are unconditional (the last one repeated past the end), so ``stage`` stays
-            # in registers; conditional loads kept it in local memory.
-            cuda.syncthreads()  # the previous chunk's weights are no longer read
-            # 32-bit counters (a staged chunk is at most SMEM_WEIGHT_BYTES); numba widens
-            # integer arithmetic to 64 bits unless told otherwise.
-            total = int32(n_ci * per_ci)
-            bs = int32(cuda.blockDim.x)
-            src = idx(wslab + ci0 * per_ci)
-            for i0 in range(int32(t), total, int32(STAGE * bs)):
-                for k in range(STAGE):
-                    i = int32(min(i0 + k * bs, total - 1))
-                    stage[k] = wph[uint64(int64(idx(src + i)))]
-                for k in range(STAGE):
-                    i = int32(i0 + k * bs)
-                    if i < total:
-                        wsm[i] = stage[k]
-            cuda.syncthreads()  # this chunk's weights are staged
+        # With one chunk (``chunked`` False, the usual case) the loop body runs once and the
+        # compiler drops the loop: no chunk state is live in the multiply-adds.
+        cuda.syncthreads()  # the first chunk's weights are staged
+        ci0 = int32(0)
+        n_ci = int32(min(ci_chunk, ipg))
+        while True:
             # D taps outside, input channels inside: the inner loop walks the input and the
             # weights with constant strides. The window of channel cl + 1 is loaded before
             # the multiply-adds of channel cl, so its latency hides behind them; two
             # channels per trip, so the windows alternate without a copy.
             n_pairs = int32(n_ci // 2)
             odd = n_ci % 2 == 1
+            # (32-bit D tap counters: numba's range() kept 64-bit loop state that spilled)
+            td = td_lo
             if unmasked:
-                for td in range(td_lo, td_hi):
+                while td < td_hi:
                     p = uint64(corner - td * td_plane + ci0 * ci_stride)
-                    wb = int32(td * per_step)  # the step's weights in shared memory
+                    wv = int32(td * per_step_v)  # the step's weights in shared memory (NC units)
                     load_window_exact(xa, x, p, rs_u)                   # channel 0
-                    for pair in range(n_pairs - int32(1)):
+                    # the trip count is read off wv (range() kept a 64-bit counter: a register)
+                    wv_stop = int32(wv + (n_pairs - 1) * 2 * per_ci_v)
+                    while wv < wv_stop:
                         p += cs_u
                         load_window_exact(xb, x, p, rs_u)               # channel 2p + 1
-                        fma_step(acc, xa, wsm, wb)  # channel 2p: every H and W tap
-                        wb = int32(wb + per_ci)
+                        fma_step(acc, xa, wsm, wv)  # channel 2p: every H and W tap
+                        wv = int32(wv + per_ci_v)
                         p += cs_u
                         load_window_exact(xa, x, p, rs_u)               # channel 2p + 2
-                        fma_step(acc, xb, wsm, wb)  # channel 2p + 1
-                        wb = int32(wb + per_ci)
+                        fma_step(acc, xb, wsm, wv)  # channel 2p + 1
+                        wv = int32(wv + per_ci_v)
                     if n_pairs > 0:  # the last pair: no channel 2p + 2 unless n_ci is odd
                         p += cs_u
                         load_window_exact(xb, x, p, rs_u)
-                        fma_step(acc, xa, wsm, wb)
-                        wb = int32(wb + per_ci)
+                        fma_step(acc, xa, wsm, wv)
+                        wv = int32(wv + per_ci_v)
                         if odd:
                             p += cs_u
                             load_window_exact(xa, x, p, rs_u)
-                        fma_step(acc, xb, wsm, wb)
-                        wb = int32(wb + per_ci)
+                        fma_step(acc, xb, wsm, wv)
+                        wv = int32(wv + per_ci_v)
                     if odd:
-                        fma_step(acc, xa, wsm, wb)  # the chunk's last channel
+                        fma_step(acc, xa, wsm, wv)  # the chunk's last channel
+                    td = int32(td + 1)
             else:
-                for td in range(td_lo, td_hi):
+                while td < td_hi:
                     xoff = idx(corner - td * td_plane + ci0 * ci_stride)
-                    wb = int32(td * per_step)
+                    wv = int32(td * per_step_v)
                     load_window(xa, x, xoff, row_stride, h_ok, w_ok)        # channel 0
                     for pair in range(n_pairs):
                         xoff = idx(int64(xoff) + ci_stride)
                         load_window(xb, x, xoff, row_stride, h_ok, w_ok)    # channel 2p + 1
-                        fma_step(acc, xa, wsm, wb)
-                        wb = int32(wb + per_ci)
+                        fma_step(acc, xa, wsm, wv)
+                        wv = int32(wv + per_ci_v)
                         if pair + 1 < n_pairs or odd:
                             xoff = idx(int64(xoff) + ci_stride)
                             load_window(xa, x, xoff, row_stride, h_ok, w_ok)  # 2p + 2
-                        fma_step(acc, xb, wsm, wb)
-                        wb = int32(wb + per_ci)
+                        fma_step(acc, xb, wsm, wv)
+                        wv = int32(wv + per_ci_v)
                     if odd:
-                        fma_step(acc, xa, wsm, wb)
+                        fma_step(acc, xa, wsm, wv)
+                    td = int32(td + 1)
+            ci0 = int32(ci0 + ci_chunk)
+            if not chunked or ci0 >= ipg:
+                break
+            n_ci = int32(min(ci_chunk, ipg - ci0))
+            cuda.syncthreads()  # the previous chunk's weights are no longer read
+            stage_weights(wsm, wph, wslab + ci0 * per_ci, int32(n_ci * per_ci), t, bs)
+            cuda.syncthreads()  # this chunk's weights are staged
 
         # ---- epilogue: store once (the mean is subtracted already), (train) centred squares --
         out_plane = out_h * out_w
@@ -627,6 +667,8 @@ class GatherLaunch:
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
     smem: int          # dynamic shared memory per block, bytes
     wide: bool         # some tensor has 2**31 elements or more: 64-bit offsets
+    stage_n: int = 8   # weights one thread loads per staging trip (compile-time, ``stage_count``)
+    chunked: bool = True  # several chunks of input channels (compile-time)
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
@@ -674,14 +716,22 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     wide = max(batch * geom.in_channels * math.prod(in_spatial),
                batch * geom.out_channels * math.prod(out_spatial), n_wph) >= NARROW_LIMIT
     return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, d_plan.pattern,
-                        exact, dims, grid, slots, ci_chunk * per_ci * item, wide)
+                        exact, dims, grid, slots, ci_chunk * per_ci * item, wide,
+                        stage_count(ci_chunk * per_ci, tiling.block), ci_chunk < ipg)
+
+
+def stage_count(chunk: int, block: int) -> int:
+    """Loads in flight per thread when a block stages a chunk of ``chunk`` weights: enough for
+    one trip (every load issued before the first store), at most STAGE_MAX registers."""
+    return max(1, min(STAGE_MAX, -(-chunk // block)))
 
 
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.dpat, launch.hpat, launch.wpat,
-                              launch.wshift, launch.exact, train, t.max_regs, launch.wide)
+                              launch.wshift, launch.exact, train, t.max_regs, launch.wide,
+                              launch.stage_n, launch.chunked)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss) -> None:
