@@ -1,7 +1,9 @@
-"""How ``kernels.launch`` turns tuple arguments into kernel parameters (host side, no GPU needed)."""
+"""How ``kernels.launch`` turns arguments into kernel parameters: tuples (host side, no GPU
+needed) and the direct launch path against the dispatcher (GPU)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -33,3 +35,35 @@ def test_equal_valued_tuples_do_not_share_a_cache_entry():
     ints = (1, 2)
     assert launch._int_tuple(ints) is not None
     assert launch._int_tuple((1.0, 2.0)) is None  # equal to (1, 2), but floats
+
+
+@pytest.mark.gpu
+def test_direct_launches_pass_every_kind_of_parameter():
+    """From the second launch on, a launch goes through the prebuilt parameter buffer and the
+    driver; it must hand the kernel what numba's dispatcher does: arrays (of two ranks), a tuple
+    of ints, a float64 and an int, a 2-D grid, fresh data and another stream. (Scales are powers
+    of two, so the kernel's fused multiply-add rounds like torch's multiply then add.)"""
+    import torch
+    from numba import cuda
+
+    @cuda.jit
+    def affine(x, out, sizes, scale, shift, table):
+        i = cuda.grid(1)
+        i += cuda.blockIdx.y * cuda.gridDim.x * cuda.blockDim.x
+        if i < sizes[0]:
+            out[i] = x[i] * scale + shift + sizes[1] + table[i % table.shape[0], 1]
+
+    n = 1000
+    table = torch.randn(7, 3, dtype=torch.float64, device="cuda")
+    for step in range(3):
+        x = torch.randn(n, dtype=torch.float64, device="cuda")
+        out = torch.full_like(x, float("nan"))
+        scale, shift = 2.0 ** (step - 1), 3 - step
+        stream = torch.cuda.Stream() if step == 2 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            launch.launch(affine, (4, 2), 128, (x, out, (n, 7 * step), scale, shift, table))
+        stream.synchronize()
+        want = x * scale + shift + 7 * step + table[torch.arange(n, device="cuda") % 7, 1]
+        assert torch.equal(out, want), f"launch {step}"
+    direct = [v for k, v in launch._DIRECT.items() if k[0] is affine]
+    assert direct and all(direct)  # launches 2 and 3 took the direct path

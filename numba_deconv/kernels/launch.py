@@ -9,10 +9,11 @@ and no CUDA tensors).
 per launch turning each array into kernel arguments (typing it, wrapping it, flattening it); for
 a pipeline of a few launches per call that host time was larger than the kernels' GPU time
 (benchmarks/NOTES.md, session 3). So the first launch of a kernel for a given argument kind goes
-through the dispatcher (which compiles it), and later launches call the compiled function
-directly with the argument list numba would have built: for an array ``(meminfo, parent, size,
-itemsize, data, *shape, *strides)``, for a scalar its C value, for a (nested) tuple of
-integers (how kernels take many run-time sizes at no load cost) one int64 per integer.
+through the dispatcher (which compiles it), and later launches hand the driver's
+``cuLaunchKernel`` the parameters numba would have built, written into a buffer made once per
+launch shape: for an array ``(meminfo, parent, size, itemsize, data, *shape, *strides)``, for a
+scalar its C value, for a (nested) tuple of integers (how kernels take many run-time sizes at no
+load cost) one int64 per integer.
 """
 
 from __future__ import annotations
@@ -78,14 +79,6 @@ def _current_stream() -> tuple[int, int]:
         return device, torch._C._cuda_getCurrentRawStream(device)
     except AttributeError:
         return torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
-
-
-@functools.lru_cache(maxsize=16)
-def _core_stream(handle: int):
-    """The same stream as the ``cuda.core`` object numba's own launches hand to ``launch``."""
-    from numba.cuda.cudadrv import driver
-
-    return driver._to_core_stream(_external_stream(handle))
 
 
 def tensor_device() -> torch.device:
@@ -172,51 +165,90 @@ def _int_tuple(v):
 
 
 def _direct_launcher(kernel, views, grid, block, smem):
-    """A function (core stream, args) launching ``kernel``'s compiled overload for ``views``' types.
+    """A function (raw stream handle, args) launching ``kernel``'s compiled overload for ``views``'
+    types.
+
+    Every parameter numba passes is 8 bytes (an array's fields, an int64, a float64), so the
+    launcher keeps one buffer of 8-byte slots and an array of pointers to them, built once; a
+    launch writes the slots and hands the pointer array to the driver's ``cuLaunchKernel``
+    (``cuda.bindings``). That costs a few µs, where numba's own path rebuilds ctypes objects
+    for every parameter (tens of µs for a kernel with 40-70 parameters).
 
     None when numba's internals are not what this was written against (numba-cuda 0.30) or an
     argument is of a kind it does not flatten: the caller then keeps the dispatcher, which is
     slower but always right.
     """
-    scalars = []
+    kinds = []
     for v in views:
         if isinstance(v, (float, int)) and not isinstance(v, bool):
-            scalars.append(_SCALARS[type(v)])
+            kinds.append(type(v))
         elif _int_tuple(v) is not None:
-            scalars.append(tuple)
+            kinds.append(tuple)
         elif hasattr(v, "__cuda_array_interface__"):
-            scalars.append(None)
+            kinds.append(None)
         else:
             return None
     try:
-        from cuda.core import LaunchConfig
-        from numba.cuda import dispatcher as numba_dispatcher
-        from numba.cuda._compat import CUDA_CORE_GE_1_0
+        from cuda.bindings import driver as cu
 
         compiled = kernel.overloads[tuple(kernel.typeof_pyval(v) for v in views)]
         if compiled.debug or compiled.cooperative or compiled.extensions:
             return None
-        function = compiled._codelibrary.get_cufunc().kernel
-        flag = {"is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch": False}
-        config = LaunchConfig(grid=grid, block=block, shmem_size=smem, **flag)
-        start = numba_dispatcher.launch
+        function = int(compiled._codelibrary.get_cufunc().handle)
+        launch_kernel = cu.cuLaunchKernel
+        success = cu.CUresult.CUDA_SUCCESS
     except Exception:  # noqa: BLE001 - any surprise means: use the dispatcher
         return None
+    count = sum(_param_count(v, kind) for v, kind in zip(views, kinds))
+    slots = (ctypes.c_int64 * max(1, count))()
+    as_double = (ctypes.c_double * max(1, count)).from_buffer(slots)
+    base = ctypes.addressof(slots)
+    pointers = (ctypes.c_void_p * max(1, count))(*[base + 8 * i for i in range(count)])
+    params = ctypes.addressof(pointers)
+    gx, gy, gz = _dim3(grid)
+    bx, by, bz = _dim3(block)
+    floats, slot = [], 0  # (argument, its slot) of every float64 parameter
+    for i, (v, kind) in enumerate(zip(views, kinds)):
+        if kind is float:
+            floats.append((i, slot))
+        slot += _param_count(v, kind)
 
     def direct(stream, args):
         flat = []
-        for arg, scalar in zip(args, scalars):
-            if scalar is None:
+        for arg, kind in zip(args, kinds):
+            if kind is None:
                 item = arg.element_size()
                 flat += (0, 0, arg.numel(), item, arg.data_ptr(), *arg.shape,
                          *[s * item for s in arg.stride()])
-            elif scalar is tuple:
+            elif kind is tuple:
                 flat += _int_tuple(arg)[1]
             else:
-                flat.append(scalar(arg))
-        start(stream, config, function, *flat)
+                flat.append(arg if kind is int else 0)
+        slots[:count] = flat
+        for i, slot in floats:  # a float64 parameter: its slot holds the double's bits
+            as_double[slot] = args[i]
+        err, = launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+        if err != success:
+            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
+    # keep the buffers alive as long as the launcher
+    direct.buffers = (slots, as_double, pointers)
     return direct
+
+
+def _dim3(dims) -> tuple[int, int, int]:
+    """A launch's grid or block (an int or a tuple of up to three) as three ints."""
+    dims = tuple(dims) if isinstance(dims, tuple) else (dims,)
+    return tuple(int(d) for d in dims + (1,) * (3 - len(dims)))
+
+
+def _param_count(view, kind) -> int:
+    """Kernel parameters numba makes of one argument (an array: 5 fields + shape + strides)."""
+    if kind is None:
+        return 5 + 2 * len(view.shape)
+    if kind is tuple:
+        return len(_int_tuple(view)[1])
+    return 1
 
 
 def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False) -> None:
@@ -233,10 +265,10 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
         return
     device, handle = _current_stream()
     # the compiled function belongs to one device's context: the device is part of the key
-    key = (kernel, device, grid, block, smem, tuple(_kind(a) for a in args))
+    key = (kernel, device, grid, block, smem, *map(_kind, args))
     direct = _DIRECT.get(key)
     if direct:
-        direct(_core_stream(handle), args)
+        direct(handle, args)
         return
     views = _views(args)
     with warnings.catch_warnings():
