@@ -10,8 +10,9 @@ What one run does, in order (STYLE.md rule 7):
    checks the output against PyTorch in float64 (``testing.relative_error``; the numba providers
    must be below :data:`NUMBA_RTOL` or the row is marked FAIL), then times it with
    :func:`time_gpu` (warm-up, one CUDA-event pair per call, median with p10/p90 spread).
-   Providers: ``numba_gather`` (the default ``ModelNew``), ``numba_gather_graph`` (the same as
-   one captured CUDA graph), ``numba_gram`` (training's variance from the Gram sums,
+   Providers: ``numba_gather`` (the default ``ModelNew``: a captured CUDA graph for small calls,
+   ``graphs="auto"``), ``numba_gather_eager`` (the same kernels, always launched one by one),
+   ``numba_gather_graph`` (always one captured CUDA graph), ``numba_gram`` (training's variance from the Gram sums,
    ``variance="gram"``; in evaluation the same kernels as ``numba_gather``), ``numba_scatter``,
    ``torch_eager``
    (cuDNN TF32 allowed, PyTorch's default), ``torch_strict_fp32`` (TF32 off for cuDNN and
@@ -52,8 +53,8 @@ from .testing import relative_error
 #: Relative error (vs float64) above which a numba provider's row is marked FAIL.
 NUMBA_RTOL = 1e-5
 MODES = ("train", "eval")
-PROVIDERS = ("numba_gather", "numba_gather_graph", "numba_gram", "numba_scatter", "torch_eager",
-             "torch_strict_fp32", "torch_compile")
+PROVIDERS = ("numba_gather", "numba_gather_eager", "numba_gather_graph", "numba_gram",
+             "numba_scatter", "torch_eager", "torch_strict_fp32", "torch_compile")
 MAIN_REPS = 100
 SCATTER_REPS = 20  # the atomics baseline is slow; its spread is small anyway
 SWEEP_REPS = 30
@@ -211,7 +212,7 @@ class GeneralModel(nn.Module):
 class NumbaModel(nn.Module):
     """A numba pipeline over a copy of a reference-like model (keeps its parameters/buffers)."""
 
-    def __init__(self, model: nn.Module, conv_impl: str, graphs: bool = False,
+    def __init__(self, model: nn.Module, conv_impl: str, graphs: bool | str = "auto",
                  variance: str = "epilogue"):
         super().__init__()
         from .pipeline import Pipeline
@@ -273,8 +274,10 @@ def geometry_case() -> Case:
 def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
     """A fresh copy of ``base`` in ``mode``, wrapped as provider ``name``."""
     model = copy.deepcopy(base).train(mode == "train")
-    if name == "numba_gather":
+    if name == "numba_gather":  # the default: graphs="auto"
         return NumbaModel(model, "gather").train(mode == "train")
+    if name == "numba_gather_eager":  # every call launches its kernels one by one
+        return NumbaModel(model, "gather", graphs=False).train(mode == "train")
     if name == "numba_gather_graph":  # the same kernels replayed as one captured CUDA graph
         return NumbaModel(model, "gather", graphs=True).train(mode == "train")
     if name == "numba_gram":
@@ -587,9 +590,11 @@ def main(out_dir: str = "benchmarks/results", *, tiny: bool = False, geometry: b
 
     plan = [(default_case(), PROVIDERS, False)]
     if geometry:
-        plan.append((geometry_case(), ("numba_gather", "numba_gather_graph", "torch_eager"), False))
+        plan.append((geometry_case(), ("numba_gather", "numba_gather_eager", "numba_gather_graph",
+                                       "torch_eager"), False))
     if tiny:
-        plan.append((tiny_case(), ("numba_gather", "numba_gather_graph", "torch_eager"), True))
+        plan.append((tiny_case(), ("numba_gather", "numba_gather_eager", "numba_gather_graph",
+                                   "torch_eager"), True))
     total = sum(len(p) * len(MODES) for _, p, _ in plan)
     bar = tqdm(total=total, desc="bench") if tqdm else None
     rows: list[Row] = []

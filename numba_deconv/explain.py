@@ -427,7 +427,8 @@ def _median(values):
 
 
 def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
-    """Median whole-call time (events around ``pipe(x)``) and median per-launch times (µs)."""
+    """Median whole-call time (events around ``pipe(x)``, a graph replay where the pipeline
+    replays one) and median per-launch times (µs, launched eagerly)."""
     with _saved_bn_state(pipe.bn):
         for _ in range(3):  # warm-up: compile, cache plans and launchers
             pipe(x)
@@ -441,9 +442,13 @@ def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
             end.record()
             whole.append((start, end))
         samples: dict[str, list] = {}
-        with _timed_launchers(pipe.conv_impl, samples):
-            for _ in range(repeats):
-                pipe(x)
+        graphs, pipe.graphs = pipe.graphs, False  # per-launch events need the launches run eagerly
+        try:
+            with _timed_launchers(pipe.conv_impl, samples):
+                for _ in range(repeats):
+                    pipe(x)
+        finally:
+            pipe.graphs = graphs
         torch.cuda.synchronize()
     total = _median([s.elapsed_time(e) * 1e3 for s, e in whole])
     stages = {k: _median([s.elapsed_time(e) * 1e3 for s, e in v]) for k, v in samples.items()}
@@ -500,6 +505,10 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         peaks=peaks, macs=int(macs), rows=rows, compulsory_bytes=int(compulsory),
         arithmetic_floor_us=2 * macs / flops_peak * 1e6, memory_floor_us=compulsory / bw * 1e6)
 
+    if pipe.graph_wanted(input_shape):
+        report.notes.append(f"graphs={pipe.graphs!r}: on a GPU, calls of this shape replay one "
+                            "captured CUDA graph of these launches (input copied in, output "
+                            "cloned out)")
     if sim:
         report.notes.append(
             "CUDA simulator: regs, smem, local (spill) bytes, occupancy and measured times need a "

@@ -18,7 +18,7 @@ from .pipeline import Pipeline
 
 class ModelNew(nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride, padding, bias=True,
-                 *, conv_impl: str = "gather", graphs: bool = False):
+                 *, conv_impl: str = "gather", graphs: bool | str = "auto"):
         super().__init__()
         self.conv_transpose = nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)

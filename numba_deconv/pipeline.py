@@ -27,6 +27,12 @@ launch configurations (cached per input shape), and hands the small per-channel 
 Inputs: torch tensors (zero copy, launches on torch's current stream), numba device arrays and
 numpy arrays; the output is of the same kind. Under the CUDA simulator "device" tensors are CPU
 tensors. The input is never modified.
+
+Small calls are host-bound (each launch costs the host several µs, the GPU work is a few µs), so
+with ``graphs="auto"`` (the default) a call of the default path whose output has at most
+``AUTO_GRAPH_MAX_OUTPUT`` elements replays a captured CUDA graph of the whole call (the input
+copied in, the output cloned out); ``graphs=True`` always does, ``graphs=False`` never. A call
+made while the caller captures a graph of its own launches its kernels into that graph instead.
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ VARIANCE_STRATEGIES = ("epilogue", "gram")
 # Input shapes whose launch plans (configurations and GPU scratch buffers) a pipeline keeps, least
 # recently used first out: a long fuzzing session does not hold every shape's buffers.
 PLAN_CACHE = 16
+#: ``graphs="auto"``: calls whose output has at most this many elements replay a CUDA graph.
+#: Below it the host's launches cost more than the graph's copy in and clone out (H100: batch 1-2
+#: of the default problem and the tiny problem ran 2-5x faster replayed; the geometry problem,
+#: 15 M output elements, ran as fast either way; benchmarks/NOTES.md, sessions 6 and 8).
+AUTO_GRAPH_MAX_OUTPUT = 1 << 23
+GRAPH_MODES = (True, False, "auto")
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 
@@ -93,7 +105,7 @@ class Pipeline:
     """
 
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
-                 variance: str = "epilogue", poison: bool = False, graphs: bool = False):
+                 variance: str = "epilogue", poison: bool = False, graphs: bool | str = "auto"):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -117,6 +129,8 @@ class Pipeline:
             raise ValueError("variance='gram': this geometry's Gram tiles or weights do not fit "
                              "shared memory (too many input channels for its offsets)")
         self.poison = poison  # fill outputs and scratch with NaN before each run (tests)
+        if not any(graphs is m if isinstance(m, bool) else graphs == m for m in GRAPH_MODES):
+            raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
         self.graphs = graphs  # replay a captured CUDA graph of the whole call (GPU only)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._capturing = False
@@ -154,9 +168,25 @@ class Pipeline:
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
         tensor, restore = self._accept(x)
-        if self.graphs and not is_simulator():
+        # Inside the caller's own graph capture the launches are simply captured with it.
+        if not is_simulator() and self.graph_wanted(tuple(tensor.shape)) \
+                and not torch.cuda.is_current_stream_capturing():
             return restore(self._replay(tensor))
         return restore(self._forward(tensor, record=None))
+
+    def graph_wanted(self, input_shape) -> bool:
+        """Whether calls with inputs of ``input_shape`` replay a captured CUDA graph on a GPU.
+
+        ``graphs="auto"``: the default path (gather, variance from the epilogue) when the output
+        has at most ``AUTO_GRAPH_MAX_OUTPUT`` elements. Raises like a call for a bad shape.
+        """
+        if self.graphs is True or self.graphs is False:
+            return self.graphs
+        if self.conv_impl != "gather" or self.uses_gram:
+            return False
+        batch, out_spatial = self._checked_shape(tuple(input_shape))
+        volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
+        return batch * self.geometry.out_channels * volume <= AUTO_GRAPH_MAX_OUTPUT
 
     # ---- CUDA graphs: the whole call as one replay (host cost of a few µs instead of ~0.13-0.2 ms)
     def _graph_key(self, x: torch.Tensor) -> tuple:
@@ -278,9 +308,13 @@ class Pipeline:
             raise ValueError(f"input is on {x.device}, but the kernels run on {device}")
         if weight.device != x.device:
             raise ValueError(f"input is on {x.device} but the parameters are on {weight.device}")
-        shape = tuple(x.shape)
+        return self._checked_shape(tuple(x.shape))
+
+    def _checked_shape(self, shape: tuple) -> tuple:
+        """(batch, output spatial size) of an input shape, validated once per shape (a few µs
+        of host time per call)."""
         checked = self._shapes.get(shape)
-        if checked is None:  # validated once per shape (a few µs of host time per call)
+        if checked is None:
             checked = self._shapes[shape] = self.geometry.check_input_shape(shape)
             if len(self._shapes) > 4 * PLAN_CACHE:
                 self._shapes.popitem(last=False)

@@ -1,4 +1,5 @@
-"""``Pipeline(graphs=True)``: replaying a captured CUDA graph computes exactly what eager calls do."""
+"""CUDA graphs: ``Pipeline(graphs=True)`` and the default ``graphs="auto"`` replay exactly what eager
+calls compute; a call inside the caller's own capture is captured with it."""
 
 from __future__ import annotations
 
@@ -66,3 +67,43 @@ def test_eager_eval_after_graph_training_sees_the_new_statistics():
     bn64.eval()
     other = torch.randn(2, 3, 5, 5, 4, dtype=torch.float64, device="cuda")  # new shape: eager
     testing.assert_close(pipe(other.float()), testing.reference(conv64, bn64, other), 1e-5)
+
+
+def test_auto_graphs_replay_small_calls_of_the_default_path():
+    """``graphs="auto"`` (the default): a small call of the default path is captured after its
+    first call and replayed from then on, with the same results as eager launches."""
+    case = testing.Case(testing.ConvGeometry.create(4, 6, 3, 2, 1), testing.BatchNormSettings(),
+                        2, (5, 6, 7), True, seed=11)
+    conv64, bn64 = testing.build_modules(case, "cuda")
+    conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
+    pipe = Pipeline(conv, bn, poison=True)
+    assert pipe.graphs == "auto" and pipe.graph_wanted(case.input_shape)
+    for step in range(3):
+        x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
+        testing.assert_close(pipe(x.float()), testing.reference(conv64, bn64, x), 1e-5,
+                             f"step {step}")
+    assert len(pipe._graphs) == 1
+    testing.assert_close(bn.running_var, bn64.running_var, 1e-5, "running_var")
+    assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked)
+
+
+def test_a_call_inside_the_callers_own_capture_is_captured_with_it():
+    """A caller capturing ``pipe(x)`` in a graph of its own gets the kernels in that graph (the
+    pipeline does not start a capture of its own inside it), and replays compute afresh."""
+    case = testing.Case(testing.ConvGeometry.create(4, 6, 3, 2, 1), testing.BatchNormSettings(),
+                        2, (5, 6, 7), False, seed=13)
+    conv64, bn64 = testing.build_modules(case, "cuda")
+    conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
+    pipe = Pipeline(conv, bn)
+    assert pipe.graph_wanted(case.input_shape)
+    static_x = torch.randn(case.input_shape, device="cuda")
+    pipe(static_x)  # warm-up outside the capture: compiles the kernels, builds the plan
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = pipe(static_x)
+    for step in range(2):
+        x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
+        static_x.copy_(x)
+        graph.replay()
+        testing.assert_close(static_out, testing.reference(conv64, bn64, x), 1e-5, f"replay {step}")
