@@ -1,0 +1,97 @@
+"""GPU probe of a call's host time: where it goes, and what one launch costs (GPU only).
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--profile]
+
+For the tiny and geometry problems in both modes: host µs per call (no sync, 2000 calls) and
+wall µs per call (sync at the end), torch eager beside them; how many launches took numba's
+direct path. ``--profile`` adds a cProfile of 500 calls per case. Run it under two checkouts
+(``PYTHONPATH``) in turn to compare host paths in one session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import pstats
+import time
+
+import torch
+
+from numba_deconv import bench
+from numba_deconv.kernels import launch
+
+
+def per_call_us(fn, calls=2000, wait=False):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if wait:
+        torch.cuda.synchronize()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def launch_paths():
+    """(kernel name, whether its launches take the direct path) for every launch shape so far."""
+    return [(getattr(key[0], "__name__", str(key[0]))[:34], bool(direct))
+            for key, direct in list(launch._DIRECT.items())]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cases", default="tiny,geometry")
+    parser.add_argument("--modes", default="eval,train")
+    parser.add_argument("--trace", action="store_true", help="torch.profiler of 20 calls")
+    args = parser.parse_args()
+    torch.backends.cudnn.benchmark = False
+    print(f"device: {torch.cuda.get_device_name()}")
+    table = []
+    cases = {"tiny": bench.tiny_case, "geometry": bench.geometry_case}
+    for case in (cases[name]() for name in args.cases.split(",")):
+        base, x = case.build("cuda")
+        for mode in args.modes.split(","):
+            for name in ("numba_gather", "torch_eager"):
+                model = bench.make_provider(name, copy.deepcopy(base), mode)
+                call = lambda: model(x)  # noqa: E731
+                with torch.no_grad():
+                    host = per_call_us(call)
+                    wall = per_call_us(call, wait=True)
+                table.append((case.name, mode, name, host, wall))
+                if args.trace and name == "numba_gather":
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU,
+                                                              ProfilerActivity.CUDA]) as prof:
+                        for _ in range(20):
+                            call()
+                        torch.cuda.synchronize()
+                    print(f"---- trace, {case.name} {mode}, 20 calls")
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                                    max_name_column_width=40))
+                if args.profile and name == "numba_gather":
+                    prof = cProfile.Profile()
+                    with torch.no_grad():
+                        prof.enable()
+                        for _ in range(500):
+                            call()
+                        prof.disable()
+                    torch.cuda.synchronize()
+                    print(f"---- host profile, {case.name} {mode}, 500 calls")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    print("---- launch paths (kernel, direct?)")
+    for name, ok in launch_paths():
+        print(f"  {name:36s} {ok}")
+    print("---- host per call (µs)")
+    print(f"{'case':10s} {'mode':6s} {'provider':14s} {'host':>8s} {'wall':>8s}")
+    for case, mode, name, host, wall in table:
+        print(f"{case:10s} {mode:6s} {name:14s} {host:8.1f} {wall:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
