@@ -107,7 +107,6 @@ def grid_for(work: int, block: int, cap: int = 65535 * 4) -> int:
 
 
 # ---- launching ---------------------------------------------------------------------------------
-_SCALARS = {float: ctypes.c_double, int: ctypes.c_int64}
 # (kernel, device, launch shape, argument kinds) -> direct launcher, or False for the dispatcher
 _DIRECT: dict[tuple, object] = {}
 _DIRECT_LIMIT = 1024
@@ -176,7 +175,8 @@ def _direct_launcher(kernel, views, grid, block, smem):
 
     None when numba's internals are not what this was written against (numba-cuda 0.30) or an
     argument is of a kind it does not flatten: the caller then keeps the dispatcher, which is
-    slower but always right.
+    slower but always right. One buffer per launch shape: like a pipeline's scratch buffers, a
+    launcher is not for two host threads at once.
     """
     kinds = []
     for v in views:
