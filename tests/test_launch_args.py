@@ -67,3 +67,50 @@ def test_direct_launches_pass_every_kind_of_parameter():
         assert torch.equal(out, want), f"launch {step}"
     direct = [v for k, v in launch._DIRECT.items() if k[0] is affine]
     assert direct and all(direct)  # launches 2 and 3 took the direct path
+
+
+def test_direct_launcher_writes_the_parameters_numba_would(monkeypatch):
+    """The parameter buffer, read back through the pointer array the driver gets: an array's
+    (meminfo, parent, size, itemsize, data, *shape, *byte strides), a tuple's ints in order, a
+    float64's bits, an int64; grid and block as three dimensions (no GPU: the driver is faked)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import torch
+    from cuda.bindings import driver
+
+    a = torch.randn(3, 5, dtype=torch.float64)[:, 1:]  # strided: strides in bytes, not elements
+    b = torch.arange(7, dtype=torch.int32)
+    sizes = (11, (12, 13))
+    args = (a, sizes, 2.5, -7, b)
+    want = [0, 0, a.numel(), 8, a.data_ptr(), 3, 4, 40, 8, 11, 12, 13, None, -7,
+            0, 0, 7, 4, b.data_ptr(), 7, 4]  # None: the float64's slot
+    got = {}
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        pointers = (ctypes.c_void_p * len(want)).from_address(params)
+        got.update(function=function, dims=(gx, gy, gz, bx, by, bz), smem=smem, stream=stream,
+                   ints=[ctypes.c_int64.from_address(p).value for p in pointers],
+                   doubles=[ctypes.c_double.from_address(p).value for p in pointers])
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(driver, "cuLaunchKernel", fake_launch)
+
+    class View:  # what launch() hands the builder for a tensor: its rank is what matters
+        __cuda_array_interface__ = {}
+
+        def __init__(self, t):
+            self.shape = tuple(t.shape)
+
+    compiled = SimpleNamespace(debug=False, cooperative=False, extensions=(), _codelibrary=(
+        SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=4242))))
+    any_key = type("AnyKey", (), {"__getitem__": lambda self, key: compiled})()
+    kernel = SimpleNamespace(overloads=any_key, typeof_pyval=type)
+    views = [View(a), sizes, 2.5, -7, View(b)]
+    direct = launch._direct_launcher(kernel, views, (4, 2), 96, 512)
+    assert direct is not None
+    direct(1234, args)
+    assert got["function"] == 4242 and got["stream"] == 1234 and got["smem"] == 512
+    assert got["dims"] == (4, 2, 1, 96, 1, 1)
+    assert [v if w is not None else None for v, w in zip(got["ints"], want)] == want
+    assert got["doubles"][want.index(None)] == 2.5
