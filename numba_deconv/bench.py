@@ -12,9 +12,9 @@ What one run does, in order (STYLE.md rule 7):
    :func:`time_gpu` (warm-up, one CUDA-event pair per call, median with p10/p90 spread).
    Providers: ``numba_gather`` (the default ``ModelNew``: a captured CUDA graph for small calls,
    ``graphs="auto"``), ``numba_gather_eager`` (the same kernels, always launched one by one),
-   ``numba_gather_graph`` (always one captured CUDA graph), ``numba_gram`` (training's variance from the Gram sums,
-   ``variance="gram"``; in evaluation the same kernels as ``numba_gather``), ``numba_scatter``,
-   ``torch_eager``
+   ``numba_gather_graph`` (always one captured CUDA graph), ``numba_gram`` (training's variance
+   from the Gram sums, ``variance="gram"``; in evaluation the same kernels as ``numba_gather``),
+   ``numba_scatter``, ``torch_eager``
    (cuDNN TF32 allowed, PyTorch's default), ``torch_strict_fp32`` (TF32 off for cuDNN and
    matmul) and ``torch_compile`` (Inductor; compile time is spent in the warm-up, a failure is
    recorded, not raised).
