@@ -14,26 +14,13 @@ import argparse
 import copy
 import cProfile
 import pstats
-import time
 
 import torch
 
 from numba_deconv import bench
 from numba_deconv.kernels import launch
 
-
-def per_call_us(fn, calls=2000, wait=False):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if wait:
-        torch.cuda.synchronize()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
+CALLS = 2000
 
 
 def launch_paths():
@@ -60,8 +47,8 @@ def main():
                 model = bench.make_provider(name, copy.deepcopy(base), mode)
                 call = lambda: model(x)  # noqa: E731
                 with torch.no_grad():
-                    host = per_call_us(call)
-                    wall = per_call_us(call, wait=True)
+                    host = bench.host_time_us(call, CALLS, warmup=50)
+                    wall = bench.wall_per_call_us(call, CALLS, warmup=50)
                 table.append((case.name, mode, name, host, wall))
                 if args.trace and name == "numba_gather":
                     from torch.profiler import ProfilerActivity, profile

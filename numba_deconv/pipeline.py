@@ -63,7 +63,6 @@ PLAN_CACHE = 16
 #: of the default problem and the tiny problem ran 2-5x faster replayed; the geometry problem,
 #: 15 M output elements, ran as fast either way; benchmarks/NOTES.md, sessions 6 and 8).
 AUTO_GRAPH_MAX_OUTPUT = 1 << 23
-GRAPH_MODES = (True, False, "auto")
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 
@@ -129,7 +128,7 @@ class Pipeline:
             raise ValueError("variance='gram': this geometry's Gram tiles or weights do not fit "
                              "shared memory (too many input channels for its offsets)")
         self.poison = poison  # fill outputs and scratch with NaN before each run (tests)
-        if not any(graphs is m if isinstance(m, bool) else graphs == m for m in GRAPH_MODES):
+        if graphs is not True and graphs is not False and graphs != "auto":
             raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
         self.graphs = graphs  # replay a captured CUDA graph of the whole call (GPU only)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()

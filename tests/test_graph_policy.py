@@ -8,8 +8,8 @@ from torch import nn
 from numba_deconv import Pipeline, pipeline
 
 
-def _modules(cin=4, cout=6, groups=1):
-    return nn.ConvTranspose3d(cin, cout, 3, stride=2, padding=1, groups=groups), nn.BatchNorm3d(cout)
+def _modules(cin=4, cout=6):
+    return nn.ConvTranspose3d(cin, cout, 3, stride=2, padding=1), nn.BatchNorm3d(cout)
 
 
 def test_auto_replays_small_calls_of_the_default_path_only():

@@ -1,5 +1,5 @@
-"""CUDA graphs: ``Pipeline(graphs=True)`` and the default ``graphs="auto"`` replay exactly what eager
-calls compute; a call inside the caller's own capture is captured with it."""
+"""CUDA graphs: ``Pipeline(graphs=True)`` and the default ``graphs="auto"`` replay exactly what
+eager calls compute; a call inside the caller's own capture is captured with it."""
 
 from __future__ import annotations
 

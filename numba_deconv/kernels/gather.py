@@ -217,7 +217,8 @@ def fma_step_source(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple) -> str:
     for th, (rh, eh) in enumerate(h_taps):
         for tw, (rw, ew) in enumerate(w_taps):
             for c in range(nc):
-                lines.append(f"    w{c} = wsm[uint64(wv) * uint64({nc}) + uint64({(th * nwt + tw) * nc + c})]")
+                offset = (th * nwt + tw) * nc + c
+                lines.append(f"    w{c} = wsm[uint64(wv) * uint64({nc}) + uint64({offset})]")
             for c in range(nc):
                 for j in range(mh):
                     for q in range(qw):
@@ -236,8 +237,8 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
-                       wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int = 0,
-                       wide: bool = False, stage_n: int = 8, chunked: bool = True):
+                       wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int,
+                       wide: bool, stage_n: int, chunked: bool):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
@@ -667,8 +668,8 @@ class GatherLaunch:
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
     smem: int          # dynamic shared memory per block, bytes
     wide: bool         # some tensor has 2**31 elements or more: 64-bit offsets
-    stage_n: int = 8   # weights one thread loads per staging trip (compile-time, ``stage_count``)
-    chunked: bool = True  # several chunks of input channels (compile-time)
+    stage_n: int       # weights one thread loads per staging trip (compile-time, ``stage_count``)
+    chunked: bool      # several chunks of input channels (compile-time)
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
