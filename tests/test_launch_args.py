@@ -114,3 +114,100 @@ def test_direct_launcher_writes_the_parameters_numba_would(monkeypatch):
     assert got["dims"] == (4, 2, 1, 96, 1, 1)
     assert [v if w is not None else None for v, w in zip(got["ints"], want)] == want
     assert got["doubles"][want.index(None)] == 2.5
+
+
+def test_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkeypatch):
+    """``after_prior`` launches go through ``cuLaunchKernelEx`` with programmatic stream
+    serialization allowed, the launch shape in the config and the same parameter buffer (no GPU:
+    the driver is faked)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import torch
+    from cuda.bindings import driver
+
+    a = torch.arange(6, dtype=torch.float32)
+    got = {}
+
+    def fake_launch_ex(config, function, params, extra):
+        pointers = (ctypes.c_void_p * 8).from_address(params)
+        got.update(function=int(function), stream=int(config.hStream),
+                   dims=(config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
+                         config.blockDimY, config.blockDimZ),
+                   smem=config.sharedMemBytes,
+                   attrs=[(a.id, a.value.programmaticStreamSerializationAllowed)
+                          for a in config.attrs[:config.numAttrs]],
+                   ints=[ctypes.c_int64.from_address(p).value for p in pointers])
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def no_plain_launch(*args):
+        raise AssertionError("an after_prior launch went through cuLaunchKernel")
+
+    monkeypatch.setattr(driver, "cuLaunchKernelEx", fake_launch_ex)
+    monkeypatch.setattr(driver, "cuLaunchKernel", no_plain_launch)
+
+    class View:
+        __cuda_array_interface__ = {}
+        shape = (6,)
+
+    compiled = SimpleNamespace(debug=False, cooperative=False, extensions=(), _codelibrary=(
+        SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=77))))
+    any_key = type("AnyKey", (), {"__getitem__": lambda self, key: compiled})()
+    kernel = SimpleNamespace(overloads=any_key, typeof_pyval=type)
+    direct = launch._direct_launcher(kernel, [View(), 9], 3, (64, 2), 128, after_prior=True)
+    direct(99, (a, 9))
+    serialization = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert got["attrs"] == [(serialization, 1)]
+    assert got["function"] == 77 and got["stream"] == 99 and got["smem"] == 128
+    assert got["dims"] == (3, 1, 1, 64, 2, 1)
+    assert got["ints"] == [0, 0, 6, 4, a.data_ptr(), 6, 4, 9]
+
+
+@pytest.mark.gpu
+def test_a_programmatic_dependent_starts_early_and_waits_for_its_prior():
+    """A kernel launched ``after_prior`` behind one that calls ``allow_dependents`` first and then
+    sleeps: its blocks start while the first still runs (they see its completion flag unset),
+    and what they read after ``wait_prior_grid`` is everything the first wrote."""
+    import torch
+    from numba import cuda
+
+    from numba_deconv.kernels import griddep
+
+    if not griddep.supported():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+
+    @cuda.jit
+    def producer(data, done):
+        griddep.allow_dependents()
+        for _ in range(20):
+            cuda.nanosleep(100000)  # ~2 ms in all
+        i = cuda.grid(1)
+        if i < data.shape[0]:
+            data[i] = 2 * i + 1
+        cuda.threadfence()
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            cuda.atomic.add(done, 0, 1)
+
+    @cuda.jit
+    def consumer(data, done, copy, early):
+        if cuda.threadIdx.x == 0:
+            early[cuda.blockIdx.x] = cuda.atomic.add(done, 0, 0) == 0  # the producer still runs
+        griddep.wait_prior_grid()
+        i = cuda.grid(1)
+        if i < data.shape[0]:
+            copy[i] = data[i]
+
+    n, blocks = 256, 4
+    for step in range(3):  # the first launch goes through numba's dispatcher, then the driver
+        data = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+        done = torch.zeros(1, dtype=torch.int32, device="cuda")
+        copy = torch.full_like(data, -2)
+        early = torch.zeros(blocks, dtype=torch.int32, device="cuda")
+        launch.launch(producer, blocks, n // blocks, (data, done))
+        launch.launch(consumer, blocks, n // blocks, (data, done, copy, early), after_prior=True)
+        torch.cuda.synchronize()
+        assert torch.equal(copy, torch.arange(n, device="cuda", dtype=torch.int32) * 2 + 1), step
+        if step:
+            assert bool(early.all()), f"launch {step}: the dependent did not start early"
+    assert [v for k, v in launch._DIRECT.items() if k[0] is consumer and k[5]]

@@ -163,7 +163,7 @@ def _int_tuple(v):
     return info
 
 
-def _direct_launcher(kernel, views, grid, block, smem):
+def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
     """A function (raw stream handle, args) launching ``kernel``'s compiled overload for ``views``'
     types.
 
@@ -172,6 +172,9 @@ def _direct_launcher(kernel, views, grid, block, smem):
     launch writes the slots and hands the pointer array to the driver's ``cuLaunchKernel``
     (``cuda.bindings``). That costs a few µs, where numba's own path rebuilds ctypes objects
     for every parameter (tens of µs for a kernel with 40-70 parameters).
+
+    ``after_prior``: launch through ``cuLaunchKernelEx`` with programmatic stream serialization,
+    so the kernel may start while the previous one in the stream finishes (``griddep``).
 
     None when numba's internals are not what this was written against (numba-cuda 0.30) or an
     argument is of a kind it does not flatten: the caller then keeps the dispatcher, which is
@@ -197,6 +200,8 @@ def _direct_launcher(kernel, views, grid, block, smem):
         function = int(compiled._codelibrary.get_cufunc().handle)
         launch_kernel = cu.cuLaunchKernel
         success = cu.CUresult.CUDA_SUCCESS
+        config = _pdl_config(cu, grid, block, smem) if after_prior else None
+        cufunction = cu.CUfunction(function)
     except Exception:  # noqa: BLE001 - any surprise means: use the dispatcher
         return None
     count = sum(_param_count(v, kind) for v, kind in zip(views, kinds))
@@ -227,13 +232,32 @@ def _direct_launcher(kernel, views, grid, block, smem):
         slots[:count] = flat
         for i, slot in floats:  # a float64 parameter: its slot holds the double's bits
             as_double[slot] = args[i]
-        err, = launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+        if config is None:
+            err, = launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+        else:
+            config.hStream = stream
+            err, = cu.cuLaunchKernelEx(config, cufunction, params, 0)
         if err != success:
             raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
     # keep the buffers alive as long as the launcher
     direct.buffers = (slots, as_double, pointers)
     return direct
+
+
+def _pdl_config(cu, grid, block, smem):
+    """A ``CUlaunchConfig`` for ``cuLaunchKernelEx`` with programmatic stream serialization
+    allowed (the stream is set per launch)."""
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = _dim3(grid)
+    config.blockDimX, config.blockDimY, config.blockDimZ = _dim3(block)
+    config.sharedMemBytes = smem
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
 
 
 def _dim3(dims) -> tuple[int, int, int]:
@@ -251,7 +275,8 @@ def _param_count(view, kind) -> int:
     return 1
 
 
-def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False) -> None:
+def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False,
+           after_prior: bool = False) -> None:
     """Launch ``kernel[grid, block, torch's current stream, smem](*args)``.
 
     ``args`` may mix torch tensors, numba (or simulator) device arrays and Python scalars. A
@@ -259,13 +284,17 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
     order makes reuse safe). Launches whose arguments are all tensors and scalars take the
     direct path from their second call on. ``small_grid``: the grid is small on purpose (a
     one-block finish), so numba's low-occupancy warning at the first launch is not shown.
+    ``after_prior``: the kernel calls ``griddep.wait_prior_grid`` before it touches anything the
+    previous kernel in the stream writes, so it may be launched as that kernel's programmatic
+    dependent (direct path, compute capability 9.0 and later; otherwise an ordinary launch).
     """
     if is_simulator():
         kernel[grid, block, 0, smem](*_views(args))
         return
     device, handle = _current_stream()
     # the compiled function belongs to one device's context: the device is part of the key
-    key = (kernel, device, grid, block, smem, *map(_kind, args))
+    after_prior = after_prior and _pdl_supported(device)
+    key = (kernel, device, grid, block, smem, after_prior, *map(_kind, args))
     direct = _DIRECT.get(key)
     if direct:
         direct(handle, args)
@@ -279,4 +308,13 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
                               or _int_tuple(a) is not None for a in args):
         if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (a fuzzing session): start afresh
             _DIRECT.clear()
-        _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem) or False
+        _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem, after_prior) or False
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device: int) -> bool:
+    """Whether ``device`` (torch's current device index, numba's current device too) runs
+    programmatic dependent launches."""
+    from .griddep import supported
+
+    return supported()

@@ -1,0 +1,89 @@
+"""Programmatic dependent launch (Hopper and later): a kernel starts before the one it depends on
+has finished, and waits for it only where it reads that kernel's results.
+
+Two kernels in a stream normally run one after the other: the second starts when the last block
+of the first has exited and its writes are visible. With programmatic dependent launch (PDL) the
+second is launched with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
+(``launch.launch(..., after_prior=True)``), and:
+
+* :func:`allow_dependents` (PTX ``griddepcontrol.launch_dependents``), run by every block of the
+  first kernel, lets the second kernel's blocks be scheduled once every block of the first has
+  run it (or exited), onto whatever room the first leaves on each SM;
+* :func:`wait_prior_grid` (PTX ``griddepcontrol.wait``), run by the second kernel, blocks until
+  the first kernel has completed and its memory operations are visible. Everything before it
+  must not read what the first kernel writes, nor write what it reads.
+
+Here box_sums (the per-(n, c) means) runs beside the first blocks of the gather, whose weight
+staging and multiply-adds do not need the means: only its epilogue waits.
+
+Without the launch attribute ``griddepcontrol.wait`` returns at once and the launch is ordered as
+usual, so both functions are always safe to call; below compute capability 9.0 (no such
+instructions) they compile to nothing, and under the CUDA simulator (kernels run one after the
+other) they do nothing.
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+from ..simulator import is_simulator
+
+MIN_CC = (9, 0)  # griddepcontrol: sm_90 and later
+
+
+def supported() -> bool:
+    """Whether the current device runs programmatic dependent launches (never the simulator)."""
+    if is_simulator():
+        return False
+    try:
+        return tuple(cuda.get_current_device().compute_capability) >= MIN_CC
+    except Exception:  # noqa: BLE001 - no device: the instructions are not emitted
+        return False
+
+
+if is_simulator():
+    @cuda.jit(device=True)
+    def wait_prior_grid():
+        """No-op: the simulator runs kernels one after the other."""
+
+    @cuda.jit(device=True)
+    def allow_dependents():
+        """No-op: the simulator runs kernels one after the other."""
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def _griddepcontrol(operation: str):
+        """An intrinsic that emits ``griddepcontrol.<operation>`` (a memory clobber, so no load or
+        store moves across it), or nothing below compute capability 9.0."""
+
+        @intrinsic
+        def impl(typingctx):
+            def codegen(context, builder, signature, args):
+                if supported():
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                                       f"griddepcontrol.{operation};", "~{memory}",
+                                       side_effect=True)
+                    builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return impl
+
+    _wait = _griddepcontrol("wait")
+    _launch_dependents = _griddepcontrol("launch_dependents")
+
+    @cuda.jit(device=True, inline="always")
+    def wait_prior_grid():
+        """Block until the kernel this one was launched after has completed (PTX
+        ``griddepcontrol.wait``)."""
+        _wait()
+
+    @cuda.jit(device=True, inline="always")
+    def allow_dependents():
+        """Let the next kernel, launched with ``after_prior``, start (PTX
+        ``griddepcontrol.launch_dependents``)."""
+        _launch_dependents()
