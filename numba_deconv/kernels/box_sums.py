@@ -11,10 +11,10 @@ the final ``acc - mean`` directly: evaluation mode then writes the output exactl
 
 Box sums: one block per (n, ci) volume (grid-stride), one pass over x, no scratch. A thread
 owns whole input columns (id, ., iw) and walks them along H: consecutive threads own consecutive
-iw, so every load is coalesced, and each value is loaded once. Per column it keeps one running
-sum per H tap (the value goes into the sums whose H interval holds ih), then adds those KH sums
-into the KD*KH*KW box sums its column belongs to (by D and W interval), in registers: the kernel
-sizes are compile-time (``make_box_sums``). The block then reduces its threads' box sums (a
+iw, so every load is coalesced. Per column it sums every row (one add per value), and each H
+tap's sum is that total less the rows the tap's interval leaves out (the few edge rows, read
+again); it then adds those KH sums into the KD*KH*KW box sums its column belongs to (by D and W
+interval), in registers: the kernel sizes are compile-time (``make_box_sums``). The block then reduces its threads' box sums (a
 reduce-scatter over each warp's lanes, one partial per warp and box in shared memory, a fixed
 order: deterministic) and writes B[n, ci, :, :, :].
 
@@ -28,10 +28,15 @@ dependent L2 round trips at the end of the kernel: 65 us instead of 19.)
 
 History (default problem, H100): three separable passes through float64 global scratch took
 35 us; one pass with 8 loads in flight per thread, 19 us, plus 9 us for a separate
-``mean_from_box_sums`` launch (session 5); this one launch, session 6 (benchmarks/NOTES.md).
+``mean_from_box_sums`` launch (session 5); this one launch, session 6: 20.5 us. Session 9: 5-D
+signed indexing and a test of every row against every H interval had made the column walk 413
+instructions per 8 rows (ncu); flat unsigned offsets, one add per value and the edge rows
+apart: 17.3 us, 16.4 with 16 loads in flight (benchmarks/NOTES.md). What is left is latency:
+the reduction, the means and the last block's finish each wait on memory in turn. The block
+calls ``griddep.allow_dependents`` first, so the gather after it can start as it finishes.
 
-Cost: reads x once (16 MB for the default problem) and writes N*Cin*KD*KH*KW doubles and N*Cout
-means; per element about KH + 1 instructions per lane.
+Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
+N*Cin*KD*KH*KW doubles and N*Cout means; per element about 3 instructions per lane.
 """
 
 from __future__ import annotations
@@ -39,14 +44,15 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import cuda, float32, float64, int32
+from numba import cuda, float32, float64, int32, uint64
 
 from ..simulator import is_simulator
+from .griddep import allow_dependents
 from .launch import block_size, launch
 from .warp import FULL_MASK, WARP_SIZE
 
 BLOCK = 256
-ROWS = 8  # loads in flight per thread in box_sums
+ROWS = 16  # loads in flight per thread in box_sums
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
 
@@ -65,8 +71,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
 
     # 128 registers: two blocks of 256 threads per SM (uncapped it took 162: one block)
     @cuda.jit(**({} if is_simulator() else {"max_registers": 128}))
-    def box_sums(x, lo, hi, out, w, bias, inv_size, contrib, mean, done):
-        # x: (N, CI, ID, IH, IW); lo, hi: (3, KMAX) int32 inclusive box bounds per axis and tap
+    def box_sums(x, xf, lo, hi, out, w, bias, inv_size, contrib, mean, done):
+        # x: (N, CI, ID, IH, IW), xf the same memory flattened; lo, hi: (3, KMAX) int32
+        # inclusive box bounds per axis and tap
         # out: (N, CI*K) f64 box sums, K = KD*KH*KW in (kd, kh, kw) order; w: (CI, OPG, K) the
         # weights; bias: (CO,) f64 (zeros if none); inv_size: 1 / output voxels; contrib:
         # (N, CI, OPG) f64 scratch, each plane's share of its group's means; mean: (N, CO) f64
@@ -78,6 +85,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
         partial = cuda.shared.array((max_warps, n_pad), float64)
         btot = cuda.shared.array(n_pad, float64)  # this plane's box sums
         last = cuda.shared.array(1, int32)
+        # The gather that follows waits for this kernel only in its epilogue (it reads nothing
+        # else this kernel writes): let it start as soon as every block of this one has begun.
+        allow_dependents()
         t = cuda.threadIdx.x
         lane = t % WARP_SIZE
         warp = t // WARP_SIZE
@@ -92,10 +102,19 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
             hlo[k], hhi[k] = lo[1, k], hi[1, k]
         for k in range(kw_n):
             wlo[k], whi[k] = lo[2, k], hi[2, k]
+        top = int32(0)          # rows above every H interval's start (some tap leaves them out)
+        bottom = int32(in_h)    # rows from here on lie past some H interval's end
+        for k in range(kh_n):
+            if hlo[k] <= hhi[k]:
+                top = max(top, hlo[k])
+                bottom = min(bottom, hhi[k] + 1)
         cols = in_d * in_w
+        plane_h = in_h * in_w
+        row_w = uint64(in_w)
         for plane in range(cuda.blockIdx.x, n_batch * in_ch, cuda.gridDim.x):
             n = plane // in_ch
             ci = plane % in_ch
+            pbase = uint64(plane) * uint64(in_d * plane_h)
             box = cuda.local.array(n_pad, float64)
             for j in range(n_pad):
                 box[j] = 0.0
@@ -107,20 +126,39 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
                     continue
                 i_d = col // in_w
                 iw = col - i_d * in_w
-                run = cuda.local.array(kh_n, float64)  # sums over each H tap's interval
-                for b in range(kh_n):
-                    run[b] = 0.0
-                # ``rows`` loads in flight, then their adds: with one load at a time the
-                # column walk waited a memory latency per row (~26 us on the default problem)
+                # flat, unsigned offsets: 5-D signed indexing cost ~12 instructions per load
+                # (strides and negative-index wraparound), and testing every row against every H
+                # tap's interval ~4 per tap: 413 instructions per 8 rows (ncu, session 9)
+                cbase = pbase + uint64(i_d * plane_h + iw)
+                # the column's total over every row, ``rows`` loads in flight: one add per value
                 vals = cuda.local.array(rows, elem)
+                tot = 0.0
                 for ih0 in range(0, in_h, rows):
                     for u in range(rows):
-                        vals[u] = x[n, ci, i_d, min(ih0 + u, in_h - 1), iw]
+                        vals[u] = xf[cbase + uint64(min(ih0 + u, in_h - 1)) * row_w]
                     for u in range(rows):
-                        ih = ih0 + u
-                        for b in range(kh_n):
-                            if ih >= hlo[b] and ih <= hhi[b] and ih < in_h:
-                                run[b] += float64(vals[u])
+                        if ih0 + u < in_h:
+                            tot += float64(vals[u])
+                # each H tap's interval [lo, hi] (inside the input, or empty) is the total less
+                # the rows it leaves out, all of them above ``top`` or from ``bottom`` on: the
+                # few edge rows (for the default problem one at each edge), read again (from
+                # L1), each once, with a test per tap
+                sub = cuda.local.array(kh_n, float64)
+                for b in range(kh_n):
+                    sub[b] = 0.0
+                for ih in range(top):
+                    v = float64(xf[cbase + uint64(ih) * row_w])
+                    for b in range(kh_n):
+                        if ih < hlo[b] or ih > hhi[b]:
+                            sub[b] += v
+                for ih in range(max(top, bottom), in_h):
+                    v = float64(xf[cbase + uint64(ih) * row_w])
+                    for b in range(kh_n):
+                        if ih < hlo[b] or ih > hhi[b]:
+                            sub[b] += v
+                run = cuda.local.array(kh_n, float64)
+                for b in range(kh_n):
+                    run[b] = tot - sub[b] if hlo[b] <= hhi[b] else 0.0
                 for a in range(kd_n):
                     if i_d >= dlo[a] and i_d <= dhi[a]:
                         for c in range(kw_n):
@@ -210,4 +248,4 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
     kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",
                            rows)
     launch(kernel, grid_size(n * ci), block,
-           (x, lo, hi, out.view(n, -1), w, bias, float(inv_size), contrib, mean, done))
+           (x, x.view(-1), lo, hi, out.view(n, -1), w, bias, float(inv_size), contrib, mean, done))
