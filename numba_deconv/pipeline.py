@@ -525,7 +525,7 @@ class Pipeline:
             self._gram_train(x, out, plan, wph, flat_w, dtype, record)
             return
         gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.means,
-                             out.view(-1), plan.ss)
+                             out.view(-1), plan.ss, after_box_sums=record is None)
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()

@@ -32,7 +32,9 @@ costs no load, and one compiled kernel serves every size.
 Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
 accumulates, computed beforehand from box sums. The accumulators start at ``-mean``, so each
 output is written once, already centred. In evaluation mode the BN scale is already folded into
-the weights, so that is the final output.
+the weights, so that is the final output. Launched as box_sums' programmatic dependent
+(``griddep``), a block starts its weight staging while box_sums finishes and waits for it only
+before reading the means.
 With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces its NC
 sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes to shared
 memory, and after one barrier NC threads add them in a fixed order and write one value per
@@ -92,6 +94,7 @@ from ..geometry import AxisGeometry
 from ..simulator import is_simulator
 from . import fastdiv
 from .fastdiv import fast_divmod_device as fast_divmod
+from .griddep import wait_prior_grid
 from .launch import block_size
 from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
@@ -367,7 +370,12 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         od = qd * sd + rd
         active = qd < qd_n and qwg < qw_groups and od < out_d
 
-        # The accumulators start at -mean, so they end at y - mean: no subtraction per output.
+        # The means come from box_sums, which may still be running: this kernel is launched as
+        # its programmatic dependent (``griddep``), and nothing above reads what it writes. (The
+        # wait sits here, where the means' loads overlap the set-up; placed before the epilogue,
+        # their latency came at every block's end, ~2 us slower: benchmarks/NOTES.md, session
+        # 9.) The accumulators start at -mean, so they end at y - mean.
+        wait_prior_grid()
         acc = cuda.local.array(n_acc, acc_t)
         for c in range(nc):
             m = -acc_t(mean[n, g * opg + min(c0 + c, opg - 1)])
@@ -735,7 +743,16 @@ def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
                               launch.stage_n, launch.chunked)
 
 
-def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss) -> None:
-    """Launch the specialised kernel for ``launch`` (x and out flattened, contiguous)."""
+def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss, *,
+                  after_box_sums: bool = False) -> None:
+    """Launch the specialised kernel for ``launch`` (x and out flattened, contiguous).
+
+    ``after_box_sums``: the previous kernel in the stream is ``box_sums``, which writes ``mean``
+    and nothing else this kernel reads, so the gather is launched as its programmatic dependent:
+    a block stages its weights, then waits for box_sums before it reads the means. Never with
+    any other previous kernel (the Gram path's statistics write the weights, which the gather
+    reads first of all).
+    """
     launch_kernel(gather_kernel(launch, dtype, train), launch.grid, launch.tiling.block,
-                  (x, wph, mean, out, ss, *launch.dims), smem=launch.smem)
+                  (x, wph, mean, out, ss, *launch.dims), smem=launch.smem,
+                  after_prior=after_box_sums)
