@@ -524,6 +524,7 @@ class Pipeline:
         if batch_stats and self.uses_gram:
             self._gram_train(x, out, plan, wph, flat_w, dtype, record)
             return
+        # box_sums was the previous kernel unless a trace recorded (copied) its results since
         gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.means,
                              out.view(-1), plan.ss, after_box_sums=record is None)
         if not batch_stats:

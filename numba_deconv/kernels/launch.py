@@ -13,7 +13,8 @@ through the dispatcher (which compiles it), and later launches hand the driver's
 ``cuLaunchKernel`` the parameters numba would have built, written into a buffer made once per
 launch shape: for an array ``(meminfo, parent, size, itemsize, data, *shape, *strides)``, for a
 scalar its C value, for a (nested) tuple of integers (how kernels take many run-time sizes at no
-load cost) one int64 per integer.
+load cost) one int64 per integer. A launch marked ``after_prior`` goes through
+``cuLaunchKernelEx`` as the previous kernel's programmatic dependent (``griddep``).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
             config.hStream = stream
             err, = cu.cuLaunchKernelEx(config, cufunction, params, 0)
         if err != success:
-            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+            raise RuntimeError(f"kernel launch failed: {err!r}")
 
     # keep the buffers alive as long as the launcher
     direct.buffers = (slots, as_double, pointers)
