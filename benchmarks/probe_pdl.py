@@ -1,5 +1,5 @@
 """GPU probe: the gather launched as box_sums' programmatic dependent (``kernels/griddep.py``)
-against ordinary launches.  PYTHONPATH=$PWD python3 benchmarks/probe_pdl.py  (GPU only)
+against ordinary launches.  PYTHONPATH=$PWD python3 benchmarks/probe_pdl.py [default,geometry]
 
 Whole calls (eager launches, ``graphs=False``) of the default and the geometry problem, CUDA
 events, median of 100, eval and train, ordinary and programmatic launches alternating three
@@ -9,6 +9,8 @@ timed in the same run.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -23,7 +25,9 @@ ROUNDS = 3
 def main() -> None:
     pdl_supported = launch._pdl_supported
     rows = []
-    for case in (bench.default_case(), bench.geometry_case()):
+    cases = (bench.default_case(), bench.geometry_case())
+    wanted = sys.argv[1].split(",") if len(sys.argv) > 1 else [c.name for c in cases]
+    for case in (c for c in cases if c.name in wanted):
         base, x = case.build("cuda")
         for mode in ("eval", "train"):
             ref = bench.float64_reference(base, x, mode)

@@ -30,11 +30,11 @@ of integers (``sizes``, ``divs``): kernel parameters sit in the constant bank, s
 costs no load, and one compiled kernel serves every size.
 
 Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
-accumulates, computed beforehand from box sums. The accumulators start at ``-mean``, so each
-output is written once, already centred. In evaluation mode the BN scale is already folded into
-the weights, so that is the final output. Launched as box_sums' programmatic dependent
-(``griddep``), a block starts its weight staging while box_sums finishes and waits for it only
-before reading the means.
+accumulates, computed beforehand from box sums; each output is written once, already centred
+(``acc - mean``). In evaluation mode the BN scale is already folded into the weights, so that is
+the final output. Launched as box_sums' programmatic dependent (``griddep``), the kernel's first
+blocks stage their weights and run their multiply-adds while box_sums finishes; they wait for it
+only before the epilogue, where the means are read.
 With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces its NC
 sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes to shared
 memory, and after one barrier NC threads add them in a fixed order and write one value per
@@ -370,17 +370,9 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         od = qd * sd + rd
         active = qd < qd_n and qwg < qw_groups and od < out_d
 
-        # The means come from box_sums, which may still be running: this kernel is launched as
-        # its programmatic dependent (``griddep``), and nothing above reads what it writes. (The
-        # wait sits here, where the means' loads overlap the set-up; placed before the epilogue,
-        # their latency came at every block's end, ~2 us slower: benchmarks/NOTES.md, session
-        # 9.) The accumulators start at -mean, so they end at y - mean.
-        wait_prior_grid()
         acc = cuda.local.array(n_acc, acc_t)
-        for c in range(nc):
-            m = -acc_t(mean[n, g * opg + min(c0 + c, opg - 1)])
-            for a in range(per_c):
-                acc[c * per_c + a] = m
+        for a in range(n_acc):
+            acc[a] = 0
         # Two windows, alternating: one is loaded while the multiply-adds read the other.
         # (With one window read and one loaded, the copy between them at the end of each
         # trip waited for the loads just issued: a quarter of all stall samples, ncu,
@@ -523,9 +515,17 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         sq = cuda.local.array(nc, acc_t)
         for c in range(nc):
             sq[c] = 0
+        # The means come from box_sums, which may still be running: this kernel is launched as
+        # its programmatic dependent (``griddep``), and nothing above reads what it writes, so
+        # the first blocks stage their weights and run their multiply-adds beside box_sums.
+        # (Waiting before the set-up instead, where the means used to be read into the
+        # accumulators' start, was 4 us slower per call: 0.2641 against 0.2600 ms; the kernel
+        # alone, launched plainly, is ~2 us faster that way. benchmarks/NOTES.md, session 9.)
+        wait_prior_grid()
         if active:
             for c in range(nc):
                 if c0 + c < opg:
+                    m = acc_t(mean[n, g * opg + c0 + c])
                     cbase = idx(obase + c * out_d * out_plane)
                     for rh in range(sh):
                         for j in range(mh):
@@ -534,7 +534,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
                                 for q in range(qw):
                                     for rw in range(sw):
                                         if col_ok[q * sw + rw]:
-                                            v = acc[(((c * sh + rh) * mh + j) * sw + rw) * qw + q]
+                                            a = (((c * sh + rh) * mh + j) * sw + rw) * qw + q
+                                            v = acc[a] - m
                                             out[uint64(rb + (q * sw + rw))] = v
                                             if train:
                                                 sq[c] += v * v
@@ -748,10 +749,10 @@ def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, o
     """Launch the specialised kernel for ``launch`` (x and out flattened, contiguous).
 
     ``after_box_sums``: the previous kernel in the stream is ``box_sums``, which writes ``mean``
-    and nothing else this kernel reads, so the gather is launched as its programmatic dependent:
-    a block stages its weights, then waits for box_sums before it reads the means. Never with
-    any other previous kernel (the Gram path's statistics write the weights, which the gather
-    reads first of all).
+    and nothing else this kernel reads, so the gather is launched as its programmatic dependent
+    and waits for box_sums only before its epilogue reads the means. Never with any other
+    previous kernel (the Gram path's statistics write the weights, which the gather reads first
+    of all).
     """
     launch_kernel(gather_kernel(launch, dtype, train), launch.grid, launch.tiling.block,
                   (x, wph, mean, out, ss, *launch.dims), smem=launch.smem,

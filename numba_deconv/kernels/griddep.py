@@ -13,8 +13,9 @@ second is launched with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`
   the first kernel has completed and its memory operations are visible. Everything before it
   must not read what the first kernel writes, nor write what it reads.
 
-Here box_sums (the per-(n, c) means) runs beside the first blocks of the gather, whose weight
-staging and multiply-adds do not need the means: only its epilogue waits.
+Here the gather follows box_sums (the per-(n, c) means): its first blocks stage their weights
+and run their multiply-adds while box_sums finishes, and wait for it only before the epilogue,
+where the means are read.
 
 Without the launch attribute ``griddepcontrol.wait`` returns at once and the launch is ordered as
 usual, so both functions are always safe to call; below compute capability 9.0 (no such
