@@ -3,6 +3,8 @@ needed) and the direct launch path against the dispatcher (GPU)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +14,23 @@ from numba_deconv.kernels import launch
 INT64 = st.integers(-2**63, 2**63 - 1)
 INT_TUPLES = st.recursive(st.tuples(INT64), lambda inner: st.lists(
     st.one_of(INT64, inner), min_size=1, max_size=4).map(tuple), max_leaves=12)
+
+
+class _View:
+    """What launch() hands the launcher builder for a tensor: its rank is what matters."""
+
+    __cuda_array_interface__ = {}
+
+    def __init__(self, t):
+        self.shape = tuple(t.shape)
+
+
+def _fake_kernel(handle: int):
+    """A stand-in for a numba dispatcher whose every overload is a compiled function ``handle``."""
+    compiled = SimpleNamespace(debug=False, cooperative=False, extensions=(), _codelibrary=(
+        SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=handle))))
+    any_key = type("AnyKey", (), {"__getitem__": lambda self, key: compiled})()
+    return SimpleNamespace(overloads=any_key, typeof_pyval=type)
 
 
 def _ints_in_order(v):
@@ -74,7 +93,6 @@ def test_direct_launcher_writes_the_parameters_numba_would(monkeypatch):
     (meminfo, parent, size, itemsize, data, *shape, *byte strides), a tuple's ints in order, a
     float64's bits, an int64; grid and block as three dimensions (no GPU: the driver is faked)."""
     import ctypes
-    from types import SimpleNamespace
 
     import torch
     from cuda.bindings import driver
@@ -95,19 +113,8 @@ def test_direct_launcher_writes_the_parameters_numba_would(monkeypatch):
         return (driver.CUresult.CUDA_SUCCESS,)
 
     monkeypatch.setattr(driver, "cuLaunchKernel", fake_launch)
-
-    class View:  # what launch() hands the builder for a tensor: its rank is what matters
-        __cuda_array_interface__ = {}
-
-        def __init__(self, t):
-            self.shape = tuple(t.shape)
-
-    compiled = SimpleNamespace(debug=False, cooperative=False, extensions=(), _codelibrary=(
-        SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=4242))))
-    any_key = type("AnyKey", (), {"__getitem__": lambda self, key: compiled})()
-    kernel = SimpleNamespace(overloads=any_key, typeof_pyval=type)
-    views = [View(a), sizes, 2.5, -7, View(b)]
-    direct = launch._direct_launcher(kernel, views, (4, 2), 96, 512)
+    views = [_View(a), sizes, 2.5, -7, _View(b)]
+    direct = launch._direct_launcher(_fake_kernel(4242), views, (4, 2), 96, 512)
     assert direct is not None
     direct(1234, args)
     assert got["function"] == 4242 and got["stream"] == 1234 and got["smem"] == 512
@@ -121,7 +128,6 @@ def test_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkey
     serialization allowed, the launch shape in the config and the same parameter buffer (no GPU:
     the driver is faked)."""
     import ctypes
-    from types import SimpleNamespace
 
     import torch
     from cuda.bindings import driver
@@ -145,16 +151,8 @@ def test_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkey
 
     monkeypatch.setattr(driver, "cuLaunchKernelEx", fake_launch_ex)
     monkeypatch.setattr(driver, "cuLaunchKernel", no_plain_launch)
-
-    class View:
-        __cuda_array_interface__ = {}
-        shape = (6,)
-
-    compiled = SimpleNamespace(debug=False, cooperative=False, extensions=(), _codelibrary=(
-        SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=77))))
-    any_key = type("AnyKey", (), {"__getitem__": lambda self, key: compiled})()
-    kernel = SimpleNamespace(overloads=any_key, typeof_pyval=type)
-    direct = launch._direct_launcher(kernel, [View(), 9], 3, (64, 2), 128, after_prior=True)
+    direct = launch._direct_launcher(_fake_kernel(77), [_View(a), 9], 3, (64, 2), 128,
+                                     after_prior=True)
     direct(99, (a, 9))
     serialization = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert got["attrs"] == [(serialization, 1)]
