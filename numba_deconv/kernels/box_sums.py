@@ -14,8 +14,8 @@ owns whole input columns (id, ., iw) and walks them along H: consecutive threads
 iw, so every load is coalesced. Per column it sums every row (one add per value), and each H
 tap's sum is that total less the rows the tap's interval leaves out (the few edge rows, read
 again); it then adds those KH sums into the KD*KH*KW box sums its column belongs to (by D and W
-interval), in registers: the kernel sizes are compile-time (``make_box_sums``). The block then reduces its threads' box sums (a
-reduce-scatter over each warp's lanes, one partial per warp and box in shared memory, a fixed
+interval), in registers: the kernel sizes are compile-time (``make_box_sums``). The block then
+reduces its threads' box sums (a reduce-scatter over each warp's lanes, one partial per warp and box in shared memory, a fixed
 order: deterministic) and writes B[n, ci, :, :, :].
 
 Means: each block also computes its plane's share of its group's means, sum_k w[ci, c, k] *
@@ -68,6 +68,13 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
     n_box = kd_n * kh_n * kw_n
     n_pad = -(-n_box // WARP_SIZE) * WARP_SIZE  # box sums in groups of 32 for the reduce-scatter
     max_warps = BLOCK // WARP_SIZE  # compile-time constants: shared arrays need literal shapes
+
+    @cuda.jit(device=True, inline="always")
+    def leave_out(sub, v, ih, hlo, hhi):
+        """Add row ``ih``'s value ``v`` to the sums of the H taps whose interval leaves it out."""
+        for b in range(kh_n):
+            if ih < hlo[b] or ih > hhi[b]:
+                sub[b] += v
 
     # 128 registers: two blocks of 256 threads per SM (uncapped it took 162: one block)
     @cuda.jit(**({} if is_simulator() else {"max_registers": 128}))
@@ -147,15 +154,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
                 for b in range(kh_n):
                     sub[b] = 0.0
                 for ih in range(top):
-                    v = float64(xf[cbase + uint64(ih) * row_w])
-                    for b in range(kh_n):
-                        if ih < hlo[b] or ih > hhi[b]:
-                            sub[b] += v
+                    leave_out(sub, float64(xf[cbase + uint64(ih) * row_w]), ih, hlo, hhi)
                 for ih in range(max(top, bottom), in_h):
-                    v = float64(xf[cbase + uint64(ih) * row_w])
-                    for b in range(kh_n):
-                        if ih < hlo[b] or ih > hhi[b]:
-                            sub[b] += v
+                    leave_out(sub, float64(xf[cbase + uint64(ih) * row_w]), ih, hlo, hhi)
                 run = cuda.local.array(kh_n, float64)
                 for b in range(kh_n):
                     run[b] = tot - sub[b] if hlo[b] <= hhi[b] else 0.0
