@@ -27,6 +27,10 @@ the last block to finish writes it: each block, after its last read, fences and 
 ``done`` to zero for the next call (so a captured graph replays it unchanged). The numbers never
 depend on which block is last: deterministic.
 
+Launched as the gather's programmatic dependent (``griddep``): its blocks may be scheduled while
+the gather's last wave runs, and wait for it before reading anything; it lets the scale pass
+after it be scheduled the same way.
+
 Cost: N*C*(SLOTS + 1) float64 reads, a few per channel written. It is latency-bound (dependent
 float64 adds), so what matters is loads in flight and blocks: the first version flattened (n, slot)
 into one index and divided per element (72 µs at the default problem, H100); one block with a warp
@@ -50,6 +54,7 @@ import math
 import torch
 from numba import cuda, float64, int32
 
+from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, launch
 from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
@@ -99,6 +104,10 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
     # num_batches_tracked; eps, momentum (< 0 for None); count: N*S values per channel;
     # update: 1 to update the running statistics; scale: (C,) a_c out; stats: (2, C) f64 out;
     # done: (1,) int32, zero between calls: blocks finished so far.
+    # Launched as the previous kernel's programmatic dependent (``griddep``): nothing is read
+    # before the wait, and the scale pass after it may be scheduled as soon as it starts.
+    allow_dependents()
+    wait_prior_grid()
     n_batch, channels, slots = ss.shape[0], ss.shape[1], ss.shape[2]
     scratch = cuda.shared.array(MAX_WARPS, float64)
     mu_shared = cuda.shared.array(1, float64)
@@ -239,7 +248,7 @@ def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, t
     launch(batch_statistics, grid_size(ss.shape[1]), block,
            (means, ss, bias, gamma, running_mean, running_var, tracked, float(eps),
             -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
-            done), small_grid=True)
+            done), small_grid=True, after_prior=True)
 
 
 def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,

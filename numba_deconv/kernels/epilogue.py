@@ -6,7 +6,10 @@ mean-subtraction of DESIGN.md 2.1 once the statistics are known (in place when o
 (which writes y already centred). It runs at ~2.83 TB/s on an H100, against 2.35 TB/s for torch's
 broadcast ``mul_`` and 2.9-3.0 TB/s for a copy (benchmarks/probe_scale.py): the grid's y dimension
 walks rows, so each element costs no index division, and every thread has SCALE_UNROLL loads in
-flight, at compile-time offsets from one base, before it stores.
+flight, at compile-time offsets from one base, before it stores. It walks the rows last first:
+the gather wrote them in sample order, so the pass starts on rows still in L2 (training -8 us per
+call at the default problem, session 10). It is launched as ``batch_statistics``' programmatic
+dependent (``griddep``) and waits for it before reading anything.
 ``fill_channels``:  y[n, c, s] = value[c], what a scatter convolution accumulates onto (the pipeline
 fills zeros: the bias cancels with the mean subtraction).
 
@@ -23,6 +26,7 @@ import functools
 
 from numba import cuda, float32, float64, uint64
 
+from .griddep import wait_prior_grid
 from .launch import block_size, grid_for, launch
 
 BLOCK = 256
@@ -30,6 +34,9 @@ UNROLL = 4  # loads in flight per thread in scale_centered
 SCALE_UNROLL = 16  # loads in flight per thread in scale_rows (H100, default problem: 4 -> 0.185
                    # ms, 8 -> 0.183, 16 -> 0.178, measured twice in session 6)
 MAX_ROW_BLOCKS = 65535
+# scale_rows walks the rows last first: the gather wrote them in sample order, so the last
+# samples' rows are still in L2 when the pass starts (measured, benchmarks/NOTES.md session 10)
+LAST_FIRST = True
 
 
 @cuda.jit
@@ -67,26 +74,29 @@ def fill_channels(y, value):
             y[row, s] = v
 
 
-def make_scale_rows(dtype: str, unroll: int = SCALE_UNROLL):
+def make_scale_rows(dtype: str, unroll: int = SCALE_UNROLL, last_first: bool | None = None):
     """``scale_rows`` for one dtype (its staging registers have the element type) with
-    ``unroll`` loads in flight per thread: one kernel object per (dtype, unroll), however the
-    arguments are spelled (``explain`` reads the resources of the object the pipeline launched)."""
-    return _scale_rows(dtype, int(unroll))
+    ``unroll`` loads in flight per thread: one kernel object per (dtype, unroll, order), however
+    the arguments are spelled (``explain`` reads the resources of the object the pipeline
+    launched). ``last_first`` (default ``LAST_FIRST``): rows from the last to the first."""
+    return _scale_rows(dtype, int(unroll), LAST_FIRST if last_first is None else bool(last_first))
 
 
 @functools.lru_cache(maxsize=None)
-def _scale_rows(dtype: str, unroll: int):
+def _scale_rows(dtype: str, unroll: int, last_first: bool):
     elem = {"float32": float32, "float64": float64}[dtype]
 
     @cuda.jit
     def scale_rows(y, scale, size):
         # y: (ROWS * size,) flat, scaled in place; scale: (C,), row r = (n, c) takes scale[r % C]
+        wait_prior_grid()  # a programmatic dependent: nothing is read before the previous kernel ends
         rows = y.shape[0] // size
         channels = scale.shape[0]
         bd = cuda.blockDim.x
         start = cuda.blockIdx.x * bd * unroll + cuda.threadIdx.x
         vals = cuda.local.array(unroll, elem)
-        for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+        for r in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+            row = rows - 1 - r if last_first else r
             a = scale[row % channels]
             base = uint64(row) * uint64(size) + uint64(start)
             if start + (unroll - 1) * bd < size:  # a whole chunk: no test per element
@@ -112,7 +122,7 @@ def launch_scale_rows(y, scale, size: int, dtype: str, *, block: int | None = No
     """``y`` flat and contiguous, ``size`` elements per (n, c) row."""
     block = block_size(BLOCK) if block is None else block
     grid = scale_rows_grid(y.shape[0] // size, size, block, unroll)
-    launch(make_scale_rows(dtype, unroll), grid, block, (y, scale, size))
+    launch(make_scale_rows(dtype, unroll), grid, block, (y, scale, size), after_prior=True)
 
 
 def _grid(rows: int, size: int, block: int, row_blocks_cap: int):

@@ -39,7 +39,9 @@ With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp
 sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes to shared
 memory, and after one barrier NC threads add them in a fixed order and write one value per
 (n, channel, block): the centred sum of squares that gives the batch variance without a
-reduction pass over the output. Deterministic: no atomics anywhere.
+reduction pass over the output. Deterministic: no atomics anywhere. A TRAIN launch calls
+``griddep.allow_dependents`` first, so ``batch_statistics`` after it is scheduled during its last
+wave (and waits for it to end).
 
 Versions (benchmarks/NOTES.md has the measurements, default problem on an H100): v1 one W
 quotient x 4 H rows of one H phase per thread, weights read from global memory right before
@@ -94,7 +96,7 @@ from ..geometry import AxisGeometry
 from ..simulator import is_simulator
 from . import fastdiv
 from .fastdiv import fast_divmod_device as fast_divmod
-from .griddep import wait_prior_grid
+from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size
 from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
@@ -343,6 +345,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         # below, with the 64 accumulators live, the compiler interleaved each load with its
         # store: nine dependent L2 round trips per block, 19% of the stall samples; ncu,
         # benchmarks/NOTES.md, session 8.) The barrier waits until just before the main loop.
+        if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
+            allow_dependents()
         t = cuda.threadIdx.x
         bs = int32(cuda.blockDim.x)
         bid = cuda.blockIdx.x

@@ -15,7 +15,9 @@ second is launched with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`
 
 Here the gather follows box_sums (the per-(n, c) means): its first blocks stage their weights
 and run their multiply-adds while box_sums finishes, and wait for it only before the epilogue,
-where the means are read.
+where the means are read. In training, ``batch_statistics`` follows the gather and ``scale_rows``
+follows ``batch_statistics`` the same way; those two wait first thing, so what they gain is only
+the launch gap (their blocks are scheduled while the kernel before them still runs).
 
 Without the launch attribute ``griddepcontrol.wait`` returns at once and the launch is ordered as
 usual, so both functions are always safe to call; below compute capability 9.0 (no such
