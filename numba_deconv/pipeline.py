@@ -60,9 +60,11 @@ VARIANCE_STRATEGIES = ("epilogue", "gram")
 PLAN_CACHE = 16
 #: ``graphs="auto"``: calls whose output has at most this many elements replay a CUDA graph.
 #: Below it the host's launches cost more than the graph's copy in and clone out (H100: batch 1-2
-#: of the default problem and the tiny problem ran 2-5x faster replayed; the geometry problem,
-#: 15 M output elements, ran as fast either way; benchmarks/NOTES.md, sessions 6 and 8).
-AUTO_GRAPH_MAX_OUTPUT = 1 << 23
+#: of the default problem and the tiny problem ran 2-5x faster replayed, sessions 6 and 8; in
+#: session 10's bench and sweep the geometry problem, 15 M output elements, and batch 4 of the
+#: default problem, 15.7 M, ran 10-30% faster replayed, batch 8, 31.5 M, as fast or slower;
+#: benchmarks/NOTES.md).
+AUTO_GRAPH_MAX_OUTPUT = 1 << 24
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 
