@@ -89,7 +89,7 @@ def _scale_rows(dtype: str, unroll: int, last_first: bool):
     @cuda.jit
     def scale_rows(y, scale, size):
         # y: (ROWS * size,) flat, scaled in place; scale: (C,), row r = (n, c) takes scale[r % C]
-        wait_prior_grid()  # a programmatic dependent: nothing is read before the previous kernel ends
+        wait_prior_grid()  # a programmatic dependent: nothing read before the previous kernel ends
         rows = y.shape[0] // size
         channels = scale.shape[0]
         bd = cuda.blockDim.x
