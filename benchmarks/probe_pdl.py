@@ -1,5 +1,6 @@
-"""GPU probe: the gather launched as box_sums' programmatic dependent (``kernels/griddep.py``)
-against ordinary launches.  PYTHONPATH=$PWD python3 benchmarks/probe_pdl.py [default,geometry]
+"""GPU probe: every programmatic dependent launch (``kernels/griddep.py``: the gather after
+box_sums; in training also batch_statistics and scale_rows) against ordinary launches.
+PYTHONPATH=$PWD python3 benchmarks/probe_pdl.py [default,geometry]
 
 Whole calls (eager launches, ``graphs=False``) of the default and the geometry problem, CUDA
 events, median of 100, eval and train, ordinary and programmatic launches alternating three

@@ -15,8 +15,8 @@ iw, so every load is coalesced. Per column it sums every row (one add per value)
 tap's sum is that total less the rows the tap's interval leaves out (the few edge rows, read
 again); it then adds those KH sums into the KD*KH*KW box sums its column belongs to (by D and W
 interval), in registers: the kernel sizes are compile-time (``make_box_sums``). The block then
-reduces its threads' box sums (a reduce-scatter over each warp's lanes, one partial per warp and box in shared memory, a fixed
-order: deterministic) and writes B[n, ci, :, :, :].
+reduces its threads' box sums (a reduce-scatter over each warp's lanes, one partial per warp and
+box in shared memory, a fixed order: deterministic) and writes B[n, ci, :, :, :].
 
 Means: each block also computes its plane's share of its group's means, sum_k w[ci, c, k] *
 B[n, ci, k] for every c of the group (8 threads per channel, 3 shuffles). The block that finishes
