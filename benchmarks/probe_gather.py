@@ -1,10 +1,12 @@
 """GPU probe of the gather kernel's tilings on the default problem (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,max_regs ...] [--host] [--trace]
+    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,max_regs ...] [--host]
+        [--trace] [--rounds R]
 
 For each tiling: the whole pipeline's output against float64 PyTorch (both modes), the kernel
-alone timed with CUDA events (median of 50), its registers, local memory, shared memory and a
-static count of its SASS opcodes. ``--host`` adds a cProfile of 200 calls per mode (host time).
+alone timed with CUDA events (median of 50; ``--rounds R`` goes through the list R times, so
+that tilings alternate), its registers, local memory, shared memory and a static count of its
+SASS opcodes. ``--host`` adds a cProfile of 200 calls per mode (host time).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def sass_mix(kernel) -> dict:
         if m:
             ops[m.group(1).split(".")[0]] += 1
     total = sum(ops.values())
-    keys = ("FFMA", "LDG", "LDS", "STG", "BRA", "IMAD", "IADD3", "ISETP", "SEL", "LEA", "MOV")
+    keys = ("FFMA", "LDG", "LDS", "STS", "STG", "LDL", "STL", "BAR", "BRA", "IMAD", "IADD3",
+            "ISETP", "SEL", "LEA", "MOV")
     mix = {k: ops.get(k, 0) for k in keys}
     mix["total"] = total
     return mix
@@ -129,6 +132,7 @@ def main():
     parser.add_argument("--modes", default="eval,train")
     parser.add_argument("--only", action="store_true", help="skip the default tiling")
     parser.add_argument("--sass", help="write every kernel's SASS to this file")
+    parser.add_argument("--rounds", type=int, default=1, help="times through the tilings")
     args = parser.parse_args()
     torch.manual_seed(0)
     ref = Model(*get_init_inputs()).cuda()
@@ -144,7 +148,7 @@ def main():
             lanes *= 2
         tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block, max_regs))
     rows = []
-    for tiling in tilings:
+    for tiling in tilings * args.rounds:
         for mode in args.modes.split(","):
             try:
                 r = run_tiling(tiling, x, ref, ref64, mode)
@@ -163,7 +167,8 @@ def main():
     if args.trace:
         gpu_trace(x, ref)
     print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'cap':>4} {'regs':>4} {'lmem':>4} "
-          f"{'kernel':>7} {'pipe':>7} {'err':>8} {'FFMA%':>5} {'LDG':>4} {'LDS':>4} {'total':>5}")
+          f"{'kernel':>7} {'pipe':>7} {'err':>8} {'FFMA%':>5} {'LDG':>4} {'LDS':>4} {'STG':>4} "
+          f"{'LDL':>4} {'STL':>4} {'total':>5}")
     for r in rows:
         t, s = r["tiling"], r["sass"]
         ffma = 100 * s.get("FFMA", 0) / max(1, s.get("total", 1))
@@ -171,6 +176,7 @@ def main():
               f"{r['regs_per_thread']!s:>4} "
               f"{r['local_mem_per_thread']!s:>4} {r['kernel_ms']:7.3f} {r['pipe_ms']:7.3f} "
               f"{r['err']:8.1e} {ffma:5.1f} {s.get('LDG', 0):4} {s.get('LDS', 0):4} "
+              f"{s.get('STG', 0):4} {s.get('LDL', 0):4} {s.get('STL', 0):4} "
               f"{s.get('total', 0):5}")
 
 
