@@ -48,8 +48,8 @@ def sass_mix(kernel) -> dict:
         if m:
             ops[m.group(1).split(".")[0]] += 1
     total = sum(ops.values())
-    keys = ("FFMA", "LDG", "LDS", "STS", "STG", "LDL", "STL", "BAR", "BRA", "IMAD", "IADD3",
-            "ISETP", "SEL", "LEA", "MOV")
+    keys = ("FFMA", "LDG", "LDGSTS", "LDS", "STS", "STG", "LDL", "STL", "BAR", "BRA", "IMAD",
+            "IADD3", "ISETP", "SEL", "LEA", "MOV")
     mix = {k: ops.get(k, 0) for k in keys}
     mix["total"] = total
     return mix

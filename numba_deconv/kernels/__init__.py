@@ -8,6 +8,8 @@
 * ``spatial_reduce``- per-(n, c) mean and centred sum of squares of a stored tensor (warp shuffles).
 * ``epilogue``      - elementwise ``out = scale_c * (y - mean_nc)`` and channel fills.
 * ``batch_stats``   - training's per-channel finish: batch statistics, scale, running-stat update.
+* ``async_copy``    - global-to-shared copies that hold no register (``cp.async``): the gather's
+                      weight staging.
 * ``griddep``       - programmatic dependent launch: a kernel starts while the one before it
                       finishes and waits for it only where it reads its results (Hopper).
 * ``launch``        - how a kernel is launched: tensors as arguments, torch's stream, the direct

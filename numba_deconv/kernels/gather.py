@@ -71,13 +71,18 @@ windows reach past x's first or last element keep the masked loop; the offsets o
 loop are 64-bit and advance by one add per channel; the D tap pattern is compile-time (no tuple
 indexed at run time, which had gone through the stack): 202 -> 186 M instructions, 15 non-memory
 instructions per 144 FFMA in the loop instead of 35, 0.274 ms (eval), 0.294 ms (train). v8
-(this) follows ncu's per-instruction stall samples: the block copies its weights first, while
+follows ncu's per-instruction stall samples: the block copies its weights first, while
 few registers are live (staged after the set-up, each load had waited for the previous store:
-19% of the samples), in one trip of ``stage_n`` loads per thread; a geometry with one chunk of
+19% of the samples), in one trip of loads per thread; a geometry with one chunk of
 input channels compiles without the chunk loop; the D tap and channel pair loops count in 32
 bits (numba's ``range`` kept 64-bit state, which spilled into the main loop); shared-memory
 weight offsets count whole channel tiles so every tile is one 16-byte load: 186 -> 168 M
-instructions, no spill in the main loop, 0.240 ms (eval), 0.251 ms (train).
+instructions, no spill in the main loop, 0.240 ms (eval), 0.251 ms (train). v9 (this) stages
+the weights with asynchronous copies (``async_copy``, PTX ``cp.async``): a load into a register
+made each warp wait at its first shared-memory store for the L2 round trip before its set-up;
+copies that hold no register let the set-up run while the weights are in flight, and the wait
+comes just before the main loop: 0.239 -> 0.234 ms (eval kernel), 0.256 -> 0.243 (train),
+0.261 -> 0.255 ms per eval call.
 
 Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
 and of the W lanes; every thread reaches the barriers (none returns early).
@@ -96,6 +101,7 @@ from ..geometry import AxisGeometry
 from ..simulator import is_simulator
 from . import fastdiv
 from .fastdiv import fast_divmod_device as fast_divmod
+from .async_copy import copy1, copy16, wait_all
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size
 from .launch import launch as launch_kernel
@@ -198,8 +204,6 @@ _DIMS = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
          "ipg", "opg", "shift_d", "shift_h", "qd_n", "qw_groups",
          "ci_chunk", "lane_shift", "rows_per_block", "row_blocks", "ctiles")
 _DIVISORS = ("ctiles", "row_blocks", "lane_blocks", "tiles_per_group", "qh_groups")
-# Most weights one thread copies into shared memory per trip of the staging loop (loads in flight)
-STAGE_MAX = 16
 # Offsets fit in 32 bits (unsigned, wrapping) when every tensor has fewer elements than this
 NARROW_LIMIT = 2**31
 
@@ -243,13 +247,12 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
                        wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int,
-                       wide: bool, stage_n: int, chunked: bool):
+                       wide: bool, chunked: bool):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
     ``AxisPlan.shift``. ``wide``: some tensor has 2**31 elements or more, so offsets are 64-bit
-    (otherwise signed 32-bit, see below). ``stage_n``: weights each thread loads per trip of
-    the staging copy (``stage_count``; one trip for a chunk of up to ``stage_n`` x block).
+    (otherwise signed 32-bit, see below).
     ``chunked``: the input channels take several chunks of staged weights.
     """
     acc_t = _NUMBA_TYPES[dtype]
@@ -276,6 +279,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     n_acc = nc * per_c
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
+    vec = 16 // _ITEMSIZE[dtype]  # weights per 16-byte copy
+    vec_stage = (tdmax * per_step) % vec == 0  # every slab and chunk: whole 16-byte vectors
     # Shared-memory weight offsets in the multiply-adds count whole channel tiles (units of NC
     # weights), so the compiler sees every tile start at a multiple of NC and loads a tile as
     # one 16-byte vector; counted in weights, a loop-carried offset lost that (session 8).
@@ -285,23 +290,26 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
 
     @cuda.jit(device=True, inline="always")
     def stage_weights(wsm, wph, src, total, t, bs):
-        """Copy ``wph[src:src + total]`` to ``wsm[:total]``: per trip every thread issues its
-        ``stage_n`` loads, then its stores. The loads are unconditional (the last weight
-        repeated past the end) so ``stage`` stays in registers; offsets are unsigned 32-bit
-        within the slab (at most SMEM_WEIGHT_BYTES) and the slab start ``src`` is an int64."""
-        stage = cuda.local.array(stage_n, acc_t)
-        last = uint32(total - 1)
-        step = uint32(stage_n * bs)
-        i0 = uint32(t)
-        while i0 <= last:
-            for k in range(stage_n):
-                i = uint32(min(uint32(i0 + uint32(k * bs)), last))
-                stage[k] = wph[uint64(src + int64(i))]
-            for k in range(stage_n):
-                i = uint32(i0 + uint32(k * bs))
-                if i <= last:
-                    wsm[uint64(i)] = stage[k]
-            i0 = uint32(i0 + step)
+        """Start copying ``wph[src:src + total]`` to ``wsm[:total]`` (``async_copy``): every copy
+        of the thread is issued at once and none holds a register, so the thread goes on to its
+        set-up while they are in flight; ``async_copy.wait_all`` and a barrier come before the
+        weights are read. 16-byte copies when a step's weights are whole 16-byte vectors (every
+        slab then starts 16-byte aligned; ``wph`` itself is, see ``launch_gather``), otherwise
+        one per weight. Offsets are unsigned 32-bit within the slab (at most
+        SMEM_WEIGHT_BYTES); the slab start ``src`` is an int64."""
+        if vec_stage:
+            base = uint64(src)
+            i = uint32(t * vec)
+            step = uint32(bs * vec)
+            while i < uint32(total):
+                copy16(wsm, i, wph, base + uint64(i))
+                i = uint32(i + step)
+        else:
+            base = uint64(src)
+            i = uint32(t)
+            while i < uint32(total):
+                copy1(wsm, i, wph, base + uint64(i))
+                i = uint32(i + uint32(bs))
 
     @cuda.jit(device=True, inline="always")
     def load_window_exact(buf, x, p, row_stride):
@@ -340,11 +348,12 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
 
         # ---- the first chunk's weights, before anything else ---------------------------------
         # Blocks: (((n * lane_blocks + lane_blk) * row_blocks + row_blk) * sd + rd) * ctiles + ctile
-        # The weight slab depends only on (rd, ctile). It is copied first, while few registers
-        # are live, so every load of a thread is in flight at once. (Copied after the set-up
-        # below, with the 64 accumulators live, the compiler interleaved each load with its
-        # store: nine dependent L2 round trips per block, 19% of the stall samples; ncu,
-        # benchmarks/NOTES.md, session 8.) The barrier waits until just before the main loop.
+        # The weight slab depends only on (rd, ctile). Its copies are issued first, all at once
+        # and asynchronously (no register waits for them), so the set-up below runs while they
+        # are in flight; the wait and the barrier come just before the main loop. (Copied
+        # through registers after the set-up, each load had waited for the previous store: 19%
+        # of the stall samples, session 8; through registers before the set-up, every warp
+        # waited at its first store: 5 us per eval call, session 12; benchmarks/NOTES.md.)
         if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
             allow_dependents()
         t = cuda.threadIdx.x
@@ -437,7 +446,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         # ---- main loop: chunks of input channels; per (ci, D tap) one window, all H/W taps ---
         # With one chunk (``chunked`` False, the usual case) the loop body runs once and the
         # compiler drops the loop: no chunk state is live in the multiply-adds.
-        cuda.syncthreads()  # the first chunk's weights are staged
+        wait_all()          # this thread's weight copies have landed,
+        cuda.syncthreads()  # and every thread's: the first chunk's weights are staged
         ci0 = int32(0)
         n_ci = int32(min(ci_chunk, ipg))
         while True:
@@ -502,6 +512,7 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
             n_ci = int32(min(ci_chunk, ipg - ci0))
             cuda.syncthreads()  # the previous chunk's weights are no longer read
             stage_weights(wsm, wph, wslab + ci0 * per_ci, int32(n_ci * per_ci), t, bs)
+            wait_all()
             cuda.syncthreads()  # this chunk's weights are staged
 
         # ---- epilogue: store once (the mean is subtracted already), (train) centred squares --
@@ -681,7 +692,6 @@ class GatherLaunch:
     slots: int         # blocks per (n, channel tile): partials per (n, c) in TRAIN mode
     smem: int          # dynamic shared memory per block, bytes
     wide: bool         # some tensor has 2**31 elements or more: 64-bit offsets
-    stage_n: int       # weights one thread loads per staging trip (compile-time, ``stage_count``)
     chunked: bool      # several chunks of input channels (compile-time)
 
 
@@ -731,13 +741,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                batch * geom.out_channels * math.prod(out_spatial), n_wph) >= NARROW_LIMIT
     return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, d_plan.pattern,
                         exact, dims, grid, slots, ci_chunk * per_ci * item, wide,
-                        stage_count(ci_chunk * per_ci, tiling.block), ci_chunk < ipg)
-
-
-def stage_count(chunk: int, block: int) -> int:
-    """Loads in flight per thread when a block stages a chunk of ``chunk`` weights: enough for
-    one trip (every load issued before the first store), at most STAGE_MAX registers."""
-    return max(1, min(STAGE_MAX, -(-chunk // block)))
+                        ci_chunk < ipg)
 
 
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
@@ -745,7 +749,7 @@ def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
     t = launch.tiling
     return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.dpat, launch.hpat, launch.wpat,
                               launch.wshift, launch.exact, train, t.max_regs, launch.wide,
-                              launch.stage_n, launch.chunked)
+                              launch.chunked)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss, *,
@@ -758,6 +762,8 @@ def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, o
     previous kernel (the Gram path's statistics write the weights, which the gather reads first
     of all).
     """
+    if wph.data_ptr() % 16:  # the staging's 16-byte copies (arrange_weights' tensors are)
+        raise ValueError("gather: the arranged weights must be 16-byte aligned")
     launch_kernel(gather_kernel(launch, dtype, train), launch.grid, launch.tiling.block,
                   (x, wph, mean, out, ss, *launch.dims), smem=launch.smem,
                   after_prior=after_box_sums)
