@@ -100,8 +100,8 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from ..geometry import AxisGeometry
 from ..simulator import is_simulator
 from . import fastdiv
-from .fastdiv import fast_divmod_device as fast_divmod
 from .async_copy import copy1, copy16, wait_all
+from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size
 from .launch import launch as launch_kernel
