@@ -1,7 +1,7 @@
 """GPU probe of ``box_sums`` (box sums and means in one launch) at the default problem: loads in
 flight per thread.  PYTHONPATH=$PWD python3 benchmarks/probe_box_sums.py  (GPU only)
 
-The kernel reads 16 MB in ~20 us (DRAM could in ~6): latency-bound. One block per (n, ci) plane,
+The kernel reads 16 MB in ~12 us (DRAM could in ~6; session 13). One block per (n, ci) plane,
 a thread walks 2 columns of 32 rows, ``rows`` loads in flight at a time. Each setting is checked
 against the default (bit for bit: same order of additions), then CALLS launches are captured in
 one CUDA graph, so the events time the GPU and not the host's launch overhead (~20-50 us per

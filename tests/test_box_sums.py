@@ -18,14 +18,19 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
     ((4, 1, 2), (3, 1, 1), (3, 0, 1), (2, 0, 0), (1, 1, 3), (2, 2, 9)),  # a one-tap axis
     # H boxes [4, 5] and [0, 1] (disjoint: rows 2-3 in none), an empty W box
     ((2, 2, 3), (1, 1, 2), (0, 4, 2), (0, 0, 0), (1, 4, 1), (3, 6, 2)),
+    # rows wider than a 32-thread block: the column indices come in three rounds
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 3, 70)),
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 # rows=3: columns of 4 or 5 rows take two rounds of loads, the last one partial
-@pytest.mark.parametrize("groups,ipg,grid_cap,rows", [(1, 5, 65535, box_sums.ROWS),
-                                                      (3, 3, 65535, 3), (1, 1, 3, 3)])
-def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, device, monkeypatch):
+# block=32: fewer threads than columns of a plane (several planes per thread)
+@pytest.mark.parametrize("groups,ipg,grid_cap,rows,block", [(1, 5, 65535, box_sums.ROWS, None),
+                                                            (3, 3, 65535, 3, None),
+                                                            (1, 1, 3, 3, None), (1, 2, 65535, 4, 32)])
+def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, block, device,
+                                        monkeypatch):
     kernel, stride, padding, output_padding, dilation, size = case
     batch, in_ch, out_ch = 2, ipg * groups, 2 * groups
     geom = ConvGeometry.create(in_ch, out_ch, kernel, stride, padding,
@@ -52,7 +57,7 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, devic
             t.fill_(float("nan"))
         box_sums.launch_box_sums(dev(x), dev(lo), dev(hi), out,
                                  dev(w).view(in_ch, out_ch // groups, -1), dev(bias),
-                                 1.0 / volume, contrib, mean, done, rows=rows)
+                                 1.0 / volume, contrib, mean, done, rows=rows, block=block)
         want = np.zeros(out.shape)
         for a in range(kernel[0]):
             for b in range(kernel[1]):
@@ -73,3 +78,11 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, devic
         want_mean = want_mean / volume + bias
         np.testing.assert_allclose(mean.cpu().numpy(), want_mean, rtol=1e-10, atol=1e-12)
         assert not done.any()
+
+
+def test_box_sums_refuses_inputs_past_its_32_bit_counters():
+    # an expanded view: the shape is checked before anything is read or launched
+    x = torch.zeros(1).expand(2**16, 2**15, 1, 1, 1)
+    with pytest.raises(ValueError, match="32 bits"):
+        box_sums.launch_box_sums(x, None, None, torch.zeros(1, 1, 1, 1, 1), None, None, 1.0,
+                                 None, None, None)

@@ -31,9 +31,16 @@ History (default problem, H100): three separable passes through float64 global s
 ``mean_from_box_sums`` launch (session 5); this one launch, session 6: 20.5 us. Session 9: 5-D
 signed indexing and a test of every row against every H interval had made the column walk 413
 instructions per 8 rows (ncu); flat unsigned offsets, one add per value and the edge rows
-apart: 17.3 us, 16.4 with 16 loads in flight (benchmarks/NOTES.md). What is left is latency:
-the reduction, the means and the last block's finish each wait on memory in turn. The block
-calls ``griddep.allow_dependents`` first, so the gather after it can start as it finishes.
+apart: 17.3 us, 16.4 with 16 loads in flight (benchmarks/NOTES.md). Session 13 (ncu source
+counters): the walk still spent ~20 instructions per value on 64-bit row offsets and clamped
+indices, and what every warp ran once per plane (``range`` loops with run-time steps, each a
+64-bit division for its trip count; 64-bit index arithmetic) was half of the 6.8 M
+instructions. Each volume is now a 1-D view read through 32-bit unsigned offsets (64-bit only
+for a volume of 2**32 elements or more, ``wide``), whole rounds of loads without clamps, 32
+loads in flight, 32-bit counters in ``while`` loops: 4.0 M instructions, 11.6 us. (A thread per
+input column index walking every plane, so that the W intervals apply once per plane instead of
+per column, spilled at the 128-register cap and took 22 us.) The block calls
+``griddep.allow_dependents`` first, so the gather after it can start as it finishes.
 
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
 N*Cin*KD*KH*KW doubles and N*Cout means; per element about 3 instructions per lane.
@@ -42,9 +49,10 @@ N*Cin*KD*KH*KW doubles and N*Cout means; per element about 3 instructions per la
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
-from numba import cuda, float32, float64, int32, uint64
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ..simulator import is_simulator
 from .griddep import allow_dependents
@@ -52,19 +60,27 @@ from .launch import block_size, launch
 from .warp import FULL_MASK, WARP_SIZE
 
 BLOCK = 256
-ROWS = 16  # loads in flight per thread in box_sums
+ROWS = 32  # loads in flight per thread in box_sums
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
 
-def make_box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str = "float32", rows: int = ROWS):
+def make_box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str = "float32", rows: int = ROWS,
+                  wide: bool = False):
     """``box_sums`` for one kernel size (its per-thread box sums live in registers) and input
-    dtype, with ``rows`` loads in flight per thread: one kernel object per distinct setting."""
-    return _box_sums(int(kd_n), int(kh_n), int(kw_n), dtype, int(rows))
+    dtype, with ``rows`` loads in flight per thread and 64-bit offsets inside a volume if
+    ``wide`` (a volume of 2**32 or more elements): one kernel object per distinct setting."""
+    return _box_sums(int(kd_n), int(kh_n), int(kw_n), dtype, int(rows), bool(wide))
+
+
+def needs_wide(in_spatial) -> bool:
+    """Whether one (n, ci) volume of this size needs 64-bit offsets."""
+    return math.prod(in_spatial) >= 2**32
 
 
 @functools.lru_cache(maxsize=None)
-def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
+def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool):
     elem = {"float32": float32, "float64": float64}[dtype]
+    off_t = uint64 if wide else uint32
     n_box = kd_n * kh_n * kw_n
     n_pad = -(-n_box // WARP_SIZE) * WARP_SIZE  # box sums in groups of 32 for the reduce-scatter
     max_warps = BLOCK // WARP_SIZE  # compile-time constants: shared arrays need literal shapes
@@ -85,9 +101,14 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
         # weights; bias: (CO,) f64 (zeros if none); inv_size: 1 / output voxels; contrib:
         # (N, CI, OPG) f64 scratch, each plane's share of its group's means; mean: (N, CO) f64
         # out; done: (N,) int32, zero between calls: planes of each sample finished so far.
-        n_batch, in_ch, in_d, in_h, in_w = x.shape
-        out_ch = mean.shape[1]
-        opg = w.shape[1]
+        # 32-bit sizes and counters, loops as ``while`` with the block size as step: a ``range``
+        # with a run-time step costs a 64-bit division for its trip count, and with those and
+        # 64-bit index arithmetic what every warp ran once per plane was half of the kernel's
+        # instructions (ncu, session 13)
+        n_batch, in_ch = int32(x.shape[0]), int32(x.shape[1])
+        in_d, in_h, in_w = int32(x.shape[2]), int32(x.shape[3]), int32(x.shape[4])
+        out_ch = int32(mean.shape[1])
+        opg = int32(w.shape[1])
         ipg = in_ch // (out_ch // opg)
         partial = cuda.shared.array((max_warps, n_pad), float64)
         btot = cuda.shared.array(n_pad, float64)  # this plane's box sums
@@ -95,10 +116,11 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
         # The gather that follows waits for this kernel only in its epilogue (it reads nothing
         # else this kernel writes): let it start as soon as every block of this one has begun.
         allow_dependents()
-        t = cuda.threadIdx.x
-        lane = t % WARP_SIZE
-        warp = t // WARP_SIZE
-        warps = cuda.blockDim.x // WARP_SIZE
+        t = int32(cuda.threadIdx.x)
+        bs = int32(cuda.blockDim.x)
+        lane = t & (WARP_SIZE - 1)
+        warp = t >> 5
+        warps = bs >> 5
         # the boxes' bounds, per axis and tap, in registers
         dlo, dhi = cuda.local.array(kd_n, int32), cuda.local.array(kd_n, int32)
         hlo, hhi = cuda.local.array(kh_n, int32), cuda.local.array(kh_n, int32)
@@ -116,36 +138,54 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
                 top = max(top, hlo[k])
                 bottom = min(bottom, hhi[k] + 1)
         cols = in_d * in_w
-        plane_h = in_h * in_w
-        row_w = uint64(in_w)
-        for plane in range(cuda.blockIdx.x, n_batch * in_ch, cuda.gridDim.x):
+        vol = int64(in_d) * int64(in_h) * int64(in_w)
+        row_w = off_t(in_w)
+        plane_h = off_t(int64(in_h) * int64(in_w))
+        full = in_h // rows     # whole rounds of ``rows`` loads; a last partial round is clamped
+        plane = int32(cuda.blockIdx.x)
+        while plane < n_batch * in_ch:
             n = plane // in_ch
-            ci = plane % in_ch
-            pbase = uint64(plane) * uint64(in_d * plane_h)
+            ci = plane - n * in_ch
+            # the volume as its own 1-D view: every load below is its base plus an unsigned
+            # offset inside the volume (32 bits unless the volume needs more), one multiply-add
+            # for the address (with 64-bit offsets per row and clamped indices the walk took ~20
+            # instructions per value; benchmarks/NOTES.md, session 13)
+            xv = xf[int64(plane) * vol:int64(plane + 1) * vol]
             box = cuda.local.array(n_pad, float64)
             for j in range(n_pad):
                 box[j] = 0.0
             # the same trip count for every thread (a test inside, not a shorter loop), so the
             # warps are provably converged at the shuffles below: plain SHFL, no collectives
-            for col0 in range(0, cols, cuda.blockDim.x):
+            col0 = int32(0)
+            while col0 < cols:
                 col = col0 + t
+                col0 += bs
                 if col >= cols:
                     continue
                 i_d = col // in_w
                 iw = col - i_d * in_w
-                # flat, unsigned offsets: 5-D signed indexing cost ~12 instructions per load
-                # (strides and negative-index wraparound), and testing every row against every H
-                # tap's interval ~4 per tap: 413 instructions per 8 rows (ncu, session 9)
-                cbase = pbase + uint64(i_d * plane_h + iw)
-                # the column's total over every row, ``rows`` loads in flight: one add per value
+                cbase = off_t(i_d) * plane_h + off_t(iw)
+                # the column's total over every row, ``rows`` loads in flight, two chains of adds
                 vals = cuda.local.array(rows, elem)
-                tot = 0.0
-                for ih0 in range(0, in_h, rows):
+                tot0 = 0.0
+                tot1 = 0.0
+                rbase = cbase
+                for _ in range(full):
                     for u in range(rows):
-                        vals[u] = xf[cbase + uint64(min(ih0 + u, in_h - 1)) * row_w]
+                        vals[u] = xv[rbase + off_t(u) * row_w]
+                    for u in range(0, rows, 2):
+                        tot0 += float64(vals[u])
+                        if u + 1 < rows:
+                            tot1 += float64(vals[u + 1])
+                    rbase += off_t(rows) * row_w
+                ih0 = full * rows
+                if ih0 < in_h:  # the last, partial round: indices clamped, values tested
+                    for u in range(rows):
+                        vals[u] = xv[cbase + off_t(min(ih0 + u, in_h - 1)) * row_w]
                     for u in range(rows):
                         if ih0 + u < in_h:
-                            tot += float64(vals[u])
+                            tot0 += float64(vals[u])
+                tot = tot0 + tot1
                 # each H tap's interval [lo, hi] (inside the input, or empty) is the total less
                 # the rows it leaves out, all of them above ``top`` or from ``bottom`` on: the
                 # few edge rows (for the default problem one at each edge), read again (from
@@ -154,9 +194,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
                 for b in range(kh_n):
                     sub[b] = 0.0
                 for ih in range(top):
-                    leave_out(sub, float64(xf[cbase + uint64(ih) * row_w]), ih, hlo, hhi)
+                    leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
                 for ih in range(max(top, bottom), in_h):
-                    leave_out(sub, float64(xf[cbase + uint64(ih) * row_w]), ih, hlo, hhi)
+                    leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
                 run = cuda.local.array(kh_n, float64)
                 for b in range(kh_n):
                     run[b] = tot - sub[b] if hlo[b] <= hhi[b] else 0.0
@@ -184,25 +224,32 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
                         box[base + i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, h)
                 partial[warp, base + lane] = box[base]
             cuda.syncthreads()  # every warp's partials are in shared memory
-            for j in range(t, n_box, cuda.blockDim.x):
+            j = t
+            while j < n_box:
                 total = 0.0
                 for v in range(warps):
                     total += partial[v, j]
                 out[n, ci * n_box + j] = total
                 btot[j] = total
+                j += bs
             cuda.syncthreads()  # btot is complete (and partial is free again)
             # This plane's share of its group's means, contrib[n, ci, oc] = sum_k w[ci, oc, k]
             # * B[n, ci, k]: eight threads per output channel (consecutive lanes), each over
             # every eighth tap, then three shuffles inside each group of eight.
-            for oc0 in range(0, opg, cuda.blockDim.x // 8):  # block-uniform trip count
-                oc = oc0 + t // 8
+            oc0 = int32(0)
+            while oc0 < opg:  # block-uniform trip count
+                oc = oc0 + (t >> 3)
+                oc0 += bs >> 3
                 acc = 0.0
                 if oc < opg:
-                    for k in range(t % 8, n_box, 8):
-                        acc += w[ci, oc, k] * btot[k]
+                    wrow = w[uint32(ci), uint32(oc)]
+                    k = t & 7
+                    while k < n_box:
+                        acc += wrow[uint32(k)] * btot[k]
+                        k += 8
                 for h in (4, 2, 1):
                     acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
-                if t % 8 == 0 and oc < opg:
+                if (t & 7) == 0 and oc < opg:
                     contrib[n, ci, oc] = acc
             # The block that finishes the last plane of sample n adds the planes' shares:
             # mean[n, co] = sum over the group's ci of contrib / S + bias[co], 4 loads in flight.
@@ -213,7 +260,8 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
             cuda.syncthreads()
             if last[0]:
                 cuda.threadfence()
-                for co in range(t, out_ch, cuda.blockDim.x):
+                co = t
+                while co < out_ch:
                     g = co // opg
                     oc = co - g * opg
                     first = g * ipg
@@ -226,8 +274,10 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int):
                         acc += v0 + (v1 if cl + 1 < ipg else 0.0) \
                             + (v2 if cl + 2 < ipg else 0.0) + (v3 if cl + 3 < ipg else 0.0)
                     mean[n, co] = acc * inv_size + bias[co]
+                    co += bs
                 if t == 0:
                     done[n] = 0  # ready for the next call
+            plane += int32(cuda.gridDim.x)
 
     return box_sums
 
@@ -246,7 +296,10 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
     if block > BLOCK or block % WARP_SIZE:
         raise ValueError(f"box_sums blocks are multiples of {WARP_SIZE} up to {BLOCK}, got {block}")
     n, ci = x.shape[0], x.shape[1]
+    if n * ci >= 2**31 or x.shape[2] * x.shape[4] >= 2**31 or x.shape[3] >= 2**31:
+        raise ValueError(f"box_sums counts planes and columns in 32 bits: input of shape "
+                         f"{tuple(x.shape)} has too many")
     kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",
-                           rows)
+                           rows, needs_wide(x.shape[2:]))
     launch(kernel, grid_size(n * ci), block,
            (x, x.view(-1), lo, hi, out.view(n, -1), w, bias, float(inv_size), contrib, mean, done))
