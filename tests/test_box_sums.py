@@ -25,10 +25,10 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
 
 @pytest.mark.parametrize("case", CASES)
 # rows=3: columns of 4 or 5 rows take two rounds of loads, the last one partial
-# block=32: fewer threads than columns of a plane (several planes per thread)
-@pytest.mark.parametrize("groups,ipg,grid_cap,rows,block", [(1, 5, 65535, box_sums.ROWS, None),
-                                                            (3, 3, 65535, 3, None),
-                                                            (1, 1, 3, 3, None), (1, 2, 65535, 4, 32)])
+# block=32: fewer threads than columns of a plane (several columns per thread)
+@pytest.mark.parametrize("groups,ipg,grid_cap,rows,block", [
+    (1, 5, 65535, box_sums.ROWS, None), (3, 3, 65535, 3, None), (1, 1, 3, 3, None),
+    (1, 2, 65535, 4, 32)])
 def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, block, device,
                                         monkeypatch):
     kernel, stride, padding, output_padding, dilation, size = case

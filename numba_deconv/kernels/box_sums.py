@@ -36,11 +36,15 @@ counters): the walk still spent ~20 instructions per value on 64-bit row offsets
 indices, and what every warp ran once per plane (``range`` loops with run-time steps, each a
 64-bit division for its trip count; 64-bit index arithmetic) was half of the 6.8 M
 instructions. Each volume is now a 1-D view read through 32-bit unsigned offsets (64-bit only
-for a volume of 2**32 elements or more, ``wide``), whole rounds of loads without clamps, 32
-loads in flight, 32-bit counters in ``while`` loops: 4.0 M instructions, 11.6 us. (A thread per
-input column index walking every plane, so that the W intervals apply once per plane instead of
-per column, spilled at the 128-register cap and took 22 us.) The block calls
-``griddep.allow_dependents`` first, so the gather after it can start as it finishes.
+for a volume of 2**32 elements or more, ``wide``), whole rounds of loads without clamps,
+32-bit counters in ``while`` loops, a thread's column moved along without a division, the
+divisions by the input width and channel count by multiply-high (``fastdiv``, divisors from
+the host in ``dims``), and the last block's sums eight threads per channel: 3.9 M
+instructions, 10.5 us. (A thread per input column index walking every plane, so that the W
+intervals apply once per plane instead of per column, spilled at the 128-register cap and took
+22 us; a 96-register cap, so that a gather block fits beside two of these, 12 us and a slower
+call.) The block calls ``griddep.allow_dependents`` first, so the gather after it can start as
+it finishes.
 
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
 N*Cin*KD*KH*KW doubles and N*Cout means; per element about 3 instructions per lane.
@@ -55,12 +59,14 @@ import torch
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ..simulator import is_simulator
+from .fastdiv import divisor
+from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents
 from .launch import block_size, launch
 from .warp import FULL_MASK, WARP_SIZE
 
 BLOCK = 256
-ROWS = 32  # loads in flight per thread in box_sums
+ROWS = 16  # loads in flight per thread in box_sums
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
 
@@ -82,6 +88,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
     elem = {"float32": float32, "float64": float64}[dtype]
     off_t = uint64 if wide else uint32
     n_box = kd_n * kh_n * kw_n
+    n_dh = kd_n * kh_n
     n_pad = -(-n_box // WARP_SIZE) * WARP_SIZE  # box sums in groups of 32 for the reduce-scatter
     max_warps = BLOCK // WARP_SIZE  # compile-time constants: shared arrays need literal shapes
 
@@ -94,9 +101,10 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
 
     # 128 registers: two blocks of 256 threads per SM (uncapped it took 162: one block)
     @cuda.jit(**({} if is_simulator() else {"max_registers": 128}))
-    def box_sums(x, xf, lo, hi, out, w, bias, inv_size, contrib, mean, done):
+    def box_sums(x, xf, lo, hi, dims, out, w, bias, inv_size, contrib, mean, done):
         # x: (N, CI, ID, IH, IW), xf the same memory flattened; lo, hi: (3, KMAX) int32
-        # inclusive box bounds per axis and tap
+        # inclusive box bounds per axis and tap; dims: (input channels per group, in_w and in_ch
+        # as ``fastdiv.divisor`` triples) from the host, read from the constant bank
         # out: (N, CI*K) f64 box sums, K = KD*KH*KW in (kd, kh, kw) order; w: (CI, OPG, K) the
         # weights; bias: (CO,) f64 (zeros if none); inv_size: 1 / output voxels; contrib:
         # (N, CI, OPG) f64 scratch, each plane's share of its group's means; mean: (N, CO) f64
@@ -109,7 +117,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
         in_d, in_h, in_w = int32(x.shape[2]), int32(x.shape[3]), int32(x.shape[4])
         out_ch = int32(mean.shape[1])
         opg = int32(w.shape[1])
-        ipg = in_ch // (out_ch // opg)
+        ipg = int32(dims[0])
         partial = cuda.shared.array((max_warps, n_pad), float64)
         btot = cuda.shared.array(n_pad, float64)  # this plane's box sums
         last = cuda.shared.array(1, int32)
@@ -138,14 +146,20 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                 top = max(top, hlo[k])
                 bottom = min(bottom, hhi[k] + 1)
         cols = in_d * in_w
+        # the thread's first column, and how far a block's step moves it (multiply-high
+        # divisions: a divide is ~20 instructions)
+        id0, iw0 = fast_divmod(t, dims[1])
+        id0, iw0 = int32(id0), int32(iw0)
+        step_d, step_w = fast_divmod(bs, dims[1])
+        step_d, step_w = int32(step_d), int32(step_w)
         vol = int64(in_d) * int64(in_h) * int64(in_w)
         row_w = off_t(in_w)
         plane_h = off_t(int64(in_h) * int64(in_w))
         full = in_h // rows     # whole rounds of ``rows`` loads; a last partial round is clamped
         plane = int32(cuda.blockIdx.x)
         while plane < n_batch * in_ch:
-            n = plane // in_ch
-            ci = plane - n * in_ch
+            n, ci = fast_divmod(plane, dims[2])
+            n, ci = int32(n), int32(ci)
             # the volume as its own 1-D view: every load below is its base plus an unsigned
             # offset inside the volume (32 bits unless the volume needs more), one multiply-add
             # for the address (with 64-bit offsets per row and clamped indices the walk took ~20
@@ -154,58 +168,71 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             box = cuda.local.array(n_pad, float64)
             for j in range(n_pad):
                 box[j] = 0.0
-            # the same trip count for every thread (a test inside, not a shorter loop), so the
-            # warps are provably converged at the shuffles below: plain SHFL, no collectives
+            # the thread's column (i_d, iw) = col0 + t, moved along with col0 (no division per
+            # column); the same trip count for every thread (a test inside, not a shorter loop),
+            # so the warps are provably converged at the shuffles below: plain SHFL
             col0 = int32(0)
+            i_d = id0
+            iw = iw0
             while col0 < cols:
-                col = col0 + t
-                col0 += bs
-                if col >= cols:
-                    continue
-                i_d = col // in_w
-                iw = col - i_d * in_w
-                cbase = off_t(i_d) * plane_h + off_t(iw)
-                # the column's total over every row, ``rows`` loads in flight, two chains of adds
-                vals = cuda.local.array(rows, elem)
-                tot0 = 0.0
-                tot1 = 0.0
-                rbase = cbase
-                for _ in range(full):
-                    for u in range(rows):
-                        vals[u] = xv[rbase + off_t(u) * row_w]
-                    for u in range(0, rows, 2):
-                        tot0 += float64(vals[u])
-                        if u + 1 < rows:
-                            tot1 += float64(vals[u + 1])
-                    rbase += off_t(rows) * row_w
-                ih0 = full * rows
-                if ih0 < in_h:  # the last, partial round: indices clamped, values tested
-                    for u in range(rows):
-                        vals[u] = xv[cbase + off_t(min(ih0 + u, in_h - 1)) * row_w]
-                    for u in range(rows):
-                        if ih0 + u < in_h:
+                if col0 + t < cols:
+                    cbase = off_t(i_d) * plane_h + off_t(iw)
+                    # the column's total over every row, ``rows`` loads in flight, two chains
+                    # of adds
+                    vals = cuda.local.array(rows, elem)
+                    tot0 = 0.0
+                    tot1 = 0.0
+                    rbase = cbase
+                    for _ in range(full):
+                        for u in range(rows):
+                            vals[u] = xv[rbase + off_t(u) * row_w]
+                        for u in range(0, rows, 2):
                             tot0 += float64(vals[u])
-                tot = tot0 + tot1
-                # each H tap's interval [lo, hi] (inside the input, or empty) is the total less
-                # the rows it leaves out, all of them above ``top`` or from ``bottom`` on: the
-                # few edge rows (for the default problem one at each edge), read again (from
-                # L1), each once, with a test per tap
-                sub = cuda.local.array(kh_n, float64)
-                for b in range(kh_n):
-                    sub[b] = 0.0
-                for ih in range(top):
-                    leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
-                for ih in range(max(top, bottom), in_h):
-                    leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
-                run = cuda.local.array(kh_n, float64)
-                for b in range(kh_n):
-                    run[b] = tot - sub[b] if hlo[b] <= hhi[b] else 0.0
-                for a in range(kd_n):
-                    if i_d >= dlo[a] and i_d <= dhi[a]:
-                        for c in range(kw_n):
-                            if iw >= wlo[c] and iw <= whi[c]:
-                                for b in range(kh_n):
-                                    box[(a * kh_n + b) * kw_n + c] += run[b]
+                            if u + 1 < rows:
+                                tot1 += float64(vals[u + 1])
+                        rbase += off_t(rows) * row_w
+                    ih0 = full * rows
+                    if ih0 < in_h:  # the last, partial round: indices clamped, values tested
+                        for u in range(rows):
+                            vals[u] = xv[cbase + off_t(min(ih0 + u, in_h - 1)) * row_w]
+                        for u in range(rows):
+                            if ih0 + u < in_h:
+                                tot0 += float64(vals[u])
+                    tot = tot0 + tot1
+                    # each H tap's interval [lo, hi] (inside the input, or empty) is the total less
+                    # the rows it leaves out, all of them above ``top`` or from ``bottom`` on: the
+                    # few edge rows (for the default problem one at each edge), read again (from
+                    # L1), each once, with a test per tap
+                    sub = cuda.local.array(kh_n, float64)
+                    for b in range(kh_n):
+                        sub[b] = 0.0
+                    for ih in range(top):
+                        leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
+                    for ih in range(max(top, bottom), in_h):
+                        leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
+                    # which box sums the column's KH interval sums go to, with 32-bit tests and
+                    # selects (no branch): per D tap, then per W tap (with branches and 64-bit
+                    # tests this took ~270 instructions per warp and column; ncu, session 13)
+                    di = int32(i_d)
+                    wi = int32(iw)
+                    rab = cuda.local.array(n_dh, float64)
+                    for a in range(kd_n):
+                        ind = (di >= dlo[a]) & (di <= dhi[a])
+                        for b in range(kh_n):
+                            run = tot - sub[b] if hlo[b] <= hhi[b] else 0.0
+                            rab[a * kh_n + b] = run if ind else 0.0
+                    for c in range(kw_n):
+                        inw = (wi >= wlo[c]) & (wi <= whi[c])
+                        for a in range(kd_n):
+                            for b in range(kh_n):
+                                v = rab[a * kh_n + b]
+                                box[(a * kh_n + b) * kw_n + c] += v if inw else 0.0
+                col0 += bs
+                iw += step_w
+                i_d += step_d
+                if iw >= in_w:
+                    iw -= in_w
+                    i_d += 1
             # Reduce-scatter over the warp, 32 box sums at a time: at the step of width h each
             # lane keeps half of its sums (the upper half if its bit h is set), adds the
             # partner's (lane ^ h) copy of that half and sends the other half. After the steps
@@ -252,7 +279,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                 if (t & 7) == 0 and oc < opg:
                     contrib[n, ci, oc] = acc
             # The block that finishes the last plane of sample n adds the planes' shares:
-            # mean[n, co] = sum over the group's ci of contrib / S + bias[co], 4 loads in flight.
+            # mean[n, co] = sum over the group's ci of contrib / S + bias[co].
             cuda.syncthreads()  # this block's contributions are written
             if t == 0:
                 cuda.threadfence()  # ... and visible to the block that counts last
@@ -260,21 +287,26 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             cuda.syncthreads()
             if last[0]:
                 cuda.threadfence()
-                co = t
-                while co < out_ch:
-                    g = co // opg
-                    oc = co - g * opg
-                    first = g * ipg
+                # eight threads per output channel, each adding every eighth input channel's
+                # share (all its loads in flight), then three shuffles: one round trip where
+                # a thread per channel with four loads in flight took ipg / 4 (~2 us at the
+                # end of the kernel, which the gather's epilogue waits for)
+                co0 = int32(0)
+                while co0 < out_ch:  # block-uniform trip count
+                    co = co0 + (t >> 3)
+                    co0 += bs >> 3
                     acc = 0.0
-                    for cl in range(0, ipg, 4):
-                        v0 = contrib[n, first + cl, oc]
-                        v1 = contrib[n, first + min(cl + 1, ipg - 1), oc]
-                        v2 = contrib[n, first + min(cl + 2, ipg - 1), oc]
-                        v3 = contrib[n, first + min(cl + 3, ipg - 1), oc]
-                        acc += v0 + (v1 if cl + 1 < ipg else 0.0) \
-                            + (v2 if cl + 2 < ipg else 0.0) + (v3 if cl + 3 < ipg else 0.0)
-                    mean[n, co] = acc * inv_size + bias[co]
-                    co += bs
+                    if co < out_ch:
+                        g = co // opg
+                        oc = co - g * opg
+                        cl = g * ipg + (t & 7)
+                        while cl < (g + 1) * ipg:
+                            acc += contrib[n, cl, oc]
+                            cl += 8
+                    for h in (4, 2, 1):
+                        acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
+                    if (t & 7) == 0 and co < out_ch:
+                        mean[n, co] = acc * inv_size + bias[co]
                 if t == 0:
                     done[n] = 0  # ready for the next call
             plane += int32(cuda.gridDim.x)
@@ -301,5 +333,13 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
                          f"{tuple(x.shape)} has too many")
     kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",
                            rows, needs_wide(x.shape[2:]))
+    dims = _dims(ci // (mean.shape[1] // w.shape[1]), x.shape[4], ci)
     launch(kernel, grid_size(n * ci), block,
-           (x, x.view(-1), lo, hi, out.view(n, -1), w, bias, float(inv_size), contrib, mean, done))
+           (x, x.view(-1), lo, hi, dims, out.view(n, -1), w, bias, float(inv_size), contrib, mean,
+            done))
+
+
+@functools.lru_cache(maxsize=256)
+def _dims(ipg: int, in_w: int, in_ch: int) -> tuple:
+    """The kernel's ``dims``: one tuple object per setting, so the launcher flattens it once."""
+    return (ipg, divisor(in_w), divisor(in_ch))
