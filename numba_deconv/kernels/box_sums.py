@@ -47,7 +47,8 @@ call.) The block calls ``griddep.allow_dependents`` first, so the gather after i
 it finishes.
 
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
-N*Cin*KD*KH*KW doubles and N*Cout means; per element about 3 instructions per lane.
+N*Cin*KD*KH*KW doubles and N*Cout means; per value about 5 instructions per lane (address,
+load, conversion, add), plus each warp's bookkeeping once per plane.
 """
 
 from __future__ import annotations
@@ -210,9 +211,10 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                         leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
                     for ih in range(max(top, bottom), in_h):
                         leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
-                    # which box sums the column's KH interval sums go to, with 32-bit tests and
-                    # selects (no branch): per D tap, then per W tap (with branches and 64-bit
-                    # tests this took ~270 instructions per warp and column; ncu, session 13)
+                    # which box sums the column's KH interval sums go to: 32-bit tests and
+                    # selects, per D tap, then per W tap (nested branches on 64-bit tests were
+                    # ~270 instructions per warp and column, ncu; this form measured the same,
+                    # session 13)
                     di = int32(i_d)
                     wi = int32(iw)
                     rab = cuda.local.array(n_dh, float64)
