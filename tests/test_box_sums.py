@@ -26,12 +26,15 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
 @pytest.mark.parametrize("case", CASES)
 # rows=3: columns of 4 or 5 rows take two rounds of loads, the last one partial
 # block=32: fewer threads than columns of a plane (several columns per thread)
-@pytest.mark.parametrize("groups,ipg,grid_cap,rows,block", [
-    (1, 5, 65535, box_sums.ROWS, None), (3, 3, 65535, 3, None), (1, 1, 3, 3, None),
-    (1, 2, 65535, 4, 32)])
-def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, block, device,
+# wide: the 64-bit offsets of volumes of 2**32 elements or more, forced on small ones
+@pytest.mark.parametrize("groups,ipg,grid_cap,rows,block,wide", [
+    (1, 5, 65535, box_sums.ROWS, None, False), (3, 3, 65535, 3, None, False),
+    (1, 1, 3, 3, None, False), (1, 2, 65535, 4, 32, False), (1, 3, 65535, 3, None, True)])
+def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, block, wide, device,
                                         monkeypatch):
     kernel, stride, padding, output_padding, dilation, size = case
+    if wide:
+        monkeypatch.setattr(box_sums, "needs_wide", lambda spatial: True)
     batch, in_ch, out_ch = 2, ipg * groups, 2 * groups
     geom = ConvGeometry.create(in_ch, out_ch, kernel, stride, padding,
                                output_padding=output_padding, dilation=dilation, groups=groups)
