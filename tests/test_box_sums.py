@@ -1,6 +1,6 @@
 """``box_sums`` against numpy: the sums over each tap's box, and the means its last block per
-sample computes from them, on random geometries, sizes, groups and grids that make blocks take
-several planes."""
+sample computes from them, on random geometries, sizes, groups, block sizes (several rounds of
+columns per plane), grids that make blocks take several planes, and the 64-bit-offset kernel."""
 
 from __future__ import annotations
 
@@ -18,24 +18,29 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
     ((4, 1, 2), (3, 1, 1), (3, 0, 1), (2, 0, 0), (1, 1, 3), (2, 2, 9)),  # a one-tap axis
     # H boxes [4, 5] and [0, 1] (disjoint: rows 2-3 in none), an empty W box
     ((2, 2, 3), (1, 1, 2), (0, 4, 2), (0, 0, 0), (1, 4, 1), (3, 6, 2)),
-    # rows wider than a 32-thread block: the column indices come in three rounds
+    # rows wider than the block: a block's step moves a thread along W only (several rounds)
     ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 3, 70)),
+    # a plane of 90 columns: with 32 or 64 threads a block's step moves a thread along D and W
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (9, 3, 10)),
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 # rows=3: columns of 4 or 5 rows take two rounds of loads, the last one partial
-# block=32: fewer threads than columns of a plane (several columns per thread)
+# grid_cap=3: 8 planes over 3 blocks, each takes several (of different samples)
+# block=32 with ipg=9, opg=5: more output channels than a block's groups of eight threads (the
+# means' share and the last block loop twice), more than eight input channels per group
 # wide: the 64-bit offsets of volumes of 2**32 elements or more, forced on small ones
-@pytest.mark.parametrize("groups,ipg,grid_cap,rows,block,wide", [
-    (1, 5, 65535, box_sums.ROWS, None, False), (3, 3, 65535, 3, None, False),
-    (1, 1, 3, 3, None, False), (1, 2, 65535, 4, 32, False), (1, 3, 65535, 3, None, True)])
-def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, block, wide, device,
-                                        monkeypatch):
+@pytest.mark.parametrize("groups,ipg,opg,grid_cap,rows,block,wide", [
+    (1, 5, 2, 65535, box_sums.ROWS, None, False), (3, 3, 2, 65535, 3, None, False),
+    (1, 4, 2, 3, 3, None, False), (1, 9, 5, 65535, 4, 32, False),
+    (1, 3, 2, 65535, 3, None, True)])
+def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, block, wide,
+                                        device, monkeypatch):
     kernel, stride, padding, output_padding, dilation, size = case
     if wide:
         monkeypatch.setattr(box_sums, "needs_wide", lambda spatial: True)
-    batch, in_ch, out_ch = 2, ipg * groups, 2 * groups
+    batch, in_ch, out_ch = 2, ipg * groups, opg * groups
     geom = ConvGeometry.create(in_ch, out_ch, kernel, stride, padding,
                                output_padding=output_padding, dilation=dilation, groups=groups)
     lo = np.ones((3, max(kernel)), np.int32)
@@ -83,9 +88,16 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, grid_cap, rows, block
         assert not done.any()
 
 
-def test_box_sums_refuses_inputs_past_its_32_bit_counters():
+@pytest.mark.parametrize("shape", [(2**16, 2**15, 1, 1, 1), (1, 1, 2**16, 1, 2**15),
+                                   (1, 1, 1, 2**31, 1), (1, 0, 2, 2, 2), (1, 1, 2, 2, 0)])
+def test_box_sums_refuses_inputs_past_its_32_bit_counters_or_empty(shape):
     # an expanded view: the shape is checked before anything is read or launched
-    x = torch.zeros(1).expand(2**16, 2**15, 1, 1, 1)
-    with pytest.raises(ValueError, match="32 bits"):
+    x = torch.zeros(1).expand(*shape)
+    with pytest.raises(ValueError, match="32 bits|empty"):
         box_sums.launch_box_sums(x, None, None, torch.zeros(1, 1, 1, 1, 1), None, None, 1.0,
                                  None, None, None)
+
+
+def test_wide_offsets_from_2_to_the_32_elements_per_volume():
+    assert box_sums.needs_wide((2**16, 2**16, 1))
+    assert not box_sums.needs_wide((2**16, 2**16 - 1, 1))

@@ -37,7 +37,8 @@ indices, and what every warp ran once per plane (``range`` loops with run-time s
 64-bit division for its trip count; 64-bit index arithmetic) was half of the 6.8 M
 instructions. Each volume is now a 1-D view read through 32-bit unsigned offsets (64-bit only
 for a volume of 2**32 elements or more, ``wide``), whole rounds of loads without clamps,
-32-bit counters in ``while`` loops, a thread's column moved along without a division, the
+``while`` loops stepping by the block size (no trip-count division; numba still widens the
+counters' sums of int32 values to 64 bits), a thread's column moved along without a division, the
 divisions by the input width and channel count by multiply-high (``fastdiv``, divisors from
 the host in ``dims``), and the last block's sums eight threads per channel: 3.9 M
 instructions, 10.5 us. (A thread per input column index walking every plane, so that the W
@@ -47,8 +48,12 @@ call.) The block calls ``griddep.allow_dependents`` first, so the gather after i
 it finishes.
 
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
-N*Cin*KD*KH*KW doubles and N*Cout means; per value about 5 instructions per lane (address,
-load, conversion, add), plus each warp's bookkeeping once per plane.
+N*Cin*KD*KH*KW doubles and N*Cout means; per value about 5 instructions per lane (two for the
+address, the load, the conversion to float64, the add), plus each warp's bookkeeping once per
+plane.
+
+Preconditions (the launcher checks them): a non-empty input; fewer than 2**31 (n, ci) planes,
+columns per plane (ID * IW) and rows (IH); blocks of a multiple of 32 threads up to ``BLOCK``.
 """
 
 from __future__ import annotations
@@ -110,10 +115,11 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
         # weights; bias: (CO,) f64 (zeros if none); inv_size: 1 / output voxels; contrib:
         # (N, CI, OPG) f64 scratch, each plane's share of its group's means; mean: (N, CO) f64
         # out; done: (N,) int32, zero between calls: planes of each sample finished so far.
-        # 32-bit sizes and counters, loops as ``while`` with the block size as step: a ``range``
-        # with a run-time step costs a 64-bit division for its trip count, and with those and
-        # 64-bit index arithmetic what every warp ran once per plane was half of the kernel's
-        # instructions (ncu, session 13)
+        # loops as ``while`` with the block size as step: a ``range`` with a run-time step costs
+        # a 64-bit division for its trip count, and with those and 64-bit index arithmetic what
+        # every warp ran once per plane was half of the kernel's instructions (ncu, session 13).
+        # (numba widens sums of int32 values to int64, so counters stay 64-bit adds; the
+        # offsets into x are unsigned 32-bit casts.)
         n_batch, in_ch = int32(x.shape[0]), int32(x.shape[1])
         in_d, in_h, in_w = int32(x.shape[2]), int32(x.shape[3]), int32(x.shape[4])
         out_ch = int32(mean.shape[1])
@@ -290,9 +296,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             if last[0]:
                 cuda.threadfence()
                 # eight threads per output channel, each adding every eighth input channel's
-                # share (all its loads in flight), then three shuffles: one round trip where
-                # a thread per channel with four loads in flight took ipg / 4 (~2 us at the
-                # end of the kernel, which the gather's epilogue waits for)
+                # share (ipg / 8 loads: two at the default problem), then three shuffles, where
+                # a thread per channel with four loads in flight took ipg / 4 round trips at
+                # the end of the kernel, which the gather's epilogue waits for
                 co0 = int32(0)
                 while co0 < out_ch:  # block-uniform trip count
                     co = co0 + (t >> 3)
@@ -330,6 +336,8 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
     if block > BLOCK or block % WARP_SIZE:
         raise ValueError(f"box_sums blocks are multiples of {WARP_SIZE} up to {BLOCK}, got {block}")
     n, ci = x.shape[0], x.shape[1]
+    if x.numel() == 0:
+        raise ValueError(f"box_sums needs a non-empty input, got shape {tuple(x.shape)}")
     if n * ci >= 2**31 or x.shape[2] * x.shape[4] >= 2**31 or x.shape[3] >= 2**31:
         raise ValueError(f"box_sums counts planes and columns in 32 bits: input of shape "
                          f"{tuple(x.shape)} has too many")
