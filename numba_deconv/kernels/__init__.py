@@ -12,6 +12,7 @@
                       weight staging.
 * ``griddep``       - programmatic dependent launch: a kernel starts while the one before it
                       finishes and waits for it only where it reads its results (Hopper).
+* ``ptx``           - what those two share: the device's capability, operand-free PTX intrinsics.
 * ``launch``        - how a kernel is launched: tensors as arguments, torch's stream, the direct
                       path past numba's dispatcher, and what differs under the simulator.
 """

@@ -51,11 +51,7 @@ else:
     from numba.core.errors import TypingError
     from numba.cuda.extending import intrinsic
 
-    def _supported() -> bool:
-        try:
-            return tuple(cuda.get_current_device().compute_capability) >= MIN_CC
-        except Exception:  # noqa: BLE001 - no device: compile the fallback
-            return False
+    from .ptx import device_at_least, instruction
 
     def _pointer(context, builder, arr_t, ary, index):
         data = context.make_array(arr_t)(context, builder, ary).data
@@ -76,7 +72,7 @@ else:
                 dst_t, _, src_t, _ = signature.args
                 dst_p = _pointer(context, builder, dst_t, args[0], args[1])
                 src_p = _pointer(context, builder, src_t, args[2], args[3])
-                if _supported():
+                if device_at_least(MIN_CC):
                     # .cg (L2 only) for 16 bytes: the data is read once; 4 and 8 need .ca
                     kind = "cg" if size == 16 else "ca"
                     asm = ir.InlineAsm(
@@ -100,24 +96,7 @@ else:
 
         return impl
 
-    def _plain(instruction: str):
-        """An intrinsic that emits one operand-free PTX instruction (a memory clobber), or
-        nothing where there is no cp.async."""
-
-        @intrinsic
-        def impl(typingctx):
-            def codegen(context, builder, signature, args):
-                if _supported():
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), instruction,
-                                       "~{memory}", side_effect=True)
-                    builder.call(asm, [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return impl
-
-    _wait_all = _plain("cp.async.wait_all;")
+    _wait_all = instruction("cp.async.wait_all;", MIN_CC)
 
     copy16 = _copy(True)
     copy1 = _copy(False)

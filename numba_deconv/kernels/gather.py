@@ -287,6 +287,7 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     per_step_v = nht * nwt
     per_ci_v = tdmax * per_step_v
     fma_step = _fma_step(nc, mh, qw, hpat, wpat)
+    copy, width = (copy16, vec) if vec_stage else (copy1, 1)  # per copy: the function, weights
 
     @cuda.jit(device=True, inline="always")
     def stage_weights(wsm, wph, src, total, t, bs):
@@ -297,19 +298,12 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         slab then starts 16-byte aligned; ``wph`` itself is, see ``launch_gather``), otherwise
         one per weight. Offsets are unsigned 32-bit within the slab (at most
         SMEM_WEIGHT_BYTES); the slab start ``src`` is an int64."""
-        if vec_stage:
-            base = uint64(src)
-            i = uint32(t * vec)
-            step = uint32(bs * vec)
-            while i < uint32(total):
-                copy16(wsm, i, wph, base + uint64(i))
-                i = uint32(i + step)
-        else:
-            base = uint64(src)
-            i = uint32(t)
-            while i < uint32(total):
-                copy1(wsm, i, wph, base + uint64(i))
-                i = uint32(i + uint32(bs))
+        base = uint64(src)
+        i = uint32(t * width)
+        step = uint32(bs * width)
+        while i < uint32(total):
+            copy(wsm, i, wph, base + uint64(i))
+            i = uint32(i + step)
 
     @cuda.jit(device=True, inline="always")
     def load_window_exact(buf, x, p, row_stride):

@@ -30,18 +30,14 @@ from __future__ import annotations
 from numba import cuda
 
 from ..simulator import is_simulator
+from .ptx import device_at_least, instruction
 
 MIN_CC = (9, 0)  # griddepcontrol: sm_90 and later
 
 
 def supported() -> bool:
     """Whether the current device runs programmatic dependent launches (never the simulator)."""
-    if is_simulator():
-        return False
-    try:
-        return tuple(cuda.get_current_device().compute_capability) >= MIN_CC
-    except Exception:  # noqa: BLE001 - no device: the instructions are not emitted
-        return False
+    return not is_simulator() and device_at_least(MIN_CC)
 
 
 if is_simulator():
@@ -54,30 +50,9 @@ if is_simulator():
         """No-op: the simulator runs kernels one after the other."""
 
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    def _griddepcontrol(operation: str):
-        """An intrinsic that emits ``griddepcontrol.<operation>`` (a memory clobber, so no load or
-        store moves across it), or nothing below compute capability 9.0."""
-
-        @intrinsic
-        def impl(typingctx):
-            def codegen(context, builder, signature, args):
-                if supported():
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
-                                       f"griddepcontrol.{operation};", "~{memory}",
-                                       side_effect=True)
-                    builder.call(asm, [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return impl
-
-    _wait = _griddepcontrol("wait")
-    _launch_dependents = _griddepcontrol("launch_dependents")
+    # a memory clobber each, so no load or store moves across it; nothing below sm_90
+    _wait = instruction("griddepcontrol.wait;", MIN_CC)
+    _launch_dependents = instruction("griddepcontrol.launch_dependents;", MIN_CC)
 
     @cuda.jit(device=True, inline="always")
     def wait_prior_grid():
