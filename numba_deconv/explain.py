@@ -301,7 +301,7 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
     terms = len(layout.terms) * layout.groups * layout.cg * layout.cg
     stat_block = block_size(batch_stats_kernels.GRAM_BLOCK)
     return [
-        ("gram_sums", f"gram_sums[cb={CB},window={layout.wh}x{layout.ww},teams={layout.teams}]",
+        ("gram_sums", f"gram_sums[quads={CB}x{CB},w_window={layout.ww},teams={layout.teams}]",
          gram.make_gram_sums(name, layout), gram.sums_grid(layout),
          layout.block, 2 * layout.fma, x_bytes + slot_bytes),
         ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.gram_reduce,

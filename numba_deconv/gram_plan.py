@@ -27,14 +27,15 @@ first and last input row of each axis are special: 3 x 3 x 3 cells, one of them 
 The kernel (``kernels/gram.py``) sums per cell, never across a cell boundary; a *term* (one pair
 of the half-space) adds the cells of its box.
 
-**Work.** A thread owns CB input channels x one input channel ci' x one D offset x a WH x WW
-window of (H, W) offsets (``CB*WH*WW`` accumulators); the block's threads together own every
-(channel pair, offset) of the half-space in D (offsets ``0..Md`` there, both signs in H and W).
-The input is cut into *tiles* (one sample, one D plane, a few H rows, a run of W columns of at
-most one warp with the halo, all inside one cell; narrow tiles get more rows); each block takes
-a contiguous run of tiles of about equal work, staging each tile (with the halo its offsets
-reach) in shared memory, and writes one float64 partial per (block, cell) it touched: a
-*slot*. The reduction, in a fixed order (deterministic), first adds runs of at most
+**Work.** A thread owns a quad of CB "a" channels x a quad of CB "b" channels x one D offset x
+one H offset x a window of WW W offsets (``CB*CB*WW`` accumulators, a *task*); the block's
+threads together own every (channel pair, offset) of the half-space in D (offsets ``0..Md``
+there, both signs in H and W). The input is cut into *tiles* (one sample, one D plane, a few H
+rows, a run of W columns of at most one warp with the halo, all inside one cell; narrow tiles
+get more rows); each block takes a contiguous run of tiles of about equal work, staging each
+tile (with the halo its offsets reach) in shared memory, channel quads innermost so that a
+thread loads a quad as one vector, and writes one float64 partial per (block, cell) it touched:
+a *slot*. The reduction, in a fixed order (deterministic), first adds runs of at most
 SLOT_CHUNK slots of one cell (*chunks*, many sums in parallel), then the chunks of each term's
 cells.
 """
@@ -49,11 +50,11 @@ import numpy as np
 
 from .geometry import AxisGeometry, ConvGeometry
 
-CB = 4            # input channels per thread (the "a" side of a channel pair)
-WINDOW = 3        # offsets per thread along H and along W (a WINDOW x WINDOW window)
-TILE_AREA = 320   # shared-memory floats per (channel, D plane) of one tile, halo included
+CB = 4            # channels of a quad: a thread's "a" channels, and its "b" channels
+WINDOW = 3        # W offsets per thread (a window; one H offset per thread)
+TILE_AREA = 352   # staged positions per (channel quad, D plane) of one tile, halo included
 LANES = 32        # a staged row (tile columns and W halo) fits one warp
-SMEM_BYTES = 44 * 1024  # a tile's staging area at most (static shared memory is 48 KiB)
+SMEM_BYTES = 44 * 1024  # a tile's staging area at most (a block has 48 KiB without opting in)
 BLOCK = 256       # threads per block at most (task groups beyond go to grid.y)
 BLOCKS_PER_SM = 2
 TILE_COST = 64    # a tile's staging and barriers, in positions of work (for the schedule)
@@ -130,15 +131,12 @@ class GramPlan:
     planes: int        # D offsets 0..planes-1 (times step_d)
     step: tuple[int, int, int]
     reach: tuple[int, int, int]
-    hchunks: int       # windows of WINDOW H offsets per thread task
-    wchunks: int
-    wh: int            # offsets per window along H (WINDOW, or fewer when fewer exist)
-    ww: int
+    hchunks: int       # H offsets (a task each)
+    wchunks: int       # windows of WW W offsets (a task each)
+    ww: int            # W offsets per task (WINDOW, or fewer when fewer exist)
     halo: tuple[int, int, int, int]   # rows above, rows below, columns left, columns right
-    area: int          # staged floats per (channel, D plane) of a tile at most, halo included
-    plane_stride: int  # shared memory: floats per (channel, plane) and per channel; a tile's
-    channel_stride: int  # row stride is its own width plus the W halo
-    smem: int          # floats of the staging area
+    area: int          # staged positions per (channel quad, D plane) of a tile at most, halo
+    smem: int          # elements of the staging area: planes * (area * quads + 1) * CB
     tasks: int         # thread tasks (all groups)
     terms: tuple[GramTerm, ...]
     cells: int
@@ -154,7 +152,7 @@ class GramPlan:
     @property
     def nk(self) -> int:
         """Accumulators per thread task."""
-        return CB * self.wh * self.ww
+        return CB * CB * self.ww
 
     @property
     def tasks_pad(self) -> int:
@@ -194,16 +192,15 @@ class GramPlan:
         return self.nk * self.columns + self.staged_channels
 
     def task_index(self, g: int, ci: int, ci2: int, m: tuple[int, int, int]) -> tuple[int, int]:
-        """(task, accumulator) holding G(m)[ci, ci'] of group g; m_d >= 0. Tasks run ci' fastest
-        (a warp's lanes read 16 different "b" channels and share their "a" channels), then the
-        channel block, the D offset, the H window, the W window, the group."""
+        """(task, accumulator) holding G(m)[ci, ci'] of group g; m_d >= 0. Tasks run the "b"
+        quad fastest, then the "a" quad, the D offset, the H offset, the W window, the group;
+        within a task the "a" channel, then the "b" channel, then the W offset."""
         md, mh, mw = m
         rd, rh, rw = self.reach
-        hc, hk = divmod(mh + rh, self.wh)
         wc, wk = divmod(mw + rw, self.ww)
-        task = ci2 + self.cg * (ci // CB + self.nb * (md + self.planes * (hc + self.hchunks * (
-            wc + self.wchunks * g))))
-        return task, ((ci % CB) * self.wh + hk) * self.ww + wk
+        task = ci2 // CB + self.nb * (ci // CB + self.nb * (md + self.planes * (
+            mh + rh + self.hchunks * (wc + self.wchunks * g))))
+        return task, ((ci % CB) * CB + ci2 % CB) * self.ww + wk
 
 
 def axis_reach(axis: AxisGeometry) -> tuple[int, int]:
@@ -214,8 +211,17 @@ def axis_reach(axis: AxisGeometry) -> tuple[int, int]:
                         if (d * (a - b)) % s == 0)
 
 
+def quad_stride(columns: int) -> int:
+    """Vectors per staged (row, channel quad) of a tile whose staged row has ``columns``: = 2
+    mod 8, so that the four quads a warp's lanes read at one column sit 8 banks apart, and the
+    next D plane (one vector of padding) 4 banks further (``kernels/gram.py``). Without it the
+    default problem's 32 staged columns put all four quads in the same banks: 4-way conflicts
+    on every load, 0.37 ms against 0.2 (session 14)."""
+    return columns + (2 - columns) % 8
+
+
 def _windows(reach: int) -> tuple[int, int]:
-    """(offsets per window, windows) along H or W."""
+    """(offsets per window, windows) along W."""
     width = min(WINDOW, 2 * reach + 1)
     return width, -(-(2 * reach + 1) // width)
 
@@ -224,25 +230,24 @@ def _windows(reach: int) -> tuple[int, int]:
 class _Staging:
     """The thread windows and a tile's staging area for given offsets and channels."""
 
-    wh: int
     hchunks: int
     ww: int
     wchunks: int
     halo: tuple[int, int, int, int]  # rows above, rows below, columns left, columns right
-    area: int                        # staged floats per (channel, D plane) at most
+    area: int                        # staged positions per (channel quad, D plane) at most
     fits: bool  # a one-position tile and its halo fit, a staged row one warp, the channels a block
 
 
 def _staging(step, reach, channels: int, itemsize: int) -> _Staging:
-    wh, hchunks = _windows(reach[1])
+    hchunks = 2 * reach[1] + 1  # one H offset per task
     ww, wchunks = _windows(reach[2])
-    halo = (reach[1] * step[1], (hchunks * wh - 1 - reach[1]) * step[1],
+    halo = (reach[1] * step[1], reach[1] * step[1],
             reach[2] * step[2], (wchunks * ww - 1 - reach[2]) * step[2])
     planes = reach[0] + 1
     area = min(TILE_AREA, SMEM_BYTES // (itemsize * channels * planes) - 1)
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
-    fits = halo_w < LANES and (1 + halo_h) * (1 + halo_w) <= area and channels <= BLOCK
-    return _Staging(wh, hchunks, ww, wchunks, halo, area, fits)
+    fits = halo_w < LANES and (1 + halo_h) * quad_stride(1 + halo_w) <= area and channels <= BLOCK
+    return _Staging(hchunks, ww, wchunks, halo, area, fits)
 
 
 def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
@@ -289,14 +294,12 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     staging = _staging(step, reach, channels, itemsize)
     if not staging.fits:
         return None
-    wh, hchunks, ww, wchunks = staging.wh, staging.hchunks, staging.ww, staging.wchunks
+    hchunks, ww, wchunks = staging.hchunks, staging.ww, staging.wchunks
     halo, area = staging.halo, staging.area
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
     cols_max = LANES - halo_w  # a staged row (halo included) is at most one warp wide
     max_block = max(max_block, -(-channels // 32) * 32)
-    plane_stride = area + (1 - area) % 32  # = 1 mod 32: lanes on different (ci', plane) banks
-    channel_stride = planes * plane_stride
-    tasks = geom.groups * nb * cg * planes * hchunks * wchunks
+    tasks = geom.groups * nb * nb * planes * hchunks * wchunks
 
     # cells: products of segments, numbered D-major
     nsh, nsw = axes[1].segments, axes[2].segments
@@ -323,7 +326,7 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
         for n in range(batch):
             for d in range(d_cuts[sd], d_cuts[sd + 1]):
                 for w0, cols in _chunks(w_cuts[sw], w_cuts[sw + 1], cols_max):
-                    rows_max = area // (cols + halo_w) - halo_h
+                    rows_max = area // quad_stride(cols + halo_w) - halo_h
                     for h0, rows in _chunks(h_cuts[sh], h_cuts[sh + 1], rows_max):
                         tiles.append((n, d, h0, rows, w0, cols, cell))
     tiles = np.array(tiles, np.int32).reshape(-1, 7)
@@ -353,10 +356,10 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
             chunks.append((first, min(first + SLOT_CHUNK, cell_slots[c, 1])))
         cell_chunks[c, 1] = len(chunks)
     positions = batch * math.prod(in_spatial)
-    fma = positions * tasks * CB * wh * ww
-    return GramPlan(geom.groups, cg, nb, planes, step, reach, hchunks, wchunks, wh, ww, halo,
-                    area, plane_stride, channel_stride,
-                    channels * channel_stride, tasks, tuple(terms), ncells, tiles,
+    fma = positions * tasks * CB * CB * ww
+    smem = planes * (area * (channels // CB) + 1) * CB
+    return GramPlan(geom.groups, cg, nb, planes, step, reach, hchunks, wchunks, ww, halo,
+                    area, smem, tasks, tuple(terms), ncells, tiles,
                     np.array(blocks, np.int32), cell_slots, len(slot_cell),
                     np.array(chunks, np.int32).reshape(-1, 2), cell_chunks, fma, max_block)
 

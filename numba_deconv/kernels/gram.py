@@ -4,24 +4,25 @@ The algebra and the bookkeeping (cells, terms, tiles, slots) are in ``numba_deco
 this file holds the kernels and their launchers. The pipeline runs them with
 ``Pipeline(..., variance="gram")``; they are slower than the epilogue path so far (below).
 
-``gram_sums`` (one launch): what one thread owns is a *task*: CB input channels ci ("a"), one
-input channel ci' ("b"), one D offset and a WH x WW window of (H, W) offsets, ``CB*WH*WW``
+``gram_sums`` (one launch): what one thread owns is a *task*: a quad of CB "a" channels, a
+quad of CB "b" channels, one D offset, one H offset and a window of WW W offsets, ``CB*CB*WW``
 float32 accumulators of
 
     G'_cell(delta)[ci, ci'] = sum_{n, i in cell} x[n, ci, i] * (x[n, ci', i + delta] - c_ci')
 
 A block holds every task of a task group, in ``teams`` copies that split a tile's rows (at the
-default problem 128 tasks x 2 teams = 256 threads). A block walks its run of tiles; per tile a
-warp per (channel, D plane) stages the tile and the halo its offsets reach in shared memory
-(zeros outside the input), rows packed ``32 // width`` to a pass, four passes in flight. Then
-each thread walks its rows along W, keeping the W window in registers and loading only the
-column entering it (WH values) plus its CB "a" values per step: 4 + 3 shared loads per 36 FMAs
-at the default problem. A warp's lanes share the "a" channels (a broadcast) and differ in ci',
-which the plane stride (= 1 mod 32) puts in different banks. The window rotates through WW
-register sets (the step is unrolled WW times, in generated source as in
-``gather.fma_step_source``), so no value moves between registers; shared-memory offsets are
-unsigned so that numba emits no negative-index check and the constant offsets fold into the
-loads.
+default problem 96 tasks x 2 teams = 192 threads). A block walks its run of tiles. Per tile a
+warp per (D plane, row) stages the tile and the halo its offsets reach in shared memory, laid
+out [plane][row][channel quad][column][CB] (zeros outside the input), by asynchronous copies
+(``async_copy``) all in flight, lanes over (channel of a quad, column) so that a warp's stores
+fill 32 banks. Then each thread walks its rows along W, keeping the W window in registers and
+loading per column only the "b" quad entering it and its "a" quad: two 16-byte loads per 48
+FMAs at the default problem (the old layout, a channel per plane: 7 scalar loads per 36). The
+quad stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a warp reads at
+one column in different banks. The window rotates through WW register sets (the step unrolled
+WW times, in generated source as in ``gather.fma_step_source``), so no value moves between
+registers; shared-memory offsets are counted in vectors and unsigned, so that the compiler sees
+aligned vectors and emits no negative-index check.
 
 Precision: the variance is ``Q/M - mean^2``, a difference of two large numbers when
 |mean| >> std, so the sums must not lose Q's low digits. The "b" side is shifted by c (the mean
@@ -35,12 +36,16 @@ SLOT_CHUNK slots of one cell, then a thread per (group, term, ci, ci') adds the 
 term's cells, each in a fixed order (deterministic), into the term sums that
 ``batch_stats.gram_statistics`` contracts with the weights.
 
-Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the window
-computes both signs of the H and W offsets for D offset 0), against the convolution's 3.33 G.
-Measured (H100, benchmarks/NOTES.md session 7): 0.20 ms, 6 TFMA/s, 112 M instructions of which
-38 M FFMA: staging, tile and row set-up cost as much as the loop; 2 blocks of 256 threads per SM
-(128 registers). With the reduction (0.035 ms) and the statistics (0.018 ms) training takes
-0.55 ms this way, against 0.51 ms for the epilogue path.
+Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the tasks
+compute both signs of the H and W offsets for D offset 0), against the convolution's 3.33 G.
+Measured (H100, benchmarks/NOTES.md sessions 7 and 14): this kernel 0.205 ms at the default
+problem and 35 us at the geometry problem, against 0.197 ms and 45 us for session 7's (scalar
+loads, a channel per staged plane). The hot loop is a third of its instructions now; the tiles
+are not: the cells cut each (sample, D plane) into 12 tiles, 8 of them one row or one column
+wide, whose staging, barriers and set-up cost as much as the interior's multiply-adds, and the
+blocks' runs of tiles end unevenly. Without cells (``benchmarks/probe_gram_v3.py``: every
+position, tiles of 8 whole rows) the same loop takes 78 us. With the reduction and the
+statistics, training on this path takes ~0.5 ms against 0.43 for the epilogue path.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from numba import cuda, float32, float64, uint64
 
 from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
+from .async_copy import copy1, wait_all
 from .launch import block_size, launch, tensor_device
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
@@ -61,42 +67,40 @@ REDUCE_BLOCK = 128
 MAX_REGS = 0  # register cap of gram_sums (0: none)
 
 
-STAGE_UNROLL = 4  # staged rows in flight per lane
 C_SAMPLES = 8     # input values whose mean is a channel's shift c
 
 
 def gram_sums_source(consts: dict) -> str:
-    """Python source of the ``gram_sums`` kernel for one plan's compile-time constants."""
+    """Python source of the ``gram_sums`` kernel for one plan's compile-time constants.
+
+    Shared memory, per tile: [plane][row][channel quad][column][CB] (``sm``, 16-byte aligned);
+    a position's quad is one vector. Offsets into it are counted in vectors and multiplied by
+    CB where an element is read, so the compiler sees every vector start aligned and loads a
+    quad at once (counted in elements, each element was a load of its own: session 14).
+    """
     c = consts
-    wh, ww, sw = c["WH"], c["WW"], c["SW"]
-    nk = CB * wh * ww
+    ww, sw = c["WW"], c["SW"]
+    nk = CB * CB * ww
     acc = [f"s{k}" for k in range(nk)]
-    nchp = c["NCH"] * c["P"]
     cols = c["COLS"]
 
-    def step(u: int, ind: str) -> list[str]:
-        """One step of the row walk: load the entering column (centred), the a values, the FMAs."""
-        lines = []
-        new = (u + ww - 1) % ww
-        for mh in range(wh):
-            lines.append(f"{ind}c{new}_{mh} = sm[qb{mh} + uint64({(u + ww - 1) * sw})] - cz")
-        for j in range(CB):
-            lines.append(f"{ind}a{j} = sm[qa + uint64({u * sw + j * c['CS']})]")
-        for j in range(CB):
-            for mh in range(wh):
-                for mw in range(ww):
-                    k = (j * wh + mh) * ww + mw
-                    lines.append(f"{ind}s{k} += a{j} * c{(u + mw) % ww}_{mh}")
-        return lines
+    def vec(name: str, base: str, off: int, ind: str, shift: bool = False) -> list[str]:
+        """Load the quad at vector ``base + off`` into name0..name3 (minus the shifts)."""
+        return [f"{ind}{name}{j} = sm[({base} + uint64({off})) * uint64({CB}) + uint64({j})]"
+                + (f" - cz{j}" if shift else "") for j in range(CB)]
 
-    def stage(u: int, ind: str) -> list[str]:
-        """Load pass j + u of this lane's rows of one (channel, plane) panel."""
-        return [
-            f"{ind}hz = hz0 + (j + {u}) * rpp",
-            f"{ind}v{u} = acc_t(0.0)",
-            f"{ind}if p_ok and hz >= 0 and hz < in_h:",
-            f"{ind}    v{u} = x[src + (j + {u}) * rpp * in_w]",
-        ]
+    def step(u: int, ind: str) -> list[str]:
+        """One column of the row walk: the "b" quad entering the window (shifted), the "a" quad,
+        the CB*CB*WW multiply-adds."""
+        new = (u + ww - 1) % ww
+        lines = vec(f"b{new}_", "qb", (u + ww - 1) * sw, ind, shift=True)
+        lines += vec("a", "qa", u * sw, ind)
+        for j in range(CB):
+            for kk in range(CB):
+                for m in range(ww):
+                    k = (j * CB + kk) * ww + m
+                    lines.append(f"{ind}s{k} += a{j} * b{(u + m) % ww}_{kk}")
+        return lines
 
     def flush(ind: str) -> list[str]:
         """Write this thread's sums to the slot, the teams' copies and the channel sums' parts
@@ -128,7 +132,7 @@ def gram_sums_source(consts: dict) -> str:
 
     src = [
         "def gram_sums(x, tiles, blocks, partial, cvals, in_ch, in_d, in_h, in_w):",
-        f"    sm = cuda.shared.array({c['SMEM']}, acc_t)",
+        f"    sm = cuda.shared.array(0, acc_t, alignment=16)  # {c['SMEM']} elements",
         f"    asm = cuda.shared.array({c['BLOCK']}, float64)",
         "    t = cuda.threadIdx.x",
         "    lane = t % 32",
@@ -138,34 +142,44 @@ def gram_sums_source(consts: dict) -> str:
         f"    task = cuda.blockIdx.y * {c['TP']} + t - team * {c['TP']}",
         f"    active = task < {c['TASKS']}",
         f"    tk = min(task, {c['TASKS'] - 1})",
-        f"    ci2 = tk % {c['CG']}",
-        f"    r = tk // {c['CG']}",
-        f"    cb = r % {c['NB']}",
+        f"    qbi = tk % {c['NB']}",
+        f"    r = tk // {c['NB']}",
+        f"    qai = r % {c['NB']}",
         f"    r = r // {c['NB']}",
         f"    dpi = r % {c['P']}",
         f"    r = r // {c['P']}",
-        f"    hc = r % {c['NHC']}",
+        f"    hi = r % {c['NHC']}",
         f"    r = r // {c['NHC']}",
         f"    wc = r % {c['NWC']}",
         f"    g = r // {c['NWC']}",
-        f"    achan = (g * {c['CGP']} + cb * {CB}) * {c['CS']}",
-        f"    bchan = (g * {c['CGP']} + ci2) * {c['CS']} + dpi * {c['PS']}",
-        f"    brow = {c['HT']} + (hc * {wh} - {c['RH']}) * {c['SH']}",
-        f"    bcol = {c['HL']} + (wc * {ww} - {c['RWR']}) * {sw}",
-        # the shift c of channel ci': the mean of a few values of sample 0 (any c is exact; a
-        # close one keeps the float32 sums of x_a * (x_b - c) small)
-        f"    cbase = ((g * {c['CG']} + ci2) * in_d + in_d // 2) * in_h * in_w + (in_h // 2) * in_w",
-        "    cz = acc_t(0.0)",
-        f"    for q in range({C_SAMPLES}):",
-        f"        cz += x[cbase + (q * in_w) // {C_SAMPLES}]",
-        f"    cz = cz / acc_t({C_SAMPLES})",
-        "    if cuda.blockIdx.x == 0 and active and cb == 0 and dpi == 0 and hc == 0 and wc == 0:",
-        f"        cvals[g * {c['CG']} + ci2] = cz",
+        f"    aq = g * {c['NB']} + qai  # staged quads of the a and b channels",
+        f"    bq = g * {c['NB']} + qbi",
+    ]
+    # the shifts c of the b channels: the mean of a few values of sample 0 (any c is exact; a
+    # close one keeps the float32 sums of x_a * (x_b - c) small); zero for padding channels
+    for j in range(CB):
+        src += [
+            f"    cl{j} = qbi * {CB} + {j}",
+            f"    cz{j} = acc_t(0.0)",
+            f"    if cl{j} < {c['CG']}:",
+            f"        cbase = ((g * {c['CG']} + cl{j}) * in_d + in_d // 2) * in_h * in_w"
+            " + (in_h // 2) * in_w",
+            f"        for q in range({C_SAMPLES}):",
+            f"            cz{j} += x[cbase + (q * in_w) // {C_SAMPLES}]",
+            f"        cz{j} = cz{j} / acc_t({C_SAMPLES})",
+            "        if cuda.blockIdx.x == 0 and active and qai == 0 and dpi == 0 and hi == 0"
+            " and wc == 0:",
+            f"            cvals[g * {c['CG']} + cl{j}] = cz{j}",
+        ]
+    src += [
         # the channel sums of the "a" side: PARTS threads per staged channel
         f"    ach = t // {c['PARTS']}",
         f"    apart = t - ach * {c['PARTS']}",
         f"    a_live = ach < {c['NCH']}",
         "    atot = 0.0",
+        "    c4 = lane & 3  # staging: a warp per (plane, row, quad), lanes (channel, column)",
+        "    lcol = lane >> 2",
+        "    cstride = in_d * in_h * in_w  # elements per (n, channel) volume",
     ]
     src += [f"    {v} = acc_t(0.0)" for v in acc]
     src += [
@@ -189,54 +203,50 @@ def gram_sums_source(consts: dict) -> str:
         "        rows = tiles[ti, 3]",
         "        w0 = tiles[ti, 4]",
         "        cols = tiles[ti, 5]",
-        # staging: a warp per (channel, D plane) panel; the panel's rows (halo included) are
-        # packed 32 // ncol to a pass, one column per lane, STAGE_UNROLL passes in flight
         f"        nrow = rows + {c['HT'] + c['HB']}",
         f"        ncol = cols + {c['HL'] + c['HR']}",
-        "        rpp = 32 // ncol",
-        "        lr = lane // ncol",
-        "        lc = lane - lr * ncol",
-        f"        wz = w0 - {c['HL']} + lc",
-        "        w_ok = lr < rpp and wz >= 0 and wz < in_w",
-        f"        hz0 = h0 - {c['HT']} + lr",
-        "        passes = 0",
-        "        if lr < rpp:",
-        "            passes = (nrow - lr + rpp - 1) // rpp",
+        "        qsv = ncol + (2 - ncol) % 8  # vectors per staged (row, quad): gram_plan.quad_stride",
+        f"        rsv = {c['NQ']} * qsv  # ... per staged row",
+        "        psv = nrow * rsv + 1    # ... per staged plane (one of padding)",
         "        cuda.syncthreads()  # every thread is done reading the previous tile",
-        f"        for chp in range(warp, {nchp}, nwarps):",
-        f"            chs = chp // {c['P']}",
-        f"            plane = chp - chs * {c['P']}",
-        f"            gg = chs // {c['CGP']}",
-        f"            cl = chs - gg * {c['CGP']}",
+        # staging: a warp per (plane, row), lanes (channel of a quad, column), eight columns
+        # per pass, quad after quad; asynchronous copies all in flight (zeros outside the
+        # input). No division: a warp per (plane, row, quad) decoded with two run-time
+        # divisions was half of all instructions (ncu, session 14)
+        f"        wz0 = w0 - {c['HL']}",
+        "        nbase = n * in_ch * cstride",
+        f"        for plane in range({c['P']}):",
         f"            dz = d + plane * {c['SD']}",
-        f"            p_ok = w_ok and cl < {c['CG']} and dz < in_d",
-        f"            src = (((n * in_ch + gg * {c['CG']} + cl) * in_d + dz) * in_h + hz0) * in_w + wz",
-        f"            dst = chs * {c['CS']} + plane * {c['PS']} + lr * ncol + lc",
-        "            j = 0",
-        f"            while j + {STAGE_UNROLL} <= passes:",
-    ]
-    for u in range(STAGE_UNROLL):
-        src += stage(u, "                ")
-    for u in range(STAGE_UNROLL):
-        src += [f"                sm[dst + (j + {u}) * rpp * ncol] = v{u}"]
-    src += [
-        f"                j += {STAGE_UNROLL}",
-        "            while j < passes:",
-    ]
-    src += stage(0, "                ")
-    src += [
-        "                sm[dst + j * rpp * ncol] = v0",
-        "                j += 1",
+        "            row = warp",
+        "            while row < nrow:",
+        f"                hz = h0 - {c['HT']} + row",
+        "                rok = dz < in_d and hz >= 0 and hz < in_h",
+        "                rbase = nbase + (dz * in_h + hz) * in_w + wz0",
+        f"                dbase = (plane * psv + row * rsv) * {CB} + c4",
+        f"                for q in range({c['NQ']}):",
+        f"                    gg = q // {c['NB']}",
+        f"                    chl = (q - gg * {c['NB']}) * {CB} + c4",
+        f"                    ok = rok and chl < {c['CG']}",
+        f"                    dst = dbase + q * qsv * {CB}",
+        f"                    src = rbase + (gg * {c['CG']} + chl) * cstride",
+        "                    col = lcol",
+        "                    while col < ncol:",
+        "                        wz = wz0 + col",
+        "                        if ok and wz >= 0 and wz < in_w:",
+        f"                            copy1(sm, uint64(dst + col * {CB}), x, uint64(src + col))",
+        "                        else:",
+        f"                            sm[uint64(dst + col * {CB})] = acc_t(0.0)",
+        "                        col += 8",
+        "                row += nwarps",
+        "        wait_all()  # this thread's copies have landed",
         "        cuda.syncthreads()  # the tile is staged",
         "        if a_live:  # a thread per (channel, row), rows strided by PARTS",
         f"            for rr in range(apart, rows, {c['PARTS']}):",
-        f"                ab = uint64(ach * {c['CS']} + ({c['HT']} + rr) * ncol + {c['HL']})",
+        f"                ab = uint64((({c['HT']} + rr) * rsv + (ach // {CB}) * qsv + {c['HL']})"
+        f" * {CB} + ach % {CB})",
         "                for col in range(cols):",
-        "                    atot += float64(sm[ab + uint64(col)])",
+        f"                    atot += float64(sm[ab + uint64(col * {CB})])",
         "        if active:",
-        f"            qa0 = uint64(achan + {c['HT']} * ncol + {c['HL']})",
-        "            qbt = uint64(bchan + brow * ncol + bcol)",
-        f"            rs = uint64({c['SH']} * ncol)",
         f"            for rr in range(team, rows, {c['TEAMS']}):",
     ]
     if sw == 1:
@@ -245,23 +255,23 @@ def gram_sums_source(consts: dict) -> str:
         src += [f"                for rw in range(min({sw}, cols)):"]
     src += [
         f"                    nst = (cols - rw + {sw - 1}) // {sw}",
-        "                    qa = qa0 + uint64(rr * ncol + rw)",
-        "                    qbr = qbt + uint64(rr * ncol + rw)",
+        f"                    qa = uint64(({c['HT']} + rr) * rsv + aq * qsv + {c['HL']} + rw)",
+        f"                    qb = uint64(dpi * psv + ({c['HT']} + rr + (hi - {c['RH']}) * {c['SH']})"
+        f" * rsv + bq * qsv + {c['HL']} + rw + (wc * {ww} - {c['RWR']}) * {sw})",
     ]
-    for mh in range(wh):
-        src.append(f"                    qb{mh} = qbr + uint64({mh}) * rs")
-    for col in range(ww - 1):
-        for mh in range(wh):
-            src.append(f"                    c{col}_{mh} = sm[qb{mh} + uint64({col * sw})] - cz")
+    for m in range(ww - 1):
+        src += vec(f"b{m}_", "qb", m * sw, "                    ", shift=True)
     src += [
         "                    s = 0",
         f"                    while s + {ww} <= nst:",
     ]
     for u in range(ww):
         src += step(u, "                        ")
-    src += [f"                        qa += uint64({ww * sw})"]
-    src += [f"                        qb{mh} += uint64({ww * sw})" for mh in range(wh)]
-    src += [f"                        s += {ww}"]
+    src += [
+        f"                        qa += uint64({ww * sw})",
+        f"                        qb += uint64({ww * sw})",
+        f"                        s += {ww}",
+    ]
     for u in range(ww - 1):
         src.append(f"                    if s + {u} < nst:")
         src += step(u, "                        ")
@@ -271,12 +281,11 @@ def gram_sums_source(consts: dict) -> str:
 
 def plan_constants(plan: GramPlan, groups: int) -> dict:
     return {
-        "WH": plan.wh, "WW": plan.ww, "SD": plan.step[0], "SH": plan.step[1], "SW": plan.step[2],
+        "WW": plan.ww, "SD": plan.step[0], "SH": plan.step[1], "SW": plan.step[2],
         "RH": plan.reach[1], "RWR": plan.reach[2], "P": plan.planes, "NHC": plan.hchunks,
-        "NWC": plan.wchunks, "NB": plan.nb, "CG": plan.cg, "CGP": plan.nb * CB,
+        "NWC": plan.wchunks, "NB": plan.nb, "CG": plan.cg, "NQ": groups * plan.nb,
         "NCH": groups * plan.nb * CB, "HT": plan.halo[0], "HB": plan.halo[1],
-        "HL": plan.halo[2], "HR": plan.halo[3], "PS": plan.plane_stride,
-        "CS": plan.channel_stride, "SMEM": plan.smem, "TASKS": plan.tasks,
+        "HL": plan.halo[2], "HR": plan.halo[3], "SMEM": plan.smem, "TASKS": plan.tasks,
         "TP": plan.tasks_pad, "TEAMS": plan.teams, "BLOCK": plan.block, "COLS": plan.columns,
         "PARTS": plan.block // (groups * plan.nb * CB),
     }
@@ -285,7 +294,7 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
     namespace = {"cuda": cuda, "acc_t": _NUMBA_TYPES[dtype], "float64": float64, "min": min,
-                 "uint64": uint64}
+                 "uint64": uint64, "copy1": copy1, "wait_all": wait_all}
     source = gram_sums_source(dict(consts))
     exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
     # the simulator's jit takes no register cap (and has no registers)
@@ -346,9 +355,9 @@ def gram_reduce(chunk_sums, term_col, term_chunks, cvals, out, dims):
     r = r // cg
     tt = r % terms
     g = r // terms
-    task = ci2 + cg * (ci // CB) + term_col[tt, 0] + gstride * g
-    col = ((ci % CB) * win + term_col[tt, 1]) * cols + task
-    acol = CB * win * cols + g * cgp + ci
+    task = ci2 // CB + nb * (ci // CB) + term_col[tt, 0] + gstride * g
+    col = (((ci % CB) * CB + ci2 % CB) * win + term_col[tt, 1]) * cols + task
+    acol = CB * CB * win * cols + g * cgp + ci
     s0 = 0.0
     s1 = 0.0
     a0 = 0.0
@@ -436,7 +445,8 @@ def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
     n, ci, d, h, w = x.shape
     kernel = make_gram_sums(dtype, plan)
     launch(kernel, sums_grid(plan), plan.block,
-           (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.cvals, ci, d, h, w))
+           (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.cvals, ci, d, h, w),
+           smem=plan.smem * x.element_size())
 
 
 def launch_gram_reduce(gl: GramLaunch) -> None:
@@ -447,7 +457,7 @@ def launch_gram_reduce(gl: GramLaunch) -> None:
     width = gl.partial.shape[1]
     launch(gram_chunk_sums, -(-len(plan.chunks) * width // REDUCE_BLOCK), REDUCE_BLOCK,
            (gl.partial, gl.chunks, gl.chunk_sums))
-    gstride = plan.cg * plan.nb * plan.planes * plan.hchunks * plan.wchunks
+    gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
     launch(gram_reduce, reduce_grid(plan), REDUCE_BLOCK,
            (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.cvals, gl.sums,
-            (plan.cg, plan.nb, gstride, plan.wh * plan.ww, plan.columns, plan.nb * CB)))
+            (plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB)))
