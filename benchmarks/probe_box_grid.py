@@ -20,8 +20,8 @@ import torch
 import numba_deconv  # noqa: F401  (compat + backend before numba.cuda compiles)
 from numba_deconv import bench
 from numba_deconv.kernels import box_sums
-from numba_deconv.pipeline import Pipeline
 from numba_deconv.testing import relative_error
+from probe_box_sums import default_inputs  # a sibling script (benchmarks/ is sys.path[0])
 
 # (name, grid cap, block)
 SETTINGS = (("as is", box_sums.MAX_GRID, box_sums.BLOCK), ("cap 132", 132, 256),
@@ -38,12 +38,7 @@ def use(cap: int, block: int) -> None:
 
 
 def box_alone() -> dict:
-    model, x = bench.default_case().build("cuda")
-    pipe = Pipeline.from_torch(model.eval())
-    pipe(x)
-    plan = next(iter(pipe._plans.values()))
-    w = pipe._weights["gather_folded"][1]
-    flat_w = w.view(*w.shape[:2], -1)
+    x, plan, flat_w = default_inputs()
     out = {}
     want = None
     for name, cap, block in SETTINGS:

@@ -21,13 +21,19 @@ ROWS = (8, 16, 32)
 CALLS = 20
 
 
-def main() -> None:
+def default_inputs() -> tuple:
+    """(x, the pipeline's shape plan, the (CI, OPG, K) weights) of an evaluation call at the
+    default problem: what ``launch_box_sums`` takes (also ``probe_box_grid.py``)."""
     model, x = bench.default_case().build("cuda")
     pipe = Pipeline.from_torch(model.eval())
     pipe(x)
     plan = next(iter(pipe._plans.values()))
     w = pipe._weights["gather_folded"][1]
-    flat_w = w.view(*w.shape[:2], -1)
+    return x, plan, w.view(*w.shape[:2], -1)
+
+
+def main() -> None:
+    x, plan, flat_w = default_inputs()
 
     def run(rows, means):
         box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes, flat_w, plan.zero_bias,

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from numba_deconv import Pipeline, testing
 from numba_deconv.geometry import ConvGeometry
-from numba_deconv.gram_plan import gram_fits, gram_plan, sum_of_squares, term_sums_reference
+from numba_deconv.gram_plan import (gram_fits, gram_plan, quad_stride, sum_of_squares,
+                                    term_sums_reference)
 from numba_deconv.kernels import gram
 from numba_deconv.kernels.launch import block_size
 
@@ -67,6 +68,21 @@ def test_kernels_match_numpy(geom, batch, spatial, dtype, device):
     # float32: each product is exact in float64 terms, the tile sums round at ~1e-7 of |x_a x_b|
     np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if dtype == torch.float32 else 1e-12) * scale)
     assert torch.isfinite(gl.cvals).all()
+
+
+@pytest.mark.parametrize("channels", [32, 96, 128])
+def test_many_channels_tile_the_input(channels):
+    """Many channels leave a small staging area: tiles narrow until their staged rows fit it (96
+    channels on a 40-column input had no room for one row of the widest tiles)."""
+    geom = ConvGeometry.create(channels, 8, 3, 2, 1)
+    spatial = (4, 40, 40)
+    plan = gram_plan(geom, 1, spatial, 4)
+    covered = np.zeros((1, *spatial), np.int64)
+    halo_h, halo_w = plan.halo[0] + plan.halo[1], plan.halo[2] + plan.halo[3]
+    for n, d, h0, rows, w0, cols, _ in plan.tiles:
+        covered[n, d, h0:h0 + rows, w0:w0 + cols] += 1
+        assert (rows + halo_h) * quad_stride(cols + halo_w) <= plan.area
+    assert (covered == 1).all()
 
 
 def test_geometries_the_path_refuses():
