@@ -213,7 +213,8 @@ def _box_sums_flops(geom, batch: int, in_spatial) -> int:
 
 
 def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, batch_stats: bool):
-    """(stage, kernel name, dispatcher or None, grid, block, flops, bytes) per stage."""
+    """(stage, kernel name, dispatcher or None, grid, block, flops, bytes[, dynamic shared
+    memory bytes of the launch]) per stage."""
     geom = pipe.geometry
     e = torch.empty((), dtype=dtype).element_size()
     vol_in = math.prod(in_spatial)
@@ -259,7 +260,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
             out.append(("conv_transpose3d_gather",
                         f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw}]",
                         gather.gather_kernel(launch, name, False), (launch.grid,), t.block,
-                        2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e))
+                        2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e, launch.smem))
             out.append(("scale", FUSED_SCALE, None, None, None, 0, 0))
             return out, macs, x_bytes + w_bytes + n_out * e
         kernel = gather.gather_kernel(launch, name, batch_stats)
@@ -270,7 +271,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         out.append(("conv_transpose3d_gather",
                     f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw}"
                     f"{',train' if batch_stats else ''}]",
-                    kernel, (launch.grid,), t.block, flops, nbytes))
+                    kernel, (launch.grid,), t.block, flops, nbytes, launch.smem))
     if batch_stats:
         slots = launch.slots if pipe.conv_impl == "gather" else 1
         out.append(("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
@@ -303,13 +304,14 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
     return [
         ("gram_sums", f"gram_sums[quads={CB}x{CB},w_window={layout.ww},teams={layout.teams}]",
          gram.make_gram_sums(name, layout), gram.sums_grid(layout),
-         layout.block, 2 * layout.fma, x_bytes + slot_bytes),
+         layout.block, 2 * layout.fma, x_bytes + slot_bytes, layout.smem * e),
         ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.gram_reduce,
          (gram.reduce_grid(layout),), gram.REDUCE_BLOCK, layout.slots * width + terms * 8,
          slot_bytes + 2 * len(layout.chunks) * width * 8 + terms * 8),
         ("batch_statistics", "gram_statistics", batch_stats_kernels.gram_statistics,
          (batch_stats_kernels.grid_size(geom.out_channels),), stat_block,
-         4 * terms * geom.out_per_group, terms * 8 * geom.out_per_group),
+         4 * terms * geom.out_per_group, terms * 8 * geom.out_per_group,
+         8 * layout.cg * math.prod(geom.kernel_size)),  # the channel's weights, float64
     ]
 
 
@@ -356,13 +358,16 @@ def theoretical_occupancy(regs: int, threads: int, shared: int, limits: dict[str
     return min(1.0, blocks * warps / max_warps)
 
 
-def _resources(kernel, block: int, limits) -> tuple[int | None, int | None, int | None, float | None]:
+def _resources(kernel, block: int, limits, dynamic_shared: int = 0
+               ) -> tuple[int | None, int | None, int | None, float | None]:
+    """Registers, shared memory (the kernel's static arrays plus the launch's dynamic bytes),
+    local memory per thread and theoretical occupancy of a compiled kernel."""
     if kernel is None or not kernel.overloads:
         return None, None, None, None
     regs = _first(kernel.get_regs_per_thread())
-    shared = _first(kernel.get_shared_mem_per_block())
+    shared = (_first(kernel.get_shared_mem_per_block()) or 0) + dynamic_shared
     local = _first(kernel.get_local_mem_per_thread())
-    occ = theoretical_occupancy(regs, block, shared or 0, limits) if regs is not None else None
+    occ = theoretical_occupancy(regs, block, shared, limits) if regs is not None else None
     return regs, shared, local, occ
 
 
@@ -490,7 +495,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
 
     specs, macs, compulsory = _stage_rows(pipe, batch, in_spatial, out_spatial, dtype, batch_stats)
     rows = []
-    for stage, kname, _kernel, grid, block, flops, nbytes in specs:
+    for stage, kname, _kernel, grid, block, flops, nbytes, *_ in specs:
         t_f, t_b = flops / flops_peak * 1e6, nbytes / bw * 1e6
         rows.append(StageRow(stage, kname, None if grid is None else tuple(int(g) for g in grid),
                              block, int(flops), int(nbytes), max(t_f, t_b),
@@ -520,8 +525,10 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     pipe.trace(x)  # compiles every kernel of this plan; trace leaves the running stats alone
     limits = _device_limits()
     for row, spec in zip(rows, specs):
-        row.regs, row.shared_bytes, row.local_bytes, row.occupancy = _resources(spec[2], spec[4], limits)
-    report.notes.append(f"occupancy: theoretical, from regs/threads/static shared memory on "
+        dynamic = spec[7] if len(spec) > 7 else 0  # a launch's dynamic shared memory, bytes
+        row.regs, row.shared_bytes, row.local_bytes, row.occupancy = _resources(
+            spec[2], spec[4], limits, dynamic)
+    report.notes.append(f"occupancy: theoretical, from regs/threads/shared memory on "
                         f"{limits['sms']} SMs x {limits['threads']} threads")
     if measure:
         total, stages = _measure(pipe, x, repeats)

@@ -140,7 +140,8 @@ class GramPlan:
     tasks: int         # thread tasks (all groups)
     terms: tuple[GramTerm, ...]
     cells: int
-    tiles: np.ndarray        # (T, 7) int32: n, d, h0, rows, w0, cols, cell (sorted by cell)
+    tiles: np.ndarray        # (T, 8) int32: n, d, h0, rows, w0, cols, cell (sorted by cell),
+                             # and the quad stride of its staged rows (vectors)
     blocks: np.ndarray       # (B, 3) int32: first tile, end tile, first slot
     cell_slots: np.ndarray   # (cells, 2) int32: the slots of each cell, [start, end)
     slots: int
@@ -214,9 +215,10 @@ def axis_reach(axis: AxisGeometry) -> tuple[int, int]:
 def quad_stride(columns: int) -> int:
     """Vectors per staged (row, channel quad) of a tile whose staged row has ``columns``: = 2
     mod 8, so that the four quads a warp's lanes read at one column sit 8 banks apart, and the
-    next D plane (one vector of padding) 4 banks further (``kernels/gram.py``). Without it the
-    default problem's 32 staged columns put all four quads in the same banks: 4-way conflicts
-    on every load, 0.37 ms against 0.2 (session 14)."""
+    next D plane (one vector of padding) 4 banks further (``kernels/gram.py``); the default
+    problem's 32 staged columns would put all four in the same banks. (Measured in session 14
+    while the staging still dominated: no change either way.) A tile whose padded row does not
+    fit the staging area keeps its rows unpadded (``gram_plan``: the tile's last column)."""
     return columns + (2 - columns) % 8
 
 
@@ -246,7 +248,7 @@ def _staging(step, reach, channels: int, itemsize: int) -> _Staging:
     planes = reach[0] + 1
     area = min(TILE_AREA, SMEM_BYTES // (itemsize * channels * planes) - 1)
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
-    fits = halo_w < LANES and (1 + halo_h) * quad_stride(1 + halo_w) <= area and channels <= BLOCK
+    fits = halo_w < LANES and (1 + halo_h) * (1 + halo_w) <= area and channels <= BLOCK
     return _Staging(hchunks, ww, wchunks, halo, area, fits)
 
 
@@ -300,7 +302,7 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     cols_max = LANES - halo_w  # a staged row (halo included) is at most one warp wide
     # ... and a one-row tile's staged rows fit the area (many channels leave a small area;
     # ``fits`` says one column does)
-    while cols_max > 1 and (1 + halo_h) * quad_stride(cols_max + halo_w) > area:
+    while cols_max > 1 and (1 + halo_h) * (cols_max + halo_w) > area:
         cols_max -= 1
     max_block = max(max_block, -(-channels // 32) * 32)
     tasks = geom.groups * nb * nb * planes * hchunks * wchunks
@@ -330,10 +332,13 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
         for n in range(batch):
             for d in range(d_cuts[sd], d_cuts[sd + 1]):
                 for w0, cols in _chunks(w_cuts[sw], w_cuts[sw + 1], cols_max):
-                    rows_max = area // quad_stride(cols + halo_w) - halo_h
+                    qs = quad_stride(cols + halo_w)
+                    if (1 + halo_h) * qs > area:  # no room for the padding: unpadded rows
+                        qs = cols + halo_w
+                    rows_max = area // qs - halo_h
                     for h0, rows in _chunks(h_cuts[sh], h_cuts[sh + 1], rows_max):
-                        tiles.append((n, d, h0, rows, w0, cols, cell))
-    tiles = np.array(tiles, np.int32).reshape(-1, 7)
+                        tiles.append((n, d, h0, rows, w0, cols, cell, qs))
+    tiles = np.array(tiles, np.int32).reshape(-1, 8)
 
     # blocks: contiguous runs of tiles of about equal work (a tile also costs its staging)
     work = tiles[:, 3].astype(np.int64) * tiles[:, 5] + TILE_COST + ROW_COST * tiles[:, 3]

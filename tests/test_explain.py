@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import numba_deconv as nd
-from numba_deconv.explain import DEVICE_PEAKS, device_peaks, explain, theoretical_occupancy
+from numba_deconv.explain import (DEVICE_PEAKS, _resources, device_peaks, explain,
+                                  theoretical_occupancy)
 from numba_deconv.kernels.launch import tensor_device
 
 # tiny launches are tiny on purpose (numba's class moved between numba-cuda versions)
@@ -89,6 +90,30 @@ def test_occupancy_arithmetic():
     assert theoretical_occupancy(32, 256, 0, hopper) == 1.0
     # shared memory bound: 100 KB + 1 KB reserved per block -> 2 blocks of 8 warps
     assert theoretical_occupancy(32, 256, 100 * 1024, hopper) == pytest.approx(16 / 64)
+
+
+def test_resources_count_dynamic_shared_memory():
+    """A launch's dynamic shared memory (the gather's weights, gram_sums' tiles) counts with the
+    kernel's static arrays, in the report and in the occupancy."""
+    class Compiled:  # what numba's dispatcher answers, one signature
+        overloads = {"sig": None}
+
+        def get_regs_per_thread(self):
+            return {"sig": 64}
+
+        def get_shared_mem_per_block(self):
+            return {"sig": 1536}
+
+        def get_local_mem_per_thread(self):
+            return {"sig": 0}
+
+    hopper = {"regs": 65536, "threads": 2048, "shared": 233472, "sms": 132, "blocks": 32,
+              "reserved_shared": 1024}
+    regs, shared, local, occ = _resources(Compiled(), 192, hopper, 44960)
+    assert (regs, shared, local) == (64, 1536 + 44960, 0)
+    # 47.5 KB per block: 4 blocks of 6 warps by shared memory, where registers alone allow 5
+    assert occ == pytest.approx(24 / 64)
+    assert _resources(Compiled(), 192, hopper)[3] == pytest.approx(30 / 64)
 
 
 def test_rejects_bad_shape_and_dtype():

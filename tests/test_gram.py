@@ -11,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from numba_deconv import Pipeline, testing
+from numba_deconv import gram_plan as gram_plan_module
 from numba_deconv.geometry import ConvGeometry
 from numba_deconv.gram_plan import (gram_fits, gram_plan, quad_stride, sum_of_squares,
                                     term_sums_reference)
@@ -36,7 +37,7 @@ def test_plan_gives_pytorchs_sum_of_squares(case, offset, data):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
     # every slot belongs to one cell; the tiles cover every input position once
     covered = np.zeros((case.batch, *case.input_spatial), np.int64)
-    for n, d, h0, rows, w0, cols, _ in plan.tiles:
+    for n, d, h0, rows, w0, cols, *_ in plan.tiles:
         covered[n, d, h0:h0 + rows, w0:w0 + cols] += 1
     assert (covered == 1).all()
 
@@ -45,7 +46,7 @@ GEOMETRIES = [  # (geometry, batch, input spatial, dtype)
     (ConvGeometry.create(4, 4, 3, 2, 1), 2, (3, 5, 6), torch.float32),          # the default's
     (ConvGeometry.create(3, 4, (2, 3, 2), (1, 2, 3), (0, 1, 1), dilation=(2, 1, 2)), 1, (4, 4, 5),
      torch.float32),                                                            # steps, dilation
-    (ConvGeometry.create(6, 2, 3, 1, 1, groups=2), 1, (2, 3, 4), torch.float32),  # 2 H/W windows
+    (ConvGeometry.create(6, 2, 3, 1, 1, groups=2), 1, (2, 3, 4), torch.float32),  # 2 W windows
     (ConvGeometry.create(5, 3, (3, 1, 4), 2, (1, 0, 2), output_padding=(1, 0, 1)), 2, (2, 3, 3),
      torch.float64),
 ]
@@ -79,10 +80,40 @@ def test_many_channels_tile_the_input(channels):
     plan = gram_plan(geom, 1, spatial, 4)
     covered = np.zeros((1, *spatial), np.int64)
     halo_h, halo_w = plan.halo[0] + plan.halo[1], plan.halo[2] + plan.halo[3]
-    for n, d, h0, rows, w0, cols, _ in plan.tiles:
+    for n, d, h0, rows, w0, cols, _, qs in plan.tiles:
         covered[n, d, h0:h0 + rows, w0:w0 + cols] += 1
-        assert (rows + halo_h) * quad_stride(cols + halo_w) <= plan.area
+        assert qs in (cols + halo_w, quad_stride(cols + halo_w))
+        assert (rows + halo_h) * qs <= plan.area
     assert (covered == 1).all()
+
+
+def test_unpadded_tiles_match_numpy(monkeypatch, device):
+    """A staging area too small for padded rows (many channels, in miniature): the tiles keep
+    their rows unpadded, and the sums are still right."""
+    monkeypatch.setattr(gram_plan_module, "SMEM_BYTES", 29 * 4 * 4 * 2)  # area 28 positions
+    geom = ConvGeometry.create(4, 3, 3, 2, 1)
+    plan = gram_plan(geom, 1, (3, 6, 13), 4, sms=2, max_block=block_size(256))
+    halo_w = plan.halo[2] + plan.halo[3]
+    assert plan.area == 28 and (plan.tiles[:, 7] == plan.tiles[:, 5] + halo_w).all()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn((1, 4, 3, 6, 13), generator=gen, dtype=torch.float64) - 2
+    gl = gram.gram_launch(plan, device, torch.float32)
+    for t in (gl.partial, gl.chunk_sums, gl.sums):
+        t.fill_(float("nan"))
+    gram.launch_gram_sums(gl, "float32", x.to(device=device, dtype=torch.float32))
+    gram.launch_gram_reduce(gl)
+    want = term_sums_reference(plan, geom, x.float().double().numpy())
+    np.testing.assert_allclose(gl.sums.cpu().numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_geometries_the_path_takes():
+    """Narrow tiles and unpadded rows keep the geometries of many channels the path took before
+    the staged rows were padded (session 14's review)."""
+    for ch, kernel, stride, itemsize in [(96, 3, 1, 4), (80, 3, 1, 4), (192, 3, 2, 4),
+                                         (256, 2, 1, 4), (48, 3, 1, 8), (192, 3, 2, 8)]:
+        geom = ConvGeometry.create(ch, 16, kernel, stride, kernel // 2)
+        assert gram_fits(geom, itemsize), (ch, kernel, stride, itemsize)
+        assert gram_plan(geom, 1, (3, 9, 40), itemsize) is not None
 
 
 def test_geometries_the_path_refuses():

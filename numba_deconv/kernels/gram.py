@@ -205,7 +205,7 @@ def gram_sums_source(consts: dict) -> str:
         "        cols = tiles[ti, 5]",
         f"        nrow = rows + {c['HT'] + c['HB']}",
         f"        ncol = cols + {c['HL'] + c['HR']}",
-        "        qsv = ncol + (2 - ncol) % 8  # vectors per staged (row, quad): gram_plan.quad_stride",
+        "        qsv = tiles[ti, 7]  # vectors per staged (row, quad): gram_plan.quad_stride",
         f"        rsv = {c['NQ']} * qsv  # ... per staged row",
         "        psv = nrow * rsv + 1    # ... per staged plane (one of padding)",
         "        cuda.syncthreads()  # every thread is done reading the previous tile",
