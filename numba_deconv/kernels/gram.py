@@ -177,7 +177,7 @@ def gram_sums_source(consts: dict) -> str:
         f"    apart = t - ach * {c['PARTS']}",
         f"    a_live = ach < {c['NCH']}",
         "    atot = 0.0",
-        "    c4 = lane & 3  # staging: a warp per (plane, row, quad), lanes (channel, column)",
+        "    c4 = lane & 3  # staging: a warp per (plane, row), lanes (channel of a quad, column)",
         "    lcol = lane >> 2",
         "    cstride = in_d * in_h * in_w  # elements per (n, channel) volume",
     ]
