@@ -311,7 +311,7 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
         ("batch_statistics", "gram_statistics", batch_stats_kernels.gram_statistics,
          (batch_stats_kernels.grid_size(geom.out_channels),), stat_block,
          4 * terms * geom.out_per_group, terms * 8 * geom.out_per_group,
-         8 * layout.cg * math.prod(geom.kernel_size)),  # the channel's weights, float64
+         batch_stats_kernels.gram_statistics_smem(layout.cg, math.prod(geom.kernel_size))),
     ]
 
 

@@ -299,11 +299,9 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     hchunks, ww, wchunks = staging.hchunks, staging.ww, staging.wchunks
     halo, area = staging.halo, staging.area
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
-    cols_max = LANES - halo_w  # a staged row (halo included) is at most one warp wide
-    # ... and a one-row tile's staged rows fit the area (many channels leave a small area;
-    # ``fits`` says one column does)
-    while cols_max > 1 and (1 + halo_h) * (cols_max + halo_w) > area:
-        cols_max -= 1
+    # a staged row (halo included) is at most one warp wide, and a one-row tile's staged rows
+    # fit the area (many channels leave a small area; ``fits`` says one column does)
+    cols_max = min(LANES, area // (1 + halo_h)) - halo_w
     max_block = max(max_block, -(-channels // 32) * 32)
     tasks = geom.groups * nb * nb * planes * hchunks * wchunks
 

@@ -251,6 +251,12 @@ def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, t
             done), small_grid=True, after_prior=True)
 
 
+def gram_statistics_smem(cg: int, taps: int) -> int:
+    """Dynamic shared memory of a ``gram_statistics`` block, bytes: one output channel's (CG, K)
+    weights in float64 (the launcher and explain)."""
+    return 8 * cg * taps
+
+
 def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
                            running_var, tracked, eps: float, momentum: float | None, count: int,
                            update: bool, scale, stats, done, wph, wph_slots, wph_out,
@@ -260,4 +266,4 @@ def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamm
            (sums, weight, term_taps, term_coef, means, bias, gamma, running_mean, running_var,
             tracked, float(eps), -1.0 if momentum is None else float(momentum), int(count),
             int(update), scale, stats, done, wph, wph_slots, wph_out, means_out),
-           smem=8 * sums.shape[2] * weight.shape[2], small_grid=True)
+           smem=gram_statistics_smem(sums.shape[2], weight.shape[2]), small_grid=True)
