@@ -277,7 +277,7 @@ def _param_count(view, kind) -> int:
 
 
 def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False,
-           after_prior: bool = False) -> None:
+           after_prior: bool = False, max_shared: bool = False) -> None:
     """Launch ``kernel[grid, block, torch's current stream, smem](*args)``.
 
     ``args`` may mix torch tensors, numba (or simulator) device arrays and Python scalars. A
@@ -288,6 +288,9 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
     ``after_prior``: the kernel calls ``griddep.wait_prior_grid`` before it touches anything the
     previous kernel in the stream writes, so it may be launched as that kernel's programmatic
     dependent (direct path, compute capability 9.0 and later; otherwise an ordinary launch).
+    ``max_shared``: the kernel's schedule counts on as many blocks per SM as its shared memory
+    allows, so its preferred carveout is all shared memory (the driver otherwise picks one per
+    launch, and may pick one that holds a block fewer: session 15).
     """
     if is_simulator():
         kernel[grid, block, 0, smem](*_views(args))
@@ -305,11 +308,23 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
         if small_grid:
             warnings.filterwarnings("ignore", message=".*Grid size .* under-utilization")
         kernel[grid, block, _external_stream(handle), smem](*views)
+    if max_shared and direct is None:
+        _prefer_shared(kernel, views)
     if direct is None and all(isinstance(a, (torch.Tensor, float, int))
                               or _int_tuple(a) is not None for a in args):
         if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (a fuzzing session): start afresh
             _DIRECT.clear()
         _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem, after_prior) or False
+
+
+def _prefer_shared(kernel, views) -> None:
+    """Set the compiled overload's preferred shared-memory carveout to 100% (numba-cuda's
+    ``set_shared_memory_carveout``); a numba without it leaves the driver's choice."""
+    try:
+        compiled = kernel.overloads[tuple(kernel.typeof_pyval(v) for v in views)]
+        compiled._codelibrary.get_cufunc().set_shared_memory_carveout(100)
+    except Exception as exc:  # noqa: BLE001 - a hint: a failure costs speed, not results
+        warnings.warn(f"shared-memory carveout not set: {exc}", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
