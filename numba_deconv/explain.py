@@ -298,7 +298,7 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
     name = "float32" if dtype == torch.float32 else "float64"
     layout = gram.plan_for(geom, batch, in_spatial, e)
     width = layout.partial_width
-    slot_bytes = layout.slots * width * 8
+    slot_bytes = layout.slots * (layout.sums_width * e + layout.channel_width * 8)
     terms = len(layout.terms) * layout.groups * layout.cg * layout.cg
     stat_block = block_size(batch_stats_kernels.GRAM_BLOCK)
     return [

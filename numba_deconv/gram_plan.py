@@ -27,6 +27,13 @@ first and last input row of each axis are special: 3 x 3 x 3 cells, one of them 
 The kernel (``kernels/gram.py``) sums per cell, never across a cell boundary; a *term* (one pair
 of the half-space) adds the cells of its box.
 
+**Whole rows.** Cells along W cut every row into thin tiles (at the default problem 8 of the 12
+tiles of a (sample, D plane) were one row or one column wide). Where few columns need it
+(``column_entries``: at most MAX_ENTRIES *column entries* and MAX_EDGES *edges*, and their sums
+leave the tile room), W has one segment instead: a tile spans whole rows, every column is
+summed, and a term subtracts the columns its W interval leaves out (3 x 3 cells at the default
+problem; two entries, its first and last column at W offset 0).
+
 **Work.** A thread owns a quad of CB "a" channels x a quad of CB "b" channels x one D offset x
 one H offset x a window of WW W offsets (``CB*CB*WW`` accumulators, a *task*); the block's
 threads together own every (channel pair, offset) of the half-space in D (offsets ``0..Md``
@@ -34,8 +41,8 @@ there, both signs in H and W). The input is cut into *tiles* (one sample, one D 
 rows, a run of W columns of at most one warp with the halo, all inside one cell; narrow tiles
 get more rows); each block takes a contiguous run of tiles of about equal work, staging each
 tile (with the halo its offsets reach) in shared memory, channel quads innermost so that a
-thread loads a quad as one vector, and writes one float64 partial per (block, cell) it touched:
-a *slot*. The reduction, in a fixed order (deterministic), first adds runs of at most
+thread loads a quad as one vector, and writes one partial per (block, cell) it touched: a
+*slot* (its sums in the input's dtype, its channel sums in float64). The reduction, in a fixed order (deterministic), first adds runs of at most
 SLOT_CHUNK slots of one cell (*chunks*, many sums in parallel), then the chunks of each term's
 cells.
 """
@@ -53,14 +60,16 @@ from .geometry import AxisGeometry, ConvGeometry
 CB = 4            # channels of a quad: a thread's "a" channels, and its "b" channels
 WINDOW = 3        # W offsets per thread (a window; one H offset per thread)
 TILE_AREA = 352   # staged positions per (channel quad, D plane) of one tile, halo included
-LANES = 32        # a staged row (tile columns and W halo) fits one warp
-SMEM_BYTES = 44 * 1024  # a tile's staging area at most (a block has 48 KiB without opting in)
-BLOCK = 256       # threads per block at most (task groups beyond go to grid.y)
-BLOCKS_PER_SM = 2
+SMEM_BYTES = 48 * 1024  # a block's shared memory at most (without opting in to more)
+BLOCK = 128       # threads per block at most (task groups beyond go to grid.y) ...
+MAX_CHANNELS = 256  # ... unless the staged channels are more (a thread each for their sums)
+BLOCKS_PER_SM = 4   # blocks of 96 threads at 168 registers (session 15: 128 us, 2 x 192: 173)
 TILE_COST = 64    # a tile's staging and barriers, in positions of work (for the schedule)
 ROW_COST = 4      # a row's window set-up, in positions
 STATS_WEIGHTS = 6144  # batch_stats.gram_statistics stages CG * K float64 weights (48 KiB)
-SLOT_CHUNK = 16   # the reduction's first stage adds at most this many slots per sum
+SLOT_CHUNK = 32   # the reduction's first stage adds at most this many slots per sum
+MAX_ENTRIES = 4   # whole rows along W: column entries at most (CB*CB sums per task each) ...
+MAX_EDGES = 8     # ... and edge columns at most (a float64 channel sum each)
 
 
 def pair_interval(axis: AxisGeometry, size: int, a: int, b: int) -> tuple[int, int, int] | None:
@@ -119,6 +128,9 @@ class GramTerm:
     offset: tuple[int, int, int]   # (m_d, m_h, m_w): delta = m * step per axis, m_d >= 0
     coef: float                # 1 for delta = 0, 2 for the half-space (the mirror pair)
     cells: tuple[int, ...]     # the cells of the pair's box
+    box: tuple[tuple[int, int], ...]  # the pair's box: inputs lo <= i < hi of tap a, per axis
+    corr: tuple[int, ...] = ()    # whole-row mode: the W column entries its box leaves out
+    edges: tuple[int, ...] = ()   # ... and the columns whose "a" sums it leaves out
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,10 @@ class GramPlan:
     cells: int
     tiles: np.ndarray        # (T, 8) int32: n, d, h0, rows, w0, cols, cell (sorted by cell),
                              # and the quad stride of its staged rows (vectors)
+    corr: tuple[tuple[int, int, int], ...]  # whole-row mode: W column entries (window, W
+                                            # offset in it, column: w, or w - size if < 0)
+    edges: tuple[int, ...]   # whole-row mode: columns whose "a" channel sums are kept apart
+    whole_rows: bool         # no cells along W: a tile spans whole rows (see the docstring)
     blocks: np.ndarray       # (B, 3) int32: first tile, end tile, first slot
     cell_slots: np.ndarray   # (cells, 2) int32: the slots of each cell, [start, end)
     slots: int
@@ -158,15 +174,12 @@ class GramPlan:
     @property
     def tasks_pad(self) -> int:
         """Threads of one team: the tasks rounded up to whole warps (at most max_block)."""
-        return min(self.max_block, -(-self.tasks // 32) * 32)
+        return _teams(self.tasks, self.max_block, self.staged_channels)[0]
 
     @property
     def teams(self) -> int:
-        """Copies of the task set in a block; they share the staged tile and split its rows.
-        A block has at least one thread per staged channel (its channel sums)."""
-        if self.tasks > self.max_block:
-            return 1
-        return max(self.max_block // self.tasks_pad, -(-self.staged_channels // self.tasks_pad))
+        """Copies of the task set in a block; they share the staged tile and split its rows."""
+        return _teams(self.tasks, self.max_block, self.staged_channels)[1]
 
     @property
     def block(self) -> int:
@@ -188,9 +201,26 @@ class GramPlan:
         return self.groups * self.nb * CB
 
     @property
+    def corr_smem(self) -> int:
+        """Elements of a block's column-entry sums in shared memory: CB*CB per entry and task."""
+        return len(self.corr) * CB * CB * self.tasks_pad
+
+    @property
+    def sums_width(self) -> int:
+        """A slot's sums (in the input's dtype): NK accumulators per column, then CB*CB per
+        column entry and column."""
+        return (self.nk + len(self.corr) * CB * CB) * self.columns
+
+    @property
+    def channel_width(self) -> int:
+        """A slot's channel sums (float64): per staged channel its sum, then its sums at each
+        edge column."""
+        return self.staged_channels * (1 + len(self.edges))
+
+    @property
     def partial_width(self) -> int:
-        """Values per slot: NK accumulators per column, then one channel sum per staged channel."""
-        return self.nk * self.columns + self.staged_channels
+        """Values per slot: the sums, then the channel sums."""
+        return self.sums_width + self.channel_width
 
     def task_index(self, g: int, ci: int, ci2: int, m: tuple[int, int, int]) -> tuple[int, int]:
         """(task, accumulator) holding G(m)[ci, ci'] of group g; m_d >= 0. Tasks run the "b"
@@ -202,6 +232,16 @@ class GramPlan:
         task = ci2 // CB + self.nb * (ci // CB + self.nb * (md + self.planes * (
             mh + rh + self.hchunks * (wc + self.wchunks * g))))
         return task, ((ci % CB) * CB + ci2 % CB) * self.ww + wk
+
+
+def _teams(tasks: int, max_block: int, channels: int) -> tuple[int, int]:
+    """(threads of one team, teams): the tasks rounded up to whole warps (at most max_block),
+    and copies of the task set in a block, which share the staged tile and split its rows. A
+    block has at least one thread per staged channel (its channel sums)."""
+    tasks_pad = min(max_block, -(-tasks // 32) * 32)
+    if tasks > max_block:
+        return tasks_pad, 1
+    return tasks_pad, max(max_block // tasks_pad, -(-channels // tasks_pad))
 
 
 def axis_reach(axis: AxisGeometry) -> tuple[int, int]:
@@ -240,15 +280,19 @@ class _Staging:
     fits: bool  # a one-position tile and its halo fit, a staged row one warp, the channels a block
 
 
-def _staging(step, reach, channels: int, itemsize: int) -> _Staging:
+def _staging(step, reach, channels: int, itemsize: int, block: int, extra: int) -> _Staging:
+    """``block``: threads (each has a float64 of static shared memory for the flush); ``extra``:
+    elements of the dynamic shared memory that are not the tile (the channels' shifts, the
+    column entries' sums)."""
     hchunks = 2 * reach[1] + 1  # one H offset per task
     ww, wchunks = _windows(reach[2])
     halo = (reach[1] * step[1], reach[1] * step[1],
             reach[2] * step[2], (wchunks * ww - 1 - reach[2]) * step[2])
     planes = reach[0] + 1
-    area = min(TILE_AREA, SMEM_BYTES // (itemsize * channels * planes) - 1)
+    dynamic = (SMEM_BYTES - 8 * block) // itemsize - extra
+    area = min(TILE_AREA, dynamic // (channels * planes) - 1)
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
-    fits = halo_w < LANES and (1 + halo_h) * (1 + halo_w) <= area and channels <= BLOCK
+    fits = (1 + halo_h) * (1 + halo_w) <= area and channels <= MAX_CHANNELS
     return _Staging(hchunks, ww, wchunks, halo, area, fits)
 
 
@@ -256,11 +300,45 @@ def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
     """Whether the Gram path runs this geometry for inputs of any size: a one-position tile and
     its halo fit the staging area, the staged channels a block, the weights of one output
     channel ``gram_statistics``' shared memory (smaller inputs can only have fewer offsets, so
-    smaller halos)."""
+    smaller halos; cells along W need no column entries)."""
     steps = [axis_reach(ax) for ax in geom.axes()]
     channels = geom.groups * -(-geom.in_per_group // CB) * CB
-    staging = _staging([st for st, _ in steps], [r for _, r in steps], channels, itemsize)
+    staging = _staging([st for st, _ in steps], [r for _, r in steps], channels, itemsize,
+                       MAX_CHANNELS, channels)
     return staging.fits and geom.in_per_group * math.prod(geom.kernel_size) <= STATS_WEIGHTS
+
+
+def _column(w: int, size: int) -> int:
+    """Column ``w`` counted from the nearer end: w, or w - size (< 0) from the right, so that
+    the entries of wide inputs do not depend on their width (the kernel is compiled per set)."""
+    return w if w <= size - 1 - w else w - size
+
+
+def column_entries(axis: AxisGram, size: int, ww: int):
+    """Whole-row mode's bookkeeping along W: (entries, edges, per pair).
+
+    A term's W range is the inputs ``[lo, hi)`` of its pair. A whole-row tile sums over every
+    column ``w`` with the "b" side staged as ``x - c`` inside the input and ``0`` outside
+    (``kernels/gram.py``), so ``sum_{w in [lo, hi)} = sum_w - sum_{w outside [lo, hi)}``. The
+    columns outside whose "b" column is inside the input are *entries* (W window, offset in the
+    window, column), each summed apart by the kernel; every column outside is an *edge*, whose
+    "a" channel sums are kept apart (the shift's share). Per pair (a, b): its entries' indices
+    and its edges' indices."""
+    entries, edges, per_pair = [], [], {}
+    for a, b, delta, lo, hi in axis.pairs:
+        wc, wk = divmod(delta // axis.step + axis.reach, ww)
+        own_entries, own_edges = [], []
+        for w in [*range(0, lo), *range(hi, size)]:
+            col = _column(w, size)
+            if max(0, -delta) <= w < min(size, size - delta):
+                if (wc, wk, col) not in entries:
+                    entries.append((wc, wk, col))
+                own_entries.append(entries.index((wc, wk, col)))
+            if col not in edges:
+                edges.append(col)
+            own_edges.append(edges.index(col))
+        per_pair[a, b] = (tuple(own_entries), tuple(own_edges))
+    return tuple(entries), tuple(edges), per_pair
 
 
 def _chunks(start: int, end: int, most: int) -> list[tuple[int, int]]:
@@ -293,20 +371,37 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     cg = geom.in_per_group
     nb = -(-cg // CB)
     channels = geom.groups * nb * CB
-    staging = _staging(step, reach, channels, itemsize)
+    max_block = max(max_block, -(-channels // 32) * 32)
+    hchunks = 2 * reach[1] + 1
+    tasks = geom.groups * nb * nb * planes * hchunks * _windows(reach[2])[1]
+    tasks_pad, teams = _teams(tasks, max_block, channels)
+    staging = _staging(step, reach, channels, itemsize, teams * tasks_pad, channels)
     if not staging.fits:
         return None
-    hchunks, ww, wchunks = staging.hchunks, staging.ww, staging.wchunks
+    ww, wchunks = staging.ww, staging.wchunks
+
+    # whole rows along W when the column entries are few and their sums leave the tile room
+    corr, edges, pair_cols = column_entries(axes[2], in_spatial[2], ww)
+    whole = False
+    if len(corr) <= MAX_ENTRIES and len(edges) <= MAX_EDGES:
+        corr_elems = len(corr) * CB * CB * tasks_pad
+        whole_staging = _staging(step, reach, channels, itemsize, teams * tasks_pad,
+                                 channels + corr_elems)
+        whole = corr_elems * itemsize <= SMEM_BYTES // 3 and whole_staging.fits
+    if whole:
+        staging = whole_staging
+        w_cuts = (0, in_spatial[2])
+    else:
+        corr, edges, pair_cols = (), (), {}
+        w_cuts = axes[2].cuts
     halo, area = staging.halo, staging.area
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
-    # a staged row (halo included) is at most one warp wide, and a one-row tile's staged rows
-    # fit the area (many channels leave a small area; ``fits`` says one column does)
-    cols_max = min(LANES, area // (1 + halo_h)) - halo_w
-    max_block = max(max_block, -(-channels // 32) * 32)
-    tasks = geom.groups * nb * nb * planes * hchunks * wchunks
+    # a one-row tile's staged rows fit the area (many channels leave a small area; ``fits``
+    # says one column does)
+    cols_max = area // (1 + halo_h) - halo_w
 
-    # cells: products of segments, numbered D-major
-    nsh, nsw = axes[1].segments, axes[2].segments
+    # cells: products of segments, numbered D-major (one segment along W for whole rows)
+    nsh, nsw = axes[1].segments, len(w_cuts) - 1
     ncells = axes[0].segments * nsh * nsw
     kh_n, kw_n = geom.kernel_size[1], geom.kernel_size[2]
     terms = []
@@ -315,18 +410,22 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
         coef = _half_space(m)
         if not coef:
             continue
+        w_segments = range(1) if whole else axes[2].segment_range(pw[3], pw[4])
         cells = tuple((sd * nsh + sh) * nsw + sw
                       for sd in axes[0].segment_range(pd[3], pd[4])
                       for sh in axes[1].segment_range(ph[3], ph[4])
-                      for sw in axes[2].segment_range(pw[3], pw[4]))
+                      for sw in w_segments)
+        own_corr, own_edges = pair_cols.get((pw[0], pw[1]), ((), ()))
         terms.append(GramTerm((pd[0] * kh_n + ph[0]) * kw_n + pw[0],
-                              (pd[1] * kh_n + ph[1]) * kw_n + pw[1], m, float(coef), cells))
+                              (pd[1] * kh_n + ph[1]) * kw_n + pw[1], m, float(coef), cells,
+                              ((pd[3], pd[4]), (ph[3], ph[4]), (pw[3], pw[4])),
+                              own_corr, own_edges))
 
     # tiles, in cell order; a tile's rows are as many as the staging area holds at its width
     tiles = []
     for sd, sh, sw in itertools.product(range(axes[0].segments), range(nsh), range(nsw)):
         cell = (sd * nsh + sh) * nsw + sw
-        d_cuts, h_cuts, w_cuts = axes[0].cuts, axes[1].cuts, axes[2].cuts
+        d_cuts, h_cuts = axes[0].cuts, axes[1].cuts
         for n in range(batch):
             for d in range(d_cuts[sd], d_cuts[sd + 1]):
                 for w0, cols in _chunks(w_cuts[sw], w_cuts[sw + 1], cols_max):
@@ -338,7 +437,9 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
                         tiles.append((n, d, h0, rows, w0, cols, cell, qs))
     tiles = np.array(tiles, np.int32).reshape(-1, 8)
 
-    # blocks: contiguous runs of tiles of about equal work (a tile also costs its staging)
+    # blocks: contiguous runs of tiles of about equal work (a tile also costs its staging). Tiles
+    # cut where a run ends inside them (runs of equal work to a few percent instead of a third
+    # of a tile) measured slower: 135 against 127 us, 15% more tiles (session 15)
     work = tiles[:, 3].astype(np.int64) * tiles[:, 5] + TILE_COST + ROW_COST * tiles[:, 3]
     nblocks = max(1, min(len(tiles), BLOCKS_PER_SM * sms // max(1, -(-tasks // max_block))))
     ends = np.searchsorted(np.cumsum(work), np.arange(1, nblocks + 1) * (work.sum() / nblocks),
@@ -364,31 +465,27 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
         cell_chunks[c, 1] = len(chunks)
     positions = batch * math.prod(in_spatial)
     fma = positions * tasks * CB * CB * ww
-    smem = planes * (area * (channels // CB) + 1) * CB
+    # dynamic shared memory: the tile, the column entries' sums, the channels' shifts
+    smem = (planes * (area * (channels // CB) + 1) * CB + len(corr) * CB * CB * tasks_pad
+            + channels)
     return GramPlan(geom.groups, cg, nb, planes, step, reach, hchunks, wchunks, ww, halo,
-                    area, smem, tasks, tuple(terms), ncells, tiles,
+                    area, smem, tasks, tuple(terms), ncells, tiles, corr, edges, whole,
                     np.array(blocks, np.int32), cell_slots, len(slot_cell),
                     np.array(chunks, np.int32).reshape(-1, 2), cell_chunks, fma, max_block)
 
 
 def term_sums_reference(plan: GramPlan, geom: ConvGeometry, x: np.ndarray) -> np.ndarray:
-    """What the kernels compute, in numpy (float64): (groups, terms, CG, CG) box Gram sums."""
-    spatial = x.shape[2:]
-    axes = [axis_gram(ax, n) for ax, n in zip(geom.axes(), spatial)]
+    """What the kernels compute, in numpy (float64): (groups, terms, CG, CG) box Gram sums,
+    each straight from its pair's box (not from the cells or the column entries)."""
     out = np.zeros((plan.groups, len(plan.terms), plan.cg, plan.cg))
-    nsh, nsw = axes[1].segments, axes[2].segments
     for t, term in enumerate(plan.terms):
         delta = [m * s for m, s in zip(term.offset, plan.step)]
-        for cell in term.cells:
-            seg = (cell // (nsh * nsw), (cell // nsw) % nsh, cell % nsw)
-            lo = [a.cuts[s] for a, s in zip(axes, seg)]
-            hi = [a.cuts[s + 1] for a, s in zip(axes, seg)]
-            left = x[(slice(None), slice(None)) + tuple(slice(l, h) for l, h in zip(lo, hi))]
-            right = x[(slice(None), slice(None))
-                      + tuple(slice(l + dl, h + dl) for l, h, dl in zip(lo, hi, delta))]
-            for g in range(plan.groups):
-                ch = slice(g * plan.cg, (g + 1) * plan.cg)
-                out[g, t] += np.einsum("nixyz,njxyz->ij", left[:, ch], right[:, ch])
+        left = x[(slice(None), slice(None)) + tuple(slice(lo, hi) for lo, hi in term.box)]
+        right = x[(slice(None), slice(None))
+                  + tuple(slice(lo + dl, hi + dl) for (lo, hi), dl in zip(term.box, delta))]
+        for g in range(plan.groups):
+            ch = slice(g * plan.cg, (g + 1) * plan.cg)
+            out[g, t] = np.einsum("nixyz,njxyz->ij", left[:, ch], right[:, ch])
     return out
 
 

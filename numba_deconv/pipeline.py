@@ -546,7 +546,8 @@ class Pipeline:
         bn = self.bn
         gl = self._gram_plan(plan, x)
         if self.poison:  # built at the first training call: poisoned here, not with the others
-            for t in (gl.partial, gl.chunk_sums, gl.sums, gl.cvals, plan.means_scaled):
+            for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.cvals,
+                      plan.means_scaled):
                 t.fill_(float("nan"))
         gram.launch_gram_sums(gl, dtype, x)
         if record is not None:

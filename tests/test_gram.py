@@ -49,6 +49,8 @@ GEOMETRIES = [  # (geometry, batch, input spatial, dtype)
     (ConvGeometry.create(6, 2, 3, 1, 1, groups=2), 1, (2, 3, 4), torch.float32),  # 2 W windows
     (ConvGeometry.create(5, 3, (3, 1, 4), 2, (1, 0, 2), output_padding=(1, 0, 1)), 2, (2, 3, 3),
      torch.float64),
+    (ConvGeometry.create(4, 3, (3, 3, 5), 1, (1, 1, 2)), 1, (2, 3, 7), torch.float32),  # cells
+    (ConvGeometry.create(16, 2, 3, 2, 1), 1, (2, 3, 5), torch.float32),  # 96 tasks: task groups
 ]
 
 
@@ -90,13 +92,45 @@ def test_many_channels_tile_the_input(channels):
 def test_unpadded_tiles_match_numpy(monkeypatch, device):
     """A staging area too small for padded rows (many channels, in miniature): the tiles keep
     their rows unpadded, and the sums are still right."""
-    monkeypatch.setattr(gram_plan_module, "SMEM_BYTES", 29 * 4 * 4 * 2)  # area 28 positions
+    # area 28 positions, the 4 channels' shifts, a float64 per thread (the block is
+    # block_size(256) here); no room for column entries: cells along W
+    monkeypatch.setattr(gram_plan_module, "SMEM_BYTES", (29 * 4 * 2 + 4) * 4 + 8 * block_size(256))
     geom = ConvGeometry.create(4, 3, 3, 2, 1)
     plan = gram_plan(geom, 1, (3, 6, 13), 4, sms=2, max_block=block_size(256))
     halo_w = plan.halo[2] + plan.halo[3]
     assert plan.area == 28 and (plan.tiles[:, 7] == plan.tiles[:, 5] + halo_w).all()
+    assert not plan.whole_rows
     gen = torch.Generator().manual_seed(7)
     x = torch.randn((1, 4, 3, 6, 13), generator=gen, dtype=torch.float64) - 2
+    gl = gram.gram_launch(plan, device, torch.float32)
+    for t in (gl.partial, gl.chunk_sums, gl.sums):
+        t.fill_(float("nan"))
+    gram.launch_gram_sums(gl, "float32", x.to(device=device, dtype=torch.float32))
+    gram.launch_gram_reduce(gl)
+    want = term_sums_reference(plan, geom, x.float().double().numpy())
+    np.testing.assert_allclose(gl.sums.cpu().numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_whole_rows_or_cells_along_w():
+    """The default problem's tiles span whole rows, corrected by two column entries (the
+    first and last column at W offset 0); many entries (kernel 5, padding 2) keep cells."""
+    plan = gram_plan(ConvGeometry.create(16, 32, 3, 2, 1), 16, (16, 32, 32), 4)
+    assert plan.whole_rows and plan.corr == ((0, 1, 0), (0, 1, -1)) and plan.edges == (0, -1)
+    assert (plan.tiles[:, 4] == 0).all() and (plan.tiles[:, 5] == 32).all()
+    assert plan.cells == 9  # cells along D and H only
+    plan = gram_plan(ConvGeometry.create(4, 3, (3, 3, 5), 1, (1, 1, 2)), 1, (2, 3, 7), 4)
+    assert not plan.whole_rows and not plan.corr and (plan.tiles[:, 5] < 7).any()
+
+
+def test_whole_rows_in_column_chunks_match_numpy(monkeypatch, device):
+    """Rows wider than a tile: whole-row tiles cut along W, each column entry taken by the
+    tile that holds its column."""
+    monkeypatch.setattr(gram_plan_module, "TILE_AREA", 40)
+    geom = ConvGeometry.create(4, 3, 3, 2, 1)
+    plan = gram_plan(geom, 1, (2, 4, 25), 4, sms=2, max_block=block_size(256))
+    assert plan.whole_rows and len(set(plan.tiles[:, 4])) > 1
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn((1, 4, 2, 4, 25), generator=gen, dtype=torch.float64) + 3
     gl = gram.gram_launch(plan, device, torch.float32)
     for t in (gl.partial, gl.chunk_sums, gl.sums):
         t.fill_(float("nan"))

@@ -186,6 +186,9 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
         for e in range(t, cg * taps, cuda.blockDim.x):
             ci = e // taps
             wsm[e] = weight[base + ci, oc, e - ci * taps]
+        # launched as gram_reduce's programmatic dependent (``griddep``): the weights (not
+        # written by it) are staged before the wait, the term sums read after it
+        wait_prior_grid()
         cuda.syncthreads()  # the channel's weights are staged
         q = 0.0
         pairs = cg * cg
@@ -200,12 +203,16 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
             q2 = 0.0
             q3 = 0.0
             tt = part
-            while tt + 3 * split < terms:  # four terms in flight
-                q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
-                q1 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + split, ci, ci2)
-                q2 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split, ci, ci2)
-                q3 += _term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split, ci, ci2)
-                tt += 4 * split
+            while tt + 7 * split < terms:  # eight terms in flight (a chain of two loads each)
+                q0 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
+                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 4 * split, ci, ci2))
+                q1 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt + split, ci, ci2)
+                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 5 * split, ci, ci2))
+                q2 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split, ci, ci2)
+                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 6 * split, ci, ci2))
+                q3 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split, ci, ci2)
+                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 7 * split, ci, ci2))
+                tt += 8 * split
             while tt < terms:
                 q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
                 tt += split
@@ -266,4 +273,5 @@ def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamm
            (sums, weight, term_taps, term_coef, means, bias, gamma, running_mean, running_var,
             tracked, float(eps), -1.0 if momentum is None else float(momentum), int(count),
             int(update), scale, stats, done, wph, wph_slots, wph_out, means_out),
-           smem=gram_statistics_smem(sums.shape[2], weight.shape[2]), small_grid=True)
+           smem=gram_statistics_smem(sums.shape[2], weight.shape[2]), small_grid=True,
+           after_prior=True)

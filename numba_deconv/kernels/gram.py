@@ -11,41 +11,51 @@ float32 accumulators of
     G'_cell(delta)[ci, ci'] = sum_{n, i in cell} x[n, ci, i] * (x[n, ci', i + delta] - c_ci')
 
 A block holds every task of a task group, in ``teams`` copies that split a tile's rows (at the
-default problem 96 tasks x 2 teams = 192 threads). A block walks its run of tiles. Per tile a
-warp per (D plane, row) stages the tile and the halo its offsets reach in shared memory, laid
-out [plane][row][channel quad][column][CB] (zeros outside the input), by asynchronous copies
-(``async_copy``) all in flight, lanes over (channel of a quad, column) so that a warp's stores
-fill 32 banks. Then each thread walks its rows along W, keeping the W window in registers and
-loading per column only the "b" quad entering it and its "a" quad: two 16-byte loads per 48
-FMAs at the default problem (the old layout, a channel per plane: 7 scalar loads per 36). The
-quad stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a warp reads at
-one column in different banks. The window rotates through WW register sets (the step unrolled
-WW times, in generated source as in ``gather.fma_step_source``), so no value moves between
-registers; shared-memory offsets are counted in vectors and unsigned, so that the compiler sees
-aligned vectors and emits no negative-index check.
+default problem 96 tasks, one team: four blocks per SM). A block walks its run of tiles. Per
+tile a warp per (D plane, row) stages the tile and the halo its offsets reach in shared memory,
+laid out [plane][row][channel quad][column][CB], by asynchronous copies (``async_copy``) all in
+flight, lanes over (channel of a quad, column) so that a warp's stores fill 32 banks; outside
+the input it stages each channel's shift c (below), so that ``x_b - c`` is zero there. Then
+each thread walks its rows along W, keeping the W window in registers and loading per column
+only the "b" quad entering it and its "a" quad: two 16-byte loads per 48 FMAs at the default
+problem. The quad stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a
+warp reads at one column in different banks. The window rotates through WW register sets (the
+step unrolled WW times, in generated source as in ``gather.fma_step_source``), so no value moves
+between registers; shared-memory offsets are counted in vectors and unsigned, so that the
+compiler sees aligned vectors and emits no negative-index check.
+
+Whole rows (``gram_plan.column_entries``): where few columns need correcting, a tile spans
+whole rows (no cells along W) and sums every column, ``x_b - c`` being zero outside the input;
+after the walk, team 0 adds each *column entry* (a column a term leaves out, at one W offset)
+apart, per tile, into sums that live in shared memory until the slot's flush, and the channel
+sums keep the *edge* columns apart. The reduction subtracts what each term leaves out. At the
+default problem: two entries (the first and the last column at W offset 0), 7 tiles per
+(sample, D plane) where cells along W made 12, 8 of them one row or one column wide.
 
 Precision: the variance is ``Q/M - mean^2``, a difference of two large numbers when
 |mean| >> std, so the sums must not lose Q's low digits. The "b" side is shifted by c (the mean
-of a few values of sample 0, any c is exact): the products stay ~|mean| * std instead of mean^2,
-and float32 sums over a block's run stay at float32's relative error of the *variance* times
-~|mean|/std. Threads of each staged channel also add its raw values per cell, in float64; the
-reduction puts the shift back exactly: ``G = G' + c_ci' * sum_cell x_ci``.
+of a few values of sample 0, any c is exact; one per staged channel, in shared memory): the
+products stay ~|mean| * std instead of mean^2, and float32 sums over a block's run stay at
+float32's relative error of the *variance* times ~|mean|/std. Threads of each staged channel
+also add its raw values per cell (and per edge column), in float64; the reduction puts the
+shift back exactly: ``G = G' + c_ci' * sum_cell x_ci``.
 
 ``gram_chunk_sums`` then ``gram_reduce``: a thread per (chunk, column) adds a run of at most
-SLOT_CHUNK slots of one cell, then a thread per (group, term, ci, ci') adds the chunks of the
-term's cells, each in a fixed order (deterministic), into the term sums that
-``batch_stats.gram_statistics`` contracts with the weights.
+SLOT_CHUNK slots of one cell (the sums in the input's dtype, the channel sums in float64),
+then a thread per (group, term, ci, ci') adds the chunks of the term's cells, less its column
+entries and edges, each in a fixed order (deterministic), into the term sums that
+``batch_stats.gram_statistics`` contracts with the weights. Both are programmatic dependents
+(``griddep``) of the kernel before them.
 
 Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the tasks
 compute both signs of the H and W offsets for D offset 0), against the convolution's 3.33 G.
-Measured (H100, benchmarks/NOTES.md sessions 7 and 14): this kernel 0.205 ms at the default
-problem and 35 us at the geometry problem, against 0.197 ms and 45 us for session 7's (scalar
-loads, a channel per staged plane). The hot loop is a third of its instructions now; the tiles
-are not: the cells cut each (sample, D plane) into 12 tiles, 8 of them one row or one column
-wide, whose staging, barriers and set-up cost as much as the interior's multiply-adds, and the
-blocks' runs of tiles end unevenly. Without cells (``benchmarks/probe_gram_v3.py``: every
-position, tiles of 8 whole rows) the same loop takes 78 us. With the reduction and the
-statistics, training on this path takes ~0.5 ms against 0.43 for the epilogue path.
+Measured (H100, benchmarks/NOTES.md sessions 7, 14, 15): this kernel 127 us at the default
+problem (0.205 ms with cells along W and two teams of 96 threads, 0.173 ms with whole rows and
+two teams) and 16 us at the geometry problem. Without cells at all
+(``benchmarks/probe_gram_v3.py``: every position, tiles of 8 whole rows, no shift) the same loop
+takes 78 us. Training on this path took 0.427 and 0.535 ms in two bench runs (the epilogue
+path 0.430 / 0.429): issuing a call costs the host ~0.4 ms (six launches), about the GPU's time,
+so the GPU at times waits for the host.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from numba import cuda, float32, float64, uint64
 from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
 from .async_copy import copy1, wait_all
+from .griddep import wait_prior_grid
 from .launch import block_size, launch, tensor_device
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
@@ -83,6 +94,12 @@ def gram_sums_source(consts: dict) -> str:
     nk = CB * CB * ww
     acc = [f"s{k}" for k in range(nk)]
     cols = c["COLS"]
+    corr, edges = c["CORR"], c["EDGES"]
+    ncorr = len(corr)
+
+    def column(spec: int) -> str:
+        """An entry's or an edge's input column (gram_plan._column)."""
+        return str(spec) if spec >= 0 else f"in_w - {-spec}"
 
     def vec(name: str, base: str, off: int, ind: str, shift: bool = False) -> list[str]:
         """Load the quad at vector ``base + off`` into name0..name3 (minus the shifts)."""
@@ -118,20 +135,29 @@ def gram_sums_source(consts: dict) -> str:
                     f"{ind}    partial[slot, {k * cols} + task] = {teams_sum}",
                     f"{ind}cuda.syncthreads()",
                 ]
-        lines += [
-            f"{ind}asm[t] = atot",
-            f"{ind}cuda.syncthreads()  # every part of every channel sum is in shared memory",
-            f"{ind}if cuda.blockIdx.y == 0 and t < {c['NCH']}:",
-            f"{ind}    total = 0.0",
-            f"{ind}    for q in range({c['PARTS']}):",
-            f"{ind}        total += asm[t * {c['PARTS']} + q]",
-            f"{ind}    partial[slot, {nk * cols} + t] = total",
-            f"{ind}cuda.syncthreads()  # asm is free again",
-        ]
+        if ncorr:  # the column entries' sums (team 0 kept them), zeroed for the next slot
+            lines += [f"{ind}if team == 0:"]
+            for k in range(ncorr * CB * CB):
+                lines += [
+                    f"{ind}    partial[slot, {nk * cols + k * cols} + task] = "
+                    f"sm[{c['ESM'] + k * c['TP']} + t]",
+                    f"{ind}    sm[{c['ESM'] + k * c['TP']} + t] = acc_t(0.0)",
+                ]
+        for j, name in enumerate(["atot"] + [f"aedge{e}" for e in range(len(edges))]):
+            lines += [
+                f"{ind}asm[t] = {name}",
+                f"{ind}cuda.syncthreads()  # every part of every channel sum is in shared memory",
+                f"{ind}if cuda.blockIdx.y == 0 and t < {c['NCH']}:",
+                f"{ind}    total = 0.0",
+                f"{ind}    for q in range({c['PARTS']}):",
+                f"{ind}        total += asm[t * {c['PARTS']} + q]",
+                f"{ind}    apartial[slot, {j * c['NCH']} + t] = total",
+                f"{ind}cuda.syncthreads()  # asm is free again",
+            ]
         return lines
 
     src = [
-        "def gram_sums(x, tiles, blocks, partial, cvals, in_ch, in_d, in_h, in_w):",
+        "def gram_sums(x, tiles, blocks, partial, apartial, cvals, in_ch, in_d, in_h, in_w):",
         f"    sm = cuda.shared.array(0, acc_t, alignment=16)  # {c['SMEM']} elements",
         f"    asm = cuda.shared.array({c['BLOCK']}, float64)",
         "    t = cuda.threadIdx.x",
@@ -155,28 +181,40 @@ def gram_sums_source(consts: dict) -> str:
         f"    aq = g * {c['NB']} + qai  # staged quads of the a and b channels",
         f"    bq = g * {c['NB']} + qbi",
     ]
-    # the shifts c of the b channels: the mean of a few values of sample 0 (any c is exact; a
-    # close one keeps the float32 sums of x_a * (x_b - c) small); zero for padding channels
-    for j in range(CB):
+    # the shifts c of the staged channels: the mean of a few values of sample 0 (any c is
+    # exact; a close one keeps the float32 sums of x_a * (x_b - c) small); zero for padding
+    # channels. In shared memory (sm[CSM + staged channel]): the staging pads with them
+    src += [
+        f"    if t < {c['NCH']}:",
+        f"        gq = t // {c['NB'] * CB}",
+        f"        chl = t - gq * {c['NB'] * CB}",
+        "        cv = acc_t(0.0)",
+        f"        if chl < {c['CG']}:",
+        f"            cbase = ((gq * {c['CG']} + chl) * in_d + in_d // 2) * in_h * in_w"
+        " + (in_h // 2) * in_w",
+        f"            for q in range({C_SAMPLES}):",
+        f"                cv += x[cbase + (q * in_w) // {C_SAMPLES}]",
+        f"            cv = cv / acc_t({C_SAMPLES})",
+        "            if cuda.blockIdx.x == 0 and cuda.blockIdx.y == 0:",
+        f"                cvals[gq * {c['CG']} + chl] = cv",
+        f"        sm[{c['CSM']} + t] = cv",
+    ]
+    if ncorr:
         src += [
-            f"    cl{j} = qbi * {CB} + {j}",
-            f"    cz{j} = acc_t(0.0)",
-            f"    if cl{j} < {c['CG']}:",
-            f"        cbase = ((g * {c['CG']} + cl{j}) * in_d + in_d // 2) * in_h * in_w"
-            " + (in_h // 2) * in_w",
-            f"        for q in range({C_SAMPLES}):",
-            f"            cz{j} += x[cbase + (q * in_w) // {C_SAMPLES}]",
-            f"        cz{j} = cz{j} / acc_t({C_SAMPLES})",
-            "        if cuda.blockIdx.x == 0 and active and qai == 0 and dpi == 0 and hi == 0"
-            " and wc == 0:",
-            f"            cvals[g * {c['CG']} + cl{j}] = cz{j}",
+            f"    for e in range(t, {ncorr * CB * CB * c['TP']}, cuda.blockDim.x):",
+            f"        sm[{c['ESM']} + e] = acc_t(0.0)",
         ]
+    src += ["    cuda.syncthreads()  # the shifts are in shared memory"]
+    src += [f"    cz{j} = sm[{c['CSM']} + bq * {CB} + {j}]" for j in range(CB)]
     src += [
         # the channel sums of the "a" side: PARTS threads per staged channel
         f"    ach = t // {c['PARTS']}",
         f"    apart = t - ach * {c['PARTS']}",
         f"    a_live = ach < {c['NCH']}",
         "    atot = 0.0",
+    ]
+    src += [f"    aedge{e} = 0.0" for e in range(len(edges))]
+    src += [
         "    c4 = lane & 3  # staging: a warp per (plane, row), lanes (channel of a quad, column)",
         "    lcol = lane >> 2",
         "    cstride = in_d * in_h * in_w  # elements per (n, channel) volume",
@@ -193,6 +231,7 @@ def gram_sums_source(consts: dict) -> str:
     ]
     src += flush("            ")
     src += [f"            {v} = acc_t(0.0)" for v in acc]
+    src += [f"            aedge{e} = 0.0" for e in range(len(edges))]
     src += [
         "            atot = 0.0",
         "            slot += 1",
@@ -227,6 +266,7 @@ def gram_sums_source(consts: dict) -> str:
         f"                    gg = q // {c['NB']}",
         f"                    chl = (q - gg * {c['NB']}) * {CB} + c4",
         f"                    ok = rok and chl < {c['CG']}",
+        f"                    pad = sm[uint64({c['CSM']} + q * {CB}) + c4]  # then b - c = 0",
         f"                    dst = dbase + q * qsv * {CB}",
         f"                    src = rbase + (gg * {c['CG']} + chl) * cstride",
         "                    col = lcol",
@@ -235,7 +275,7 @@ def gram_sums_source(consts: dict) -> str:
         "                        if ok and wz >= 0 and wz < in_w:",
         f"                            copy1(sm, uint64(dst + col * {CB}), x, uint64(src + col))",
         "                        else:",
-        f"                            sm[uint64(dst + col * {CB})] = acc_t(0.0)",
+        f"                            sm[uint64(dst + col * {CB})] = pad",
         "                        col += 8",
         "                row += nwarps",
         "        wait_all()  # this thread's copies have landed",
@@ -246,6 +286,16 @@ def gram_sums_source(consts: dict) -> str:
         f" * {CB} + ach % {CB})",
         "                for col in range(cols):",
         f"                    atot += float64(sm[ab + uint64(col * {CB})])",
+    ]
+    for e, spec in enumerate(edges):  # the "a" sums of an edge column, kept apart
+        src += [
+            f"            lc = {column(spec)} - w0",
+            "            if lc >= 0 and lc < cols:",
+            f"                for rr in range(apart, rows, {c['PARTS']}):",
+            f"                    aedge{e} += float64(sm[uint64((({c['HT']} + rr) * rsv"
+            f" + (ach // {CB}) * qsv + {c['HL']} + lc) * {CB} + ach % {CB})])",
+        ]
+    src += [
         "        if active:",
         f"            for rr in range(team, rows, {c['TEAMS']}):",
     ]
@@ -275,6 +325,26 @@ def gram_sums_source(consts: dict) -> str:
     for u in range(ww - 1):
         src.append(f"                    if s + {u} < nst:")
         src += step(u, "                        ")
+    for e, (wce, wke, spec) in enumerate(corr):
+        # a column entry (gram_plan.column_entries): team 0 adds the tile's column apart, for
+        # the W offset of its window it names, into its sums in shared memory
+        ind = "                "
+        src += [
+            "        if active and team == 0" + (f" and wc == {wce}:" if c["NWC"] > 1 else ":"),
+            f"            lc = {column(spec)} - w0",
+            "            if lc >= 0 and lc < cols:",
+        ]
+        src += [f"{ind}e{k} = acc_t(0.0)" for k in range(CB * CB)]
+        src += [
+            f"{ind}for rr in range(rows):",
+            f"{ind}    qa = uint64(({c['HT']} + rr) * rsv + aq * qsv + {c['HL']} + lc)",
+            f"{ind}    qb = uint64(dpi * psv + ({c['HT']} + rr + (hi - {c['RH']}) * {c['SH']})"
+            f" * rsv + bq * qsv + {c['HL']} + lc + (wc * {ww} - {c['RWR']} + {wke}) * {sw})",
+        ]
+        src += vec("ea", "qa", 0, ind + "    ") + vec("eb", "qb", 0, ind + "    ", shift=True)
+        src += [f"{ind}    e{j * CB + k} += ea{j} * eb{k}" for j in range(CB) for k in range(CB)]
+        src += [f"{ind}sm[{c['ESM'] + (e * CB * CB + k) * c['TP']} + t] += e{k}"
+                for k in range(CB * CB)]
     src += flush("    ")
     return "\n".join(src) + "\n"
 
@@ -287,7 +357,9 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
         "NCH": groups * plan.nb * CB, "HT": plan.halo[0], "HB": plan.halo[1],
         "HL": plan.halo[2], "HR": plan.halo[3], "SMEM": plan.smem, "TASKS": plan.tasks,
         "TP": plan.tasks_pad, "TEAMS": plan.teams, "BLOCK": plan.block, "COLS": plan.columns,
-        "PARTS": plan.block // (groups * plan.nb * CB),
+        "PARTS": plan.block // (groups * plan.nb * CB), "CORR": plan.corr, "EDGES": plan.edges,
+        "ESM": plan.smem - len(plan.corr) * CB * CB * plan.tasks_pad - plan.staged_channels,
+        "CSM": plan.smem - plan.staged_channels,
     }
 
 
@@ -308,43 +380,80 @@ def make_gram_sums(dtype: str, plan: GramPlan, max_regs: int | None = None):
                            MAX_REGS if max_regs is None else max_regs)
 
 
-@cuda.jit
-def gram_chunk_sums(partial, chunks, out):
-    # partial: (slots, COLS) f64 slot totals (COLS = NK * TASKS); chunks: (K, 2) int32 slot runs
-    # of one cell each; out: (K, COLS) f64. A thread per (chunk, column), four loads in flight.
-    cols = partial.shape[1]
-    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if e >= chunks.shape[0] * cols:
-        return
-    k = e // cols
-    col = e - k * cols
-    lo, hi = chunks[k, 0], chunks[k, 1]
+@cuda.jit(device=True, inline="always")
+def _slot_sum(partial, lo, hi, col):
+    """Slots lo..hi-1 of one column, in a fixed order (eight loads in flight)."""
     s0 = 0.0
     s1 = 0.0
     s2 = 0.0
     s3 = 0.0
     sl = lo
-    while sl + 4 <= hi:
-        s0 += partial[sl, col]
-        s1 += partial[sl + 1, col]
-        s2 += partial[sl + 2, col]
-        s3 += partial[sl + 3, col]
-        sl += 4
+    while sl + 8 <= hi:
+        s0 += float64(partial[sl, col]) + float64(partial[sl + 4, col])
+        s1 += float64(partial[sl + 1, col]) + float64(partial[sl + 5, col])
+        s2 += float64(partial[sl + 2, col]) + float64(partial[sl + 6, col])
+        s3 += float64(partial[sl + 3, col]) + float64(partial[sl + 7, col])
+        sl += 8
     while sl < hi:
-        s0 += partial[sl, col]
+        s0 += float64(partial[sl, col])
         sl += 1
-    out[k, col] = (s0 + s1) + (s2 + s3)
+    return (s0 + s1) + (s2 + s3)
 
 
 @cuda.jit
-def gram_reduce(chunk_sums, term_col, term_chunks, cvals, out, dims):
-    # chunk_sums: (K, NK*COLS + NCH) f64 chunk sums of the slots; term_col: (T, 2) int32: the
-    # task offset (the D, H, W window part) and the accumulator offset of each term's offset;
-    # term_chunks: (T, MAXK) int32 the chunks of each term's cells (-1 pads); cvals: (CI,) the
-    # shifts c; out: (G, T, CG, CG) f64. dims: (cg, nb, gstride, win, cols, cgp).
-    # A thread per (group, term, ci, ci'), the chunks in a fixed order:
-    #     G(ci, ci') = sum x_a (x_b - c_b) + c_b * sum x_a
-    cg, nb, gstride, win, cols, cgp = dims
+def gram_chunk_sums(partial, apartial, chunks, out):
+    # partial: (slots, W1) slot sums (the input's dtype), apartial: (slots, W2) f64 slot channel
+    # sums; chunks: (K, 2) int32 slot runs of one cell each; out: (K, W1 + W2) f64. A thread
+    # per (chunk, column). Launched as gram_sums' programmatic dependent (``griddep``).
+    wait_prior_grid()
+    w1 = partial.shape[1]
+    cols = w1 + apartial.shape[1]
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if e >= chunks.shape[0] * cols:
+        return
+    k = e // cols
+    col = e - k * cols
+    if col < w1:
+        out[k, col] = _slot_sum(partial, chunks[k, 0], chunks[k, 1], col)
+    else:
+        out[k, col] = _slot_sum(apartial, chunks[k, 0], chunks[k, 1], col - w1)
+
+
+@cuda.jit(device=True, inline="always")
+def _term_total(chunk_sums, term_chunks, tt, col):
+    """The chunks of term tt's cells at one column, in a fixed order (eight loads in flight:
+    the loop is latency-bound)."""
+    s0 = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    s3 = 0.0
+    m = 0
+    width = term_chunks.shape[1]
+    while m + 8 <= width and term_chunks[tt, m + 7] >= 0:
+        s0 += chunk_sums[term_chunks[tt, m], col] + chunk_sums[term_chunks[tt, m + 4], col]
+        s1 += chunk_sums[term_chunks[tt, m + 1], col] + chunk_sums[term_chunks[tt, m + 5], col]
+        s2 += chunk_sums[term_chunks[tt, m + 2], col] + chunk_sums[term_chunks[tt, m + 6], col]
+        s3 += chunk_sums[term_chunks[tt, m + 3], col] + chunk_sums[term_chunks[tt, m + 7], col]
+        m += 8
+    while m < width and term_chunks[tt, m] >= 0:
+        s0 += chunk_sums[term_chunks[tt, m], col]
+        m += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+@cuda.jit
+def gram_reduce(chunk_sums, term_col, term_chunks, term_corr, term_edges, cvals, out, dims):
+    # chunk_sums: (K, width) f64 chunk sums of the slots (GramPlan.partial_width); term_col:
+    # (T, 2) int32: the task offset (the D, H, W window part) and the accumulator offset of
+    # each term's offset; term_chunks: (T, MAXK) int32 the chunks of each term's cells (-1
+    # pads); term_corr, term_edges: (T, MAXE), (T, MAXA) int32 the column entries and the edges
+    # a term leaves out (-1 pads; whole-row mode); cvals: (CI,) the shifts c; out: (G, T, CG,
+    # CG) f64. dims: (cg, nb, gstride, win, cols, cgp, ncorr). A thread per (group, term, ci,
+    # ci'), each sum in a fixed order:
+    #     G(ci, ci') = sum x_a (x_b - c_b) + c_b * sum x_a     (less what the term leaves out)
+    # Launched as gram_chunk_sums' programmatic dependent (``griddep``).
+    wait_prior_grid()
+    cg, nb, gstride, win, cols, cgp, ncorr = dims
     groups, terms = out.shape[0], out.shape[1]
     e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if e >= groups * terms * cg * cg:
@@ -356,26 +465,21 @@ def gram_reduce(chunk_sums, term_col, term_chunks, cvals, out, dims):
     tt = r % terms
     g = r // terms
     task = ci2 // CB + nb * (ci // CB) + term_col[tt, 0] + gstride * g
-    col = (((ci % CB) * CB + ci2 % CB) * win + term_col[tt, 1]) * cols + task
-    acol = CB * CB * win * cols + g * cgp + ci
-    s0 = 0.0
-    s1 = 0.0
-    a0 = 0.0
-    a1 = 0.0
-    m = 0
-    width = term_chunks.shape[1]
-    while m + 2 <= width and term_chunks[tt, m + 1] >= 0:  # two chunks in flight
-        k0 = term_chunks[tt, m]
-        k1 = term_chunks[tt, m + 1]
-        s0 += chunk_sums[k0, col]
-        a0 += chunk_sums[k0, acol]
-        s1 += chunk_sums[k1, col]
-        a1 += chunk_sums[k1, acol]
-        m += 2
-    if m < width and term_chunks[tt, m] >= 0:
-        s0 += chunk_sums[term_chunks[tt, m], col]
-        a0 += chunk_sums[term_chunks[tt, m], acol]
-    out[g, tt, ci, ci2] = (s0 + s1) + cvals[g * cg + ci2] * (a0 + a1)
+    pair = (ci % CB) * CB + ci2 % CB
+    cbase = CB * CB * win * cols
+    abase = cbase + ncorr * CB * CB * cols
+    nch = groups * cgp
+    s = _term_total(chunk_sums, term_chunks, tt, (pair * win + term_col[tt, 1]) * cols + task)
+    for j in range(term_corr.shape[1]):
+        k = term_corr[tt, j]
+        if k >= 0:
+            s -= _term_total(chunk_sums, term_chunks, tt, cbase + (k * CB * CB + pair) * cols + task)
+    a = _term_total(chunk_sums, term_chunks, tt, abase + g * cgp + ci)
+    for j in range(term_edges.shape[1]):
+        k = term_edges[tt, j]
+        if k >= 0:
+            a -= _term_total(chunk_sums, term_chunks, tt, abase + (1 + k) * nch + g * cgp + ci)
+    out[g, tt, ci, ci2] = s + cvals[g * cg + ci2] * a
 
 
 @dataclass
@@ -387,10 +491,13 @@ class GramLaunch:
     blocks: torch.Tensor
     term_col: torch.Tensor
     term_chunks: torch.Tensor
+    term_corr: torch.Tensor
+    term_edges: torch.Tensor
     chunks: torch.Tensor
     term_taps: torch.Tensor
     term_coef: torch.Tensor
     partial: torch.Tensor
+    apartial: torch.Tensor
     chunk_sums: torch.Tensor
     cvals: torch.Tensor
     sums: torch.Tensor
@@ -404,6 +511,14 @@ def plan_for(geom, batch: int, in_spatial, itemsize: int) -> GramPlan | None:
     return gram_plan(geom, batch, tuple(in_spatial), itemsize, sms, block_size(BLOCK))
 
 
+def _padded(lists) -> np.ndarray:
+    """(len(lists), longest) int32, -1 after each list's end (at least one column)."""
+    out = np.full((len(lists), max(map(len, lists), default=0) or 1), -1, np.int32)
+    for i, values in enumerate(lists):
+        out[i, :len(values)] = values
+    return out
+
+
 def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
     width = plan.partial_width
     col = []
@@ -411,16 +526,17 @@ def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
         task, k = plan.task_index(0, 0, 0, term.offset)
         col.append((task, k))  # the window part of the task; ci, ci', g are added per thread
     lists = [[k for c in term.cells for k in range(*plan.cell_chunks[c])] for term in plan.terms]
-    term_chunks = np.full((len(plan.terms), max(map(len, lists), default=1)), -1, np.int32)
-    for i, chunk_list in enumerate(lists):
-        term_chunks[i, :len(chunk_list)] = chunk_list
+    term_chunks = _padded(lists)
     as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     return GramLaunch(
         plan, as_dev(plan.tiles), as_dev(plan.blocks),
-        as_dev(np.array(col, np.int32).reshape(-1, 2)), as_dev(term_chunks), as_dev(plan.chunks),
+        as_dev(np.array(col, np.int32).reshape(-1, 2)), as_dev(term_chunks),
+        as_dev(_padded([t.corr for t in plan.terms])),
+        as_dev(_padded([t.edges for t in plan.terms])), as_dev(plan.chunks),
         as_dev(np.array([(t.a, t.b) for t in plan.terms], np.int32).reshape(-1, 2)),
         as_dev(np.array([t.coef for t in plan.terms], np.float64)),
-        torch.empty((plan.slots, width), dtype=torch.float64, device=device),
+        torch.empty((plan.slots, plan.sums_width), dtype=dtype, device=device),
+        torch.empty((plan.slots, plan.channel_width), dtype=torch.float64, device=device),
         torch.empty((len(plan.chunks), width), dtype=torch.float64, device=device),
         torch.empty(plan.groups * plan.cg, dtype=dtype, device=device),
         torch.empty((plan.groups, len(plan.terms), plan.cg, plan.cg), dtype=torch.float64,
@@ -438,15 +554,16 @@ def reduce_grid(plan: GramPlan) -> int:
 
 
 def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
-    """Slot totals of ``x`` (N, CI, D, H, W) contiguous, into ``gl.partial`` (and ``gl.cvals``)."""
+    """Slot totals of ``x`` (N, CI, D, H, W) contiguous, into ``gl.partial`` and ``gl.apartial``
+    (and ``gl.cvals``)."""
     plan = gl.plan
     if not plan.terms:  # no two taps meet inside the output: every sum is zero
         return
     n, ci, d, h, w = x.shape
     kernel = make_gram_sums(dtype, plan)
     launch(kernel, sums_grid(plan), plan.block,
-           (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.cvals, ci, d, h, w),
-           smem=plan.smem * x.element_size())
+           (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.apartial, gl.cvals, ci, d, h, w),
+           smem=plan.smem * x.element_size(), max_shared=True)
 
 
 def launch_gram_reduce(gl: GramLaunch) -> None:
@@ -454,10 +571,10 @@ def launch_gram_reduce(gl: GramLaunch) -> None:
     plan = gl.plan
     if not plan.terms:
         return
-    width = gl.partial.shape[1]
-    launch(gram_chunk_sums, -(-len(plan.chunks) * width // REDUCE_BLOCK), REDUCE_BLOCK,
-           (gl.partial, gl.chunks, gl.chunk_sums))
+    launch(gram_chunk_sums, -(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
+           REDUCE_BLOCK, (gl.partial, gl.apartial, gl.chunks, gl.chunk_sums), after_prior=True)
     gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
     launch(gram_reduce, reduce_grid(plan), REDUCE_BLOCK,
-           (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.cvals, gl.sums,
-            (plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB)))
+           (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.term_corr, gl.term_edges, gl.cvals,
+            gl.sums, (plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB,
+                      len(plan.corr))), after_prior=True)
