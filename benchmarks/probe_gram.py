@@ -7,14 +7,15 @@ float64 PyTorch model (output and running statistics after one step), the whole 
 events, median of 100), the Gram kernels alone (launches captured in a CUDA graph so the events
 time the GPU, not the host: median of 30 replays, per launch), the torch profiler's per-kernel
 table of one path, and ``gram_sums``' registers, shared and local memory. Then, for the default
-problem, ``gram_sums`` with other numbers of blocks per SM (``gram_plan.BLOCKS_PER_SM``) and
-register caps (``gram.MAX_REGS``).
+problem, ``gram_sums`` with other numbers of blocks per SM (``gram_plan.BLOCKS_PER_SM``),
+register caps (``gram.MAX_REGS``) and threads per block at most (``--max-blocks``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 
 import torch
 
@@ -74,22 +75,21 @@ def check(case) -> None:
     print(f"eval      call {ms * 1e3:7.1f} us")
 
 
-def blocks_sweep(values, caps) -> None:
+def blocks_sweep(values, caps, max_blocks) -> None:
     model, x = bench.default_case().build("cuda")
     geom = bench.default_case().geometry()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = gram_plan.BLOCKS_PER_SM, gram.MAX_REGS
-    for v in values:
-        for cap in caps:
-            gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = v, cap
-            layout = gram_plan.gram_plan(geom, x.shape[0], tuple(x.shape[2:]), 4, sms)
-            gl = gram.gram_launch(layout, x.device)
-            us = graph_us(lambda: gram.launch_gram_sums(gl, "float32", x))
-            regs, _, local, occ = _resources(gram.make_gram_sums("float32", layout),
-                                             layout.block, _device_limits())
-            print(f"blocks per SM {v}, register cap {cap}: gram_sums {us:6.1f} us "
-                  f"({len(layout.blocks)} blocks, {layout.slots} slots; regs {regs} local {local}"
-                  f" occupancy {occ}); reduce {graph_us(lambda: gram.launch_gram_reduce(gl)):5.1f} us")
+    for v, cap, mb in itertools.product(values, caps, max_blocks):
+        gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = v, cap
+        layout = gram_plan.gram_plan(geom, x.shape[0], tuple(x.shape[2:]), 4, sms, mb)
+        gl = gram.gram_launch(layout, x.device)
+        us = graph_us(lambda: gram.launch_gram_sums(gl, "float32", x))
+        regs, _, local, occ = _resources(gram.make_gram_sums("float32", layout),
+                                         layout.block, _device_limits())
+        print(f"blocks per SM {v}, register cap {cap}, {layout.block} threads: gram_sums "
+              f"{us:6.1f} us ({len(layout.blocks)} blocks, {layout.slots} slots; regs {regs} local {local}"
+              f" occupancy {occ}); reduce {graph_us(lambda: gram.launch_gram_reduce(gl)):5.1f} us")
     gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = default
 
 
@@ -97,11 +97,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks-per-sm", type=int, nargs="*", default=[2, 3, 4])
     parser.add_argument("--caps", type=int, nargs="*", default=[0, 80])
+    parser.add_argument("--max-blocks", type=int, nargs="*", default=[gram_plan.BLOCK],
+                        help="threads per block at most (96: one team at the default problem)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name())
     check(bench.default_case())
     check(bench.geometry_case())
-    blocks_sweep(args.blocks_per_sm, args.caps)
+    blocks_sweep(args.blocks_per_sm, args.caps, args.max_blocks)
 
 
 if __name__ == "__main__":
