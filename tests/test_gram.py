@@ -54,23 +54,29 @@ GEOMETRIES = [  # (geometry, batch, input spatial, dtype)
 ]
 
 
-@pytest.mark.parametrize("geom,batch,spatial,dtype", GEOMETRIES)
-def test_kernels_match_numpy(geom, batch, spatial, dtype, device):
-    plan = gram_plan(geom, batch, spatial, dtype.itemsize, sms=2, max_block=block_size(256))
-    gen = torch.Generator().manual_seed(batch + geom.in_channels)
-    x = torch.randn((batch, geom.in_channels, *spatial), generator=gen, dtype=torch.float64) + 4
+def check_term_sums(plan, geom, x: torch.Tensor, dtype, device) -> None:
+    """The kernels' term sums of ``x`` (float64, cast to ``dtype``) against numpy's, every
+    buffer poisoned first."""
     gl = gram.gram_launch(plan, device, dtype)
-    for t in (gl.partial, gl.chunk_sums, gl.sums):
+    for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums):
         t.fill_(float("nan"))
     name = "float32" if dtype == torch.float32 else "float64"
     gram.launch_gram_sums(gl, name, x.to(device=device, dtype=dtype))
     gram.launch_gram_reduce(gl)
     want = term_sums_reference(plan, geom, x.to(dtype).double().numpy())
-    got = gl.sums.cpu().numpy()
     scale = np.abs(want).max()
     # float32: each product is exact in float64 terms, the tile sums round at ~1e-7 of |x_a x_b|
-    np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if dtype == torch.float32 else 1e-12) * scale)
+    np.testing.assert_allclose(gl.sums.cpu().numpy(), want, rtol=0,
+                               atol=(1e-5 if dtype == torch.float32 else 1e-12) * scale)
     assert torch.isfinite(gl.cvals).all()
+
+
+@pytest.mark.parametrize("geom,batch,spatial,dtype", GEOMETRIES)
+def test_kernels_match_numpy(geom, batch, spatial, dtype, device):
+    plan = gram_plan(geom, batch, spatial, dtype.itemsize, sms=2, max_block=block_size(256))
+    gen = torch.Generator().manual_seed(batch + geom.in_channels)
+    x = torch.randn((batch, geom.in_channels, *spatial), generator=gen, dtype=torch.float64) + 4
+    check_term_sums(plan, geom, x, dtype, device)
 
 
 @pytest.mark.parametrize("channels", [32, 96, 128])
@@ -102,13 +108,7 @@ def test_unpadded_tiles_match_numpy(monkeypatch, device):
     assert not plan.whole_rows
     gen = torch.Generator().manual_seed(7)
     x = torch.randn((1, 4, 3, 6, 13), generator=gen, dtype=torch.float64) - 2
-    gl = gram.gram_launch(plan, device, torch.float32)
-    for t in (gl.partial, gl.chunk_sums, gl.sums):
-        t.fill_(float("nan"))
-    gram.launch_gram_sums(gl, "float32", x.to(device=device, dtype=torch.float32))
-    gram.launch_gram_reduce(gl)
-    want = term_sums_reference(plan, geom, x.float().double().numpy())
-    np.testing.assert_allclose(gl.sums.cpu().numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    check_term_sums(plan, geom, x, torch.float32, device)
 
 
 def test_whole_rows_or_cells_along_w():
@@ -131,13 +131,7 @@ def test_whole_rows_in_column_chunks_match_numpy(monkeypatch, device):
     assert plan.whole_rows and len(set(plan.tiles[:, 4])) > 1
     gen = torch.Generator().manual_seed(11)
     x = torch.randn((1, 4, 2, 4, 25), generator=gen, dtype=torch.float64) + 3
-    gl = gram.gram_launch(plan, device, torch.float32)
-    for t in (gl.partial, gl.chunk_sums, gl.sums):
-        t.fill_(float("nan"))
-    gram.launch_gram_sums(gl, "float32", x.to(device=device, dtype=torch.float32))
-    gram.launch_gram_reduce(gl)
-    want = term_sums_reference(plan, geom, x.float().double().numpy())
-    np.testing.assert_allclose(gl.sums.cpu().numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    check_term_sums(plan, geom, x, torch.float32, device)
 
 
 def test_geometries_the_path_takes():
