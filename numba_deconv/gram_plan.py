@@ -42,9 +42,9 @@ rows, a run of W columns of at most one warp with the halo, all inside one cell;
 get more rows); each block takes a contiguous run of tiles of about equal work, staging each
 tile (with the halo its offsets reach) in shared memory, channel quads innermost so that a
 thread loads a quad as one vector, and writes one partial per (block, cell) it touched: a
-*slot* (its sums in the input's dtype, its channel sums in float64). The reduction, in a fixed order (deterministic), first adds runs of at most
-SLOT_CHUNK slots of one cell (*chunks*, many sums in parallel), then the chunks of each term's
-cells.
+*slot* (its sums in the input's dtype, its channel sums in float64). The reduction, in a fixed
+order (deterministic), first adds runs of at most SLOT_CHUNK slots of one cell (*chunks*, many
+sums in parallel), then the chunks of each term's cells (less its column entries and edges).
 """
 
 from __future__ import annotations
@@ -467,7 +467,7 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     fma = positions * tasks * CB * CB * ww
     # dynamic shared memory: the tile, the column entries' sums, the channels' shifts
     smem = (planes * (area * (channels // CB) + 1) * CB + len(corr) * CB * CB * tasks_pad
-            + channels)
+            + channels)  # (GramPlan.corr_smem, then staged_channels, at the end)
     return GramPlan(geom.groups, cg, nb, planes, step, reach, hchunks, wchunks, ww, halo,
                     area, smem, tasks, tuple(terms), ncells, tiles, corr, edges, whole,
                     np.array(blocks, np.int32), cell_slots, len(slot_cell),

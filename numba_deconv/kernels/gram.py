@@ -358,7 +358,7 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
         "HL": plan.halo[2], "HR": plan.halo[3], "SMEM": plan.smem, "TASKS": plan.tasks,
         "TP": plan.tasks_pad, "TEAMS": plan.teams, "BLOCK": plan.block, "COLS": plan.columns,
         "PARTS": plan.block // (groups * plan.nb * CB), "CORR": plan.corr, "EDGES": plan.edges,
-        "ESM": plan.smem - len(plan.corr) * CB * CB * plan.tasks_pad - plan.staged_channels,
+        "ESM": plan.smem - plan.corr_smem - plan.staged_channels,
         "CSM": plan.smem - plan.staged_channels,
     }
 
@@ -473,7 +473,8 @@ def gram_reduce(chunk_sums, term_col, term_chunks, term_corr, term_edges, cvals,
     for j in range(term_corr.shape[1]):
         k = term_corr[tt, j]
         if k >= 0:
-            s -= _term_total(chunk_sums, term_chunks, tt, cbase + (k * CB * CB + pair) * cols + task)
+            s -= _term_total(chunk_sums, term_chunks, tt,
+                             cbase + (k * CB * CB + pair) * cols + task)
     a = _term_total(chunk_sums, term_chunks, tt, abase + g * cgp + ci)
     for j in range(term_edges.shape[1]):
         k = term_edges[tt, j]
