@@ -270,21 +270,17 @@ def _windows(reach: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class _Staging:
-    """The thread windows and a tile's staging area for given offsets and channels."""
+    """A tile's staging area for given offsets and channels."""
 
-    hchunks: int
-    ww: int
-    wchunks: int
     halo: tuple[int, int, int, int]  # rows above, rows below, columns left, columns right
     area: int                        # staged positions per (channel quad, D plane) at most
-    fits: bool  # a one-position tile and its halo fit, a staged row one warp, the channels a block
+    fits: bool  # a one-position tile and its halo fit, the channels a block
 
 
 def _staging(step, reach, channels: int, itemsize: int, block: int, extra: int) -> _Staging:
     """``block``: threads (each has a float64 of static shared memory for the flush); ``extra``:
     elements of the dynamic shared memory that are not the tile (the channels' shifts, the
     column entries' sums)."""
-    hchunks = 2 * reach[1] + 1  # one H offset per task
     ww, wchunks = _windows(reach[2])
     halo = (reach[1] * step[1], reach[1] * step[1],
             reach[2] * step[2], (wchunks * ww - 1 - reach[2]) * step[2])
@@ -293,7 +289,7 @@ def _staging(step, reach, channels: int, itemsize: int, block: int, extra: int) 
     area = min(TILE_AREA, dynamic // (channels * planes) - 1)
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
     fits = (1 + halo_h) * (1 + halo_w) <= area and channels <= MAX_CHANNELS
-    return _Staging(hchunks, ww, wchunks, halo, area, fits)
+    return _Staging(halo, area, fits)
 
 
 def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
@@ -372,19 +368,19 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     nb = -(-cg // CB)
     channels = geom.groups * nb * CB
     max_block = max(max_block, -(-channels // 32) * 32)
-    hchunks = 2 * reach[1] + 1
-    tasks = geom.groups * nb * nb * planes * hchunks * _windows(reach[2])[1]
+    hchunks = 2 * reach[1] + 1  # one H offset per task
+    ww, wchunks = _windows(reach[2])
+    tasks = geom.groups * nb * nb * planes * hchunks * wchunks
     tasks_pad, teams = _teams(tasks, max_block, channels)
     staging = _staging(step, reach, channels, itemsize, teams * tasks_pad, channels)
     if not staging.fits:
         return None
-    ww, wchunks = staging.ww, staging.wchunks
 
     # whole rows along W when the column entries are few and their sums leave the tile room
     corr, edges, pair_cols = column_entries(axes[2], in_spatial[2], ww)
+    corr_elems = len(corr) * CB * CB * tasks_pad  # their sums in shared memory
     whole = False
     if len(corr) <= MAX_ENTRIES and len(edges) <= MAX_EDGES:
-        corr_elems = len(corr) * CB * CB * tasks_pad
         whole_staging = _staging(step, reach, channels, itemsize, teams * tasks_pad,
                                  channels + corr_elems)
         whole = corr_elems * itemsize <= SMEM_BYTES // 3 and whole_staging.fits
@@ -392,7 +388,7 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
         staging = whole_staging
         w_cuts = (0, in_spatial[2])
     else:
-        corr, edges, pair_cols = (), (), {}
+        corr, edges, pair_cols, corr_elems = (), (), {}, 0
         w_cuts = axes[2].cuts
     halo, area = staging.halo, staging.area
     halo_h, halo_w = halo[0] + halo[1], halo[2] + halo[3]
@@ -466,8 +462,7 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     positions = batch * math.prod(in_spatial)
     fma = positions * tasks * CB * CB * ww
     # dynamic shared memory: the tile, the column entries' sums, the channels' shifts
-    smem = (planes * (area * (channels // CB) + 1) * CB + len(corr) * CB * CB * tasks_pad
-            + channels)  # (GramPlan.corr_smem, then staged_channels, at the end)
+    smem = planes * (area * (channels // CB) + 1) * CB + corr_elems + channels
     return GramPlan(geom.groups, cg, nb, planes, step, reach, hchunks, wchunks, ww, halo,
                     area, smem, tasks, tuple(terms), ncells, tiles, corr, edges, whole,
                     np.array(blocks, np.int32), cell_slots, len(slot_cell),

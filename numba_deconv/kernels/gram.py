@@ -101,6 +101,21 @@ def gram_sums_source(consts: dict) -> str:
         """An entry's or an edge's input column (gram_plan._column)."""
         return str(spec) if spec >= 0 else f"in_w - {-spec}"
 
+    def a_quad(col: str) -> str:
+        """Vector offset of this thread's "a" quad at tile row rr, column ``col``."""
+        return f"uint64(({c['HT']} + rr) * rsv + aq * qsv + {c['HL']} + {col})"
+
+    def b_quad(col: str, w_offset: str = "") -> str:
+        """... of its "b" quad, at its D and H offsets and its window's first W offset (plus
+        ``w_offset`` offsets), from the "a" quad at column ``col``."""
+        return (f"uint64(dpi * psv + ({c['HT']} + rr + (hi - {c['RH']}) * {c['SH']}) * rsv"
+                f" + bq * qsv + {c['HL']} + {col} + (wc * {ww} - {c['RWR']}{w_offset}) * {sw})")
+
+    def channel_elem(col: str = "") -> str:
+        """Element offset of staged channel ``ach`` at tile row rr (column 0, plus ``col``)."""
+        return (f"uint64((({c['HT']} + rr) * rsv + (ach // {CB}) * qsv + {c['HL']}{col})"
+                f" * {CB} + ach % {CB})")
+
     def vec(name: str, base: str, off: int, ind: str, shift: bool = False) -> list[str]:
         """Load the quad at vector ``base + off`` into name0..name3 (minus the shifts)."""
         return [f"{ind}{name}{j} = sm[({base} + uint64({off})) * uint64({CB}) + uint64({j})]"
@@ -282,8 +297,7 @@ def gram_sums_source(consts: dict) -> str:
         "        cuda.syncthreads()  # the tile is staged",
         "        if a_live:  # a thread per (channel, row), rows strided by PARTS",
         f"            for rr in range(apart, rows, {c['PARTS']}):",
-        f"                ab = uint64((({c['HT']} + rr) * rsv + (ach // {CB}) * qsv + {c['HL']})"
-        f" * {CB} + ach % {CB})",
+        f"                ab = {channel_elem()}",
         "                for col in range(cols):",
         f"                    atot += float64(sm[ab + uint64(col * {CB})])",
     ]
@@ -292,8 +306,7 @@ def gram_sums_source(consts: dict) -> str:
             f"            lc = {column(spec)} - w0",
             "            if lc >= 0 and lc < cols:",
             f"                for rr in range(apart, rows, {c['PARTS']}):",
-            f"                    aedge{e} += float64(sm[uint64((({c['HT']} + rr) * rsv"
-            f" + (ach // {CB}) * qsv + {c['HL']} + lc) * {CB} + ach % {CB})])",
+            f"                    aedge{e} += float64(sm[{channel_elem(' + lc')}])",
         ]
     src += [
         "        if active:",
@@ -305,9 +318,8 @@ def gram_sums_source(consts: dict) -> str:
         src += [f"                for rw in range(min({sw}, cols)):"]
     src += [
         f"                    nst = (cols - rw + {sw - 1}) // {sw}",
-        f"                    qa = uint64(({c['HT']} + rr) * rsv + aq * qsv + {c['HL']} + rw)",
-        f"                    qb = uint64(dpi * psv + ({c['HT']} + rr + (hi - {c['RH']}) * {c['SH']})"
-        f" * rsv + bq * qsv + {c['HL']} + rw + (wc * {ww} - {c['RWR']}) * {sw})",
+        f"                    qa = {a_quad('rw')}",
+        f"                    qb = {b_quad('rw')}",
     ]
     for m in range(ww - 1):
         src += vec(f"b{m}_", "qb", m * sw, "                    ", shift=True)
@@ -337,9 +349,8 @@ def gram_sums_source(consts: dict) -> str:
         src += [f"{ind}e{k} = acc_t(0.0)" for k in range(CB * CB)]
         src += [
             f"{ind}for rr in range(rows):",
-            f"{ind}    qa = uint64(({c['HT']} + rr) * rsv + aq * qsv + {c['HL']} + lc)",
-            f"{ind}    qb = uint64(dpi * psv + ({c['HT']} + rr + (hi - {c['RH']}) * {c['SH']})"
-            f" * rsv + bq * qsv + {c['HL']} + lc + (wc * {ww} - {c['RWR']} + {wke}) * {sw})",
+            f"{ind}    qa = {a_quad('lc')}",
+            f"{ind}    qb = {b_quad('lc', f' + {wke}')}",
         ]
         src += vec("ea", "qa", 0, ind + "    ") + vec("eb", "qb", 0, ind + "    ", shift=True)
         src += [f"{ind}    e{j * CB + k} += ea{j} * eb{k}" for j in range(CB) for k in range(CB)]

@@ -195,7 +195,7 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
     try:
         from cuda.bindings import driver as cu
 
-        compiled = kernel.overloads[tuple(kernel.typeof_pyval(v) for v in views)]
+        compiled = _overload(kernel, views)
         if compiled.debug or compiled.cooperative or compiled.extensions:
             return None
         function = int(compiled._codelibrary.get_cufunc().handle)
@@ -317,12 +317,16 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
         _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem, after_prior) or False
 
 
+def _overload(kernel, views):
+    """The compiled overload a launch with ``views`` used (numba-cuda's dispatcher internals)."""
+    return kernel.overloads[tuple(kernel.typeof_pyval(v) for v in views)]
+
+
 def _prefer_shared(kernel, views) -> None:
     """Set the compiled overload's preferred shared-memory carveout to 100% (numba-cuda's
     ``set_shared_memory_carveout``); a numba without it leaves the driver's choice."""
     try:
-        compiled = kernel.overloads[tuple(kernel.typeof_pyval(v) for v in views)]
-        compiled._codelibrary.get_cufunc().set_shared_memory_carveout(100)
+        _overload(kernel, views)._codelibrary.get_cufunc().set_shared_memory_carveout(100)
     except Exception as exc:  # noqa: BLE001 - a hint: a failure costs speed, not results
         warnings.warn(f"shared-memory carveout not set: {exc}", RuntimeWarning, stacklevel=3)
 
