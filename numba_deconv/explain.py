@@ -61,7 +61,7 @@ DEVICE_PEAKS: dict[str, dict[str, float]] = {
 DEFAULT_DEVICE = "H100"
 # a stage whose work runs inside another stage's launch (no kernel, no launch shape of its own)
 FUSED_MEANS = "fused: box_sums, last block per sample"
-FUSED_SCALE = "fused: gram_statistics scales the weights and means"
+FUSED_SCALE = "fused: the gather's epilogue, by gram_statistics' scale"
 
 GPU_COLUMNS = ("regs", "shared_bytes", "local_bytes", "occupancy", "measured_us")
 
@@ -245,21 +245,25 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         kd, kh, kw = geom.kernel_size
         boxes = planes * kd * kh * kw * 8
         name = "float32" if dtype == torch.float32 else "float64"
-        out.append(("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name),
-                    (box_sums.grid_size(planes),), blk,
-                    _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes))
-        out.append(("mean_from_box_sums", FUSED_MEANS, None, None, None,
-                    2 * rows_nc * geom.in_per_group * kd * kh * kw,
-                    boxes + w_bytes + rows_nc * 8))
+        box_rows = [("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name),
+                     (box_sums.grid_size(planes),), blk,
+                     _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes),
+                    ("mean_from_box_sums", FUSED_MEANS, None, None, None,
+                     2 * rows_nc * geom.in_per_group * kd * kh * kw,
+                     boxes + w_bytes + rows_nc * 8)]
         gram_path = batch_stats and pipe.uses_gram
-        if gram_path:
-            out += _gram_rows(pipe, batch, in_spatial, dtype, x_bytes)
+        if gram_path:  # box_sums runs in gram_sums' tail (``Pipeline._gram_train``)
+            gram_rows = _gram_rows(pipe, batch, in_spatial, dtype, x_bytes)
+            out += [gram_rows[0], *box_rows, *gram_rows[1:]] if gram.BOX_SUMS_IN_TAIL \
+                else [*box_rows, *gram_rows]
+        else:
+            out += box_rows
         launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name)
         t = launch.tiling
-        if gram_path:  # the evaluation kernel, on weights and means the statistics scaled
+        if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             out.append(("conv_transpose3d_gather",
-                        f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw}]",
-                        gather.gather_kernel(launch, name, False), (launch.grid,), t.block,
+                        f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},scaled]",
+                        gather.gather_kernel(launch, name, False, True), (launch.grid,), t.block,
                         2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e, launch.smem))
             out.append(("scale", FUSED_SCALE, None, None, None, 0, 0))
             return out, macs, x_bytes + w_bytes + n_out * e
@@ -305,7 +309,7 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
         ("gram_sums", f"gram_sums[quads={CB}x{CB},w_window={layout.ww},teams={layout.teams}]",
          gram.make_gram_sums(name, layout), gram.sums_grid(layout),
          layout.block, 2 * layout.fma, x_bytes + slot_bytes, layout.smem * e),
-        ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.gram_reduce,
+        ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.reduce_kernel(layout),
          (gram.reduce_grid(layout),), gram.REDUCE_BLOCK, layout.slots * width + terms * 8,
          slot_bytes + 2 * len(layout.chunks) * width * 8 + terms * 8),
         ("batch_statistics", "gram_statistics", batch_stats_kernels.gram_statistics,

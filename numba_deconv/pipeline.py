@@ -15,11 +15,13 @@ launch configurations (cached per input shape), and hands the small per-channel 
     running-statistics update, and one in-place per-channel multiply
     (``epilogue.scale_rows``) scales the output: a second pass over the output.
     ``"gram"``: the batch variance is known before the convolution too (``gram_plan``): the
-    input's Gram sums (``gram_sums``, ``gram_reduce``), then ``gram_statistics`` (variance,
-    scale, running statistics, the scale folded into the weights and means), then the
-    evaluation kernel writes the final output once. It does less arithmetic than the second
-    pass moves bytes, but measured slower on every problem so far (benchmarks/NOTES.md,
-    session 7), so it is opt-in.
+    input's Gram sums (``gram_sums``, with box_sums in its tail, then ``gram_reduce``), then
+    ``gram_statistics`` (variance, scale, running statistics, the means times the scale), then
+    the evaluation kernel, on the unscaled weights with the scale in its epilogue, writes the
+    final output once; one chain of programmatic dependents, so the gather's first blocks run
+    while the statistics finish. It does less arithmetic than the second pass moves bytes, but
+    has not yet measured steadily faster (benchmarks/NOTES.md, sessions 7, 15 and 16), so it is
+    opt-in.
 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
@@ -92,8 +94,6 @@ class _ShapePlan:
     wph_index: Any = None
     ss: Any = None
     gram: gram.GramLaunch | None = None  # the Gram path's tables and buffers
-    wph_slots: Any = None     # (C, L) int32: slots of the phase-arranged weights per channel
-    wph_scaled: Any = None    # the phase-arranged weights times a_c (zero slots stay zero)
     means_scaled: Any = None  # (N, C) f64: the means times a_c
 
 
@@ -261,8 +261,10 @@ class Pipeline:
         if self.conv_impl == "scatter":
             core = ("fill_zero", "conv_transpose3d_scatter", "spatial_moments_warp")
         elif batch and self.uses_gram:
-            return ("box_sums", "mean_from_box_sums", "gram_sums", "gram_reduce",
-                    "batch_statistics", "conv_transpose3d_gather", "scale", "output")
+            box = ("box_sums", "mean_from_box_sums")
+            sums = ("gram_sums", *box) if gram.BOX_SUMS_IN_TAIL else (*box, "gram_sums")
+            return (*sums, "gram_reduce", "batch_statistics", "conv_transpose3d_gather", "scale",
+                    "output")
         else:
             core = ("box_sums", "mean_from_box_sums", "conv_transpose3d_gather")
         return core + (("batch_statistics",) if batch else ()) + ("scale", "output")
@@ -376,9 +378,6 @@ class Pipeline:
             layout = gram.plan_for(geom, plan.batch, x.shape[2:], x.element_size())
             if layout is None:  # gram_fits checked the geometry for any input size
                 raise RuntimeError(f"no Gram plan for input {tuple(x.shape)}")
-            index = plan.wph_index.cpu().numpy()
-            plan.wph_slots = torch.from_numpy(gather.phase_weight_channels(geom, index)).to(dev)
-            plan.wph_scaled = torch.zeros(index.size, dtype=x.dtype, device=dev)
             plan.means_scaled = torch.empty((plan.batch, geom.out_channels), dtype=torch.float64,
                                             device=dev)
             plan.gram = gram.gram_launch(layout, dev, x.dtype)
@@ -517,18 +516,14 @@ class Pipeline:
                            key + (launch.tiling.nc, x.dtype),
                            lambda: gather.arrange_weights(conv_weight, plan.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
-        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes, flat_w, plan.zero_bias,
-                                 1.0 / plan.volume, plan.contrib, plan.means, plan.samples_done)
-        if record is not None:
-            record["box_sums"] = plan.boxes.clone()
-            record["mean_from_box_sums"] = plan.means.clone()
         dtype = "float32" if x.dtype == torch.float32 else "float64"
         if batch_stats and self.uses_gram:
             self._gram_train(x, out, plan, wph, flat_w, dtype, record)
             return
+        self._box_sums(x, plan, flat_w, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since
         gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.means,
-                             out.view(-1), plan.ss, after_box_sums=record is None)
+                             out.view(-1), plan.ss, after_prior=record is None)
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()
@@ -541,29 +536,47 @@ class Pipeline:
         # (epilogue.scale_rows: 2.86 TB/s, torch's broadcast mul_ 2.35 TB/s; benchmarks/NOTES.md).
         epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)
 
+    def _box_sums(self, x, plan: _ShapePlan, flat_w, record, after_prior: bool = False) -> None:
+        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes, flat_w, plan.zero_bias,
+                                 1.0 / plan.volume, plan.contrib, plan.means, plan.samples_done,
+                                 after_prior=after_prior)
+        if record is not None:
+            record["box_sums"] = plan.boxes.clone()
+            record["mean_from_box_sums"] = plan.means.clone()
+
     def _gram_train(self, x, out, plan: _ShapePlan, wph, flat_w, dtype: str, record) -> None:
-        """Training on the Gram path: the variance from the input, then the evaluation kernel."""
+        """Training on the Gram path: the variance from the input, then the evaluation kernel
+        with the unscaled weights and the scale in its epilogue.
+
+        One chain of programmatic dependents (``griddep``) after ``gram_sums``: every kernel
+        lets the next start at once and waits for the one before only where it reads its
+        results, so the gather's first blocks run their multiply-adds while the statistics are
+        finished (nothing before its epilogue depends on them)."""
         bn = self.bn
         gl = self._gram_plan(plan, x)
         if self.poison:  # built at the first training call: poisoned here, not with the others
             for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.cvals,
                       plan.means_scaled):
                 t.fill_(float("nan"))
+        chained = record is None  # a trace's copies between the kernels break the chain
+        if not gram.BOX_SUMS_IN_TAIL:
+            self._box_sums(x, plan, flat_w, record)
         gram.launch_gram_sums(gl, dtype, x)
         if record is not None:
             record["gram_sums"] = gl.partial.clone()
+        if gram.BOX_SUMS_IN_TAIL:
+            self._box_sums(x, plan, flat_w, record, after_prior=chained)
         gram.launch_gram_reduce(gl)
         if record is not None:
             record["gram_reduce"] = gl.sums.clone()
         batch_stats.launch_gram_statistics(
             gl.sums, flat_w, gl.term_taps, gl.term_coef, plan.means, self._bias64(plan),
             *self._bn_buffers(plan), bn.eps, bn.momentum, plan.batch * plan.volume,
-            self._updates(record), plan.scale, plan.stats, plan.done, wph, plan.wph_slots,
-            plan.wph_scaled, plan.means_scaled)
+            self._updates(record), plan.scale, plan.stats, plan.done, plan.means_scaled)
         if record is not None:
             record["batch_statistics"] = plan.stats.clone()
-        gather.launch_gather(plan.gather, dtype, False, x.view(-1), plan.wph_scaled,
-                             plan.means_scaled, out.view(-1), plan.ss)
+        gather.launch_gather(plan.gather, dtype, False, x.view(-1), wph, plan.means_scaled,
+                             out.view(-1), plan.ss, scale=plan.scale, after_prior=chained)
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()
             record["scale"] = plan.scale.to(torch.float64)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_deconv import Pipeline, testing
+from numba_deconv.kernels import gram
 from numba_deconv.simulator import is_simulator
 
 SIM = is_simulator()
@@ -51,7 +52,10 @@ def test_gram_variance_matches_pytorch(dtype, data, limits, device):
 
 
 @pytest.mark.parametrize("training", [False, True])
-def test_default_like_problem_gram(training, device):
+@pytest.mark.parametrize("box_sums_in_tail", [True, False])
+def test_default_like_problem_gram(training, box_sums_in_tail, monkeypatch, device):
+    """Both places of box_sums on the Gram path (``gram.BOX_SUMS_IN_TAIL``)."""
+    monkeypatch.setattr(gram, "BOX_SUMS_IN_TAIL", box_sums_in_tail)
     geom = testing.ConvGeometry.create(4, 8, 3, 2, 1)
     case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 5, 4), training, seed=7)
     testing.check_case(case, _pipeline("gather", "gram"), device)

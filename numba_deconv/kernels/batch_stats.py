@@ -43,8 +43,9 @@ from the input's Gram sums (``kernels/gram.py``) before the convolution,
                                                                channel's weights in shared memory)
     var_c = Q_c / (N*S) - mu_c^2                               (float64)
 
-and, with a_c known, the block also writes the gather's phase-arranged weights and the means
-times a_c, so the evaluation kernel writes the final output (no second pass over it).
+and, with a_c known, the block also writes the means times a_c: the evaluation kernel, with the
+unscaled weights and ``acc * a_c - mean * a_c`` in its epilogue, writes the final output (no
+second pass over it).
 """
 
 from __future__ import annotations
@@ -157,15 +158,16 @@ def _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2):
 @cuda.jit
 def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
                     running_var, tracked, eps, momentum, count, update, scale, stats, done,
-                    wph, wph_slots, wph_out, means_out):
+                    means_out):
     # The Gram path's finish (kernels/gram.py): the batch variance from the term sums, then
-    # what batch_statistics does, then the scale folded into the evaluation kernel's inputs.
+    # what batch_statistics does, then the means scaled for the evaluation kernel's epilogue.
     # sums: (G, T, CG, CG) f64 term sums; weight: (CI, OPG, K) conv weight; term_taps: (T, 2)
     # int32 flat taps (a, b); term_coef: (T,) f64; means: (N, C) f64 spatial means of the
-    # bias-free convolution; bias ... done: as batch_statistics; wph: the gather's phase-
-    # arranged unscaled weights; wph_slots: (C, L) int32 the slots of wph holding channel c (-1
-    # pads); wph_out: wph scaled per channel (slots of no channel stay zero); means_out: (N, C)
-    # f64 the means scaled per channel.
+    # bias-free convolution; bias ... done: as batch_statistics; means_out: (N, C) f64 the
+    # means times the scale a_c.
+    # The gather after it (a programmatic dependent) reads only ``scale`` and ``means_out``, in
+    # its epilogue: let it start at once, so its first blocks run beside this kernel.
+    allow_dependents()
     n_batch, channels = means.shape[0], means.shape[1]
     terms, cg = sums.shape[1], sums.shape[2]
     opg, taps = weight.shape[1], weight.shape[2]
@@ -231,10 +233,6 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
         a = shared[0]
         for n in range(t, n_batch, cuda.blockDim.x):
             means_out[n, c] = means[n, c] * a
-        for j in range(t, wph_slots.shape[1], cuda.blockDim.x):
-            slot = wph_slots[c, j]
-            if slot >= 0:
-                wph_out[slot] = wph[slot] * a
         cuda.syncthreads()  # shared[0] and wsm are reused by the next channel
     _count_block(done, tracked, batches, update, last)
 
@@ -266,12 +264,11 @@ def gram_statistics_smem(cg: int, taps: int) -> int:
 
 def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
                            running_var, tracked, eps: float, momentum: float | None, count: int,
-                           update: bool, scale, stats, done, wph, wph_slots, wph_out,
-                           means_out) -> None:
+                           update: bool, scale, stats, done, means_out) -> None:
     """A block per channel, as ``launch_batch_statistics``; see ``gram_statistics``."""
     launch(gram_statistics, grid_size(means.shape[1]), block_size(GRAM_BLOCK),
            (sums, weight, term_taps, term_coef, means, bias, gamma, running_mean, running_var,
             tracked, float(eps), -1.0 if momentum is None else float(momentum), int(count),
-            int(update), scale, stats, done, wph, wph_slots, wph_out, means_out),
+            int(update), scale, stats, done, means_out),
            smem=gram_statistics_smem(sums.shape[2], weight.shape[2]), small_grid=True,
            after_prior=True)

@@ -67,7 +67,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from ..simulator import is_simulator
 from .fastdiv import divisor
 from .fastdiv import fast_divmod_device as fast_divmod
-from .griddep import allow_dependents
+from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, launch
 from .warp import FULL_MASK, WARP_SIZE
 
@@ -318,6 +318,11 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                 if t == 0:
                     done[n] = 0  # ready for the next call
             plane += int32(cuda.gridDim.x)
+        # Launched as gram_sums' programmatic dependent (the Gram path), this kernel reads and
+        # writes nothing of gram_sums' and runs in its tail; it ends only after gram_sums has,
+        # so the kernels after it, which wait for it, see gram_sums' sums too. (Launched
+        # plainly, as everywhere else, this returns at once.)
+        wait_prior_grid()
 
     return box_sums
 
@@ -328,10 +333,12 @@ def grid_size(planes: int) -> int:
 
 
 def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, done, *,
-                    block: int | None = None, rows: int = ROWS) -> None:
+                    block: int | None = None, rows: int = ROWS, after_prior: bool = False) -> None:
     """``x`` (N, CI, ID, IH, IW); ``out`` (N, CI, KD, KH, KW) float64 box sums; ``w`` (CI, OPG, K)
     flattened weights; ``contrib`` (N, CI, OPG) float64 scratch; ``mean`` (N, CO) float64;
-    ``done`` (N,) int32 zeros the caller keeps between calls."""
+    ``done`` (N,) int32 zeros the caller keeps between calls. ``after_prior``: launched as the
+    previous kernel's programmatic dependent, which must write nothing this kernel reads or
+    writes and read nothing it writes (the Gram path's ``gram_sums``)."""
     block = block_size(BLOCK) if block is None else block
     if block > BLOCK or block % WARP_SIZE:
         raise ValueError(f"box_sums blocks are multiples of {WARP_SIZE} up to {BLOCK}, got {block}")
@@ -346,7 +353,7 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
     dims = _dims(ci // (mean.shape[1] // w.shape[1]), x.shape[4], ci)
     launch(kernel, grid_size(n * ci), block,
            (x, x.view(-1), lo, hi, dims, out.view(n, -1), w, bias, float(inv_size), contrib, mean,
-            done))
+            done), after_prior=after_prior)
 
 
 @functools.lru_cache(maxsize=256)

@@ -32,7 +32,9 @@ costs no load, and one compiled kernel serves every size.
 Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
 accumulates, computed beforehand from box sums; each output is written once, already centred
 (``acc - mean``). In evaluation mode the BN scale is already folded into the weights, so that is
-the final output. Launched as box_sums' programmatic dependent (``griddep``), the kernel's first
+the final output. SCALED (training's Gram path) multiplies instead, ``acc * scale[c] - mean``
+with ``mean`` already scaled: the weights stay unscaled, so nothing before the epilogue depends
+on the batch statistics and the kernel can start while they are finished. Launched as box_sums' programmatic dependent (``griddep``), the kernel's first
 blocks stage their weights and run their multiply-adds while box_sums finishes; they wait for it
 only before the epilogue, where the means are read.
 With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces its NC
@@ -247,14 +249,18 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
                        wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int,
-                       wide: bool, chunked: bool):
+                       wide: bool, chunked: bool, scaled: bool = False):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
     ``AxisPlan.shift``. ``wide``: some tensor has 2**31 elements or more, so offsets are 64-bit
     (otherwise signed 32-bit, see below).
     ``chunked``: the input channels take several chunks of staged weights.
+    ``scaled``: the epilogue multiplies by a per-channel scale, ``acc * scale[c] - mean``
+    (training's Gram path: the weights are the unscaled ones, so nothing before the epilogue
+    depends on the batch statistics); never with ``train``.
     """
+    assert not (train and scaled), "a scaled epilogue writes no centred squares"
     acc_t = _NUMBA_TYPES[dtype]
     # Offsets into x, out and the weights: signed 32-bit unless a tensor is too large for that
     # (64-bit offsets cost two instructions per add and compare and twice the registers). A
@@ -328,7 +334,10 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     def conv_transpose3d_gather(
         x,      # (N*CI*ID*IH*IW,) input, flattened
         wph,    # (SD, CTILES, IPG, TDMAX, NHT, NWT, NC) weights by phase, see phase_weight_index
-        mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled, in eval)
+        mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled, in eval and
+                # with SCALED)
+        scale,  # (CO,) the output's per-channel scale (used only with SCALED; otherwise any
+                # 1-D array of the output's dtype with CO elements or more: the weights)
         out,    # (N*CO*OD*OH*OW,) output, flattened
         ss,     # (N, CO, slots) f64 centred-square partials (written only with TRAIN)
         sizes,  # tuple: the run-time sizes named in _DIMS
@@ -535,6 +544,9 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
             for c in range(nc):
                 if c0 + c < opg:
                     m = acc_t(mean[n, g * opg + c0 + c])
+                    a_c = acc_t(1)
+                    if scaled:
+                        a_c = acc_t(scale[g * opg + c0 + c])
                     cbase = idx(obase + c * out_d * out_plane)
                     for rh in range(sh):
                         for j in range(mh):
@@ -544,7 +556,10 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
                                     for rw in range(sw):
                                         if col_ok[q * sw + rw]:
                                             a = (((c * sh + rh) * mh + j) * sw + rw) * qw + q
-                                            v = acc[a] - m
+                                            if scaled:
+                                                v = acc[a] * a_c - m  # ptxas fuses: FFMA
+                                            else:
+                                                v = acc[a] - m
                                             out[uint64(rb + (q * sw + rw))] = v
                                             if train:
                                                 sq[c] += v * v
@@ -646,23 +661,6 @@ def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
     return index
 
 
-def phase_weight_channels(geom, index: np.ndarray) -> np.ndarray:
-    """(CO, L) int32: the slots of the phase layout (flattened ``index``) holding each output
-    channel's weights, -1 padded; what a kernel needs to scale the layout per channel."""
-    flat = index.reshape(-1)
-    taps = int(np.prod(geom.kernel_size))
-    used = np.nonzero(flat >= 0)[0]
-    ci, co_g = flat[used] // (geom.out_per_group * taps), (flat[used] // taps) % geom.out_per_group
-    channel = (ci // geom.in_per_group) * geom.out_per_group + co_g
-    order = np.argsort(channel, kind="stable")
-    counts = np.bincount(channel, minlength=geom.out_channels)
-    out = np.full((geom.out_channels, max(1, counts.max())), -1, np.int32)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    for c in range(geom.out_channels):
-        out[c, :counts[c]] = used[order[starts[c]:starts[c] + counts[c]]]
-    return out
-
-
 def arrange_weights(weight, index):
     """The kernel's ``wph`` from a (CI, OPG, KD, KH, KW) weight and ``phase_weight_index``."""
     import torch
@@ -738,26 +736,27 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                         ci_chunk < ipg)
 
 
-def gather_kernel(launch: GatherLaunch, dtype: str, train: bool):
+def gather_kernel(launch: GatherLaunch, dtype: str, train: bool, scaled: bool = False):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.dpat, launch.hpat, launch.wpat,
                               launch.wshift, launch.exact, train, t.max_regs, launch.wide,
-                              launch.chunked)
+                              launch.chunked, scaled)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss, *,
-                  after_box_sums: bool = False) -> None:
+                  scale=None, after_prior: bool = False) -> None:
     """Launch the specialised kernel for ``launch`` (x and out flattened, contiguous).
 
-    ``after_box_sums``: the previous kernel in the stream is ``box_sums``, which writes ``mean``
-    and nothing else this kernel reads, so the gather is launched as its programmatic dependent
-    and waits for box_sums only before its epilogue reads the means. Never with any other
-    previous kernel (the Gram path's statistics write the weights, which the gather reads first
-    of all).
+    ``scale``: (CO,) per-channel scale of a scaled epilogue (``make_gather_kernel``), or None.
+    ``after_prior``: the previous kernel in the stream writes nothing this kernel reads before
+    its epilogue (``box_sums``: the means; the Gram path's ``gram_statistics``: the scaled
+    means and the scale), so the gather is launched as its programmatic dependent and waits for
+    it only where the epilogue reads them. Never after a kernel that writes ``x`` or ``wph``.
     """
     if wph.data_ptr() % 16:  # the staging's 16-byte copies (arrange_weights' tensors are)
         raise ValueError("gather: the arranged weights must be 16-byte aligned")
-    launch_kernel(gather_kernel(launch, dtype, train), launch.grid, launch.tiling.block,
-                  (x, wph, mean, out, ss, *launch.dims), smem=launch.smem,
-                  after_prior=after_box_sums)
+    kernel = gather_kernel(launch, dtype, train, scale is not None)
+    launch_kernel(kernel, launch.grid, launch.tiling.block,
+                  (x, wph, mean, wph if scale is None else scale, out, ss, *launch.dims),
+                  smem=launch.smem, after_prior=after_prior)

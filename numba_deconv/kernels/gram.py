@@ -42,10 +42,11 @@ shift back exactly: ``G = G' + c_ci' * sum_cell x_ci``.
 
 ``gram_chunk_sums`` then ``gram_reduce``: a thread per (chunk, column) adds a run of at most
 SLOT_CHUNK slots of one cell (the sums in the input's dtype, the channel sums in float64),
-then a thread per (group, term, ci, ci') adds the chunks of the term's cells, less its column
-entries and edges, each in a fixed order (deterministic), into the term sums that
+then REDUCE_LANES threads per (group, term, ci, ci') add the chunks of the term's cells, each
+chunk less the term's column entries and edges (all of a chunk's loads at once), and shuffle
+their shares together, each in a fixed order (deterministic), into the term sums that
 ``batch_stats.gram_statistics`` contracts with the weights. Both are programmatic dependents
-(``griddep``) of the kernel before them.
+(``griddep``) of the kernel before them, and let the next start at once.
 
 Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the tasks
 compute both signs of the H and W offsets for D offset 0), against the convolution's 3.33 G.
@@ -65,16 +66,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import cuda, float32, float64, uint64
+from numba import cuda, float32, float64, int32, uint64
 
 from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
 from .async_copy import copy1, wait_all
-from .griddep import wait_prior_grid
+from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, launch, tensor_device
+from .warp import FULL_MASK
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
 REDUCE_BLOCK = 128
+# threads per term sum in gram_reduce (a power of two up to 32); the simulator, which pays per
+# thread, takes two (the same code path, the shuffles included)
+REDUCE_LANES = 2 if is_simulator() else 8
+# where the Gram path runs box_sums: after gram_sums as its programmatic dependent, in its tail
+# (True), or before it (``Pipeline._gram_train``; benchmarks/NOTES.md session 16)
+BOX_SUMS_IN_TAIL = True
 MAX_REGS = 0  # register cap of gram_sums (0: none)
 
 
@@ -415,7 +423,9 @@ def _slot_sum(partial, lo, hi, col):
 def gram_chunk_sums(partial, apartial, chunks, out):
     # partial: (slots, W1) slot sums (the input's dtype), apartial: (slots, W2) f64 slot channel
     # sums; chunks: (K, 2) int32 slot runs of one cell each; out: (K, W1 + W2) f64. A thread
-    # per (chunk, column). Launched as gram_sums' programmatic dependent (``griddep``).
+    # per (chunk, column). Launched as the previous kernel's programmatic dependent
+    # (``griddep``), and lets the next one start at once (each waits before it reads).
+    allow_dependents()
     wait_prior_grid()
     w1 = partial.shape[1]
     cols = w1 + apartial.shape[1]
@@ -430,68 +440,99 @@ def gram_chunk_sums(partial, apartial, chunks, out):
         out[k, col] = _slot_sum(apartial, chunks[k, 0], chunks[k, 1], col - w1)
 
 
-@cuda.jit(device=True, inline="always")
-def _term_total(chunk_sums, term_chunks, tt, col):
-    """The chunks of term tt's cells at one column, in a fixed order (eight loads in flight:
-    the loop is latency-bound)."""
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    m = 0
-    width = term_chunks.shape[1]
-    while m + 8 <= width and term_chunks[tt, m + 7] >= 0:
-        s0 += chunk_sums[term_chunks[tt, m], col] + chunk_sums[term_chunks[tt, m + 4], col]
-        s1 += chunk_sums[term_chunks[tt, m + 1], col] + chunk_sums[term_chunks[tt, m + 5], col]
-        s2 += chunk_sums[term_chunks[tt, m + 2], col] + chunk_sums[term_chunks[tt, m + 6], col]
-        s3 += chunk_sums[term_chunks[tt, m + 3], col] + chunk_sums[term_chunks[tt, m + 7], col]
-        m += 8
-    while m < width and term_chunks[tt, m] >= 0:
-        s0 += chunk_sums[term_chunks[tt, m], col]
-        m += 1
-    return (s0 + s1) + (s2 + s3)
+@functools.lru_cache(maxsize=None)
+def make_gram_reduce(corr_width: int, edge_width: int):
+    """``gram_reduce`` for terms of at most ``corr_width`` column entries and ``edge_width``
+    edges (the widths of ``GramLaunch.term_corr`` and ``term_edges``): compile-time loops over
+    them, so that every load of a chunk is issued at once."""
+    corr_len, edge_len = max(1, corr_width), max(1, edge_width)  # local arrays' literal sizes
 
+    @cuda.jit(device=True, inline="always")
+    def chunk_value(chunk_sums, k, col_s, col_a, ccols, cuse, acols, ause, c_b):
+        """Chunk k's share of one term sum: its "b"-shifted sum less the term's column entries,
+        plus c_b times its "a" channel sum less the term's edges. A pad (no entry or edge) reads
+        the term's own column and counts it zero times: loads without branches."""
+        s = chunk_sums[k, col_s]
+        for j in range(corr_width):
+            s -= cuse[j] * chunk_sums[k, ccols[j]]
+        a = chunk_sums[k, col_a]
+        for j in range(edge_width):
+            a -= ause[j] * chunk_sums[k, acols[j]]
+        return s + c_b * a
 
-@cuda.jit
-def gram_reduce(chunk_sums, term_col, term_chunks, term_corr, term_edges, cvals, out, dims):
-    # chunk_sums: (K, width) f64 chunk sums of the slots (GramPlan.partial_width); term_col:
-    # (T, 2) int32: the task offset (the D, H, W window part) and the accumulator offset of
-    # each term's offset; term_chunks: (T, MAXK) int32 the chunks of each term's cells (-1
-    # pads); term_corr, term_edges: (T, MAXE), (T, MAXA) int32 the column entries and the edges
-    # a term leaves out (-1 pads; whole-row mode); cvals: (CI,) the shifts c; out: (G, T, CG,
-    # CG) f64. dims: (cg, nb, gstride, win, cols, cgp, ncorr). A thread per (group, term, ci,
-    # ci'), each sum in a fixed order:
-    #     G(ci, ci') = sum x_a (x_b - c_b) + c_b * sum x_a     (less what the term leaves out)
-    # Launched as gram_chunk_sums' programmatic dependent (``griddep``).
-    wait_prior_grid()
-    cg, nb, gstride, win, cols, cgp, ncorr = dims
-    groups, terms = out.shape[0], out.shape[1]
-    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if e >= groups * terms * cg * cg:
-        return
-    ci2 = e % cg
-    r = e // cg
-    ci = r % cg
-    r = r // cg
-    tt = r % terms
-    g = r // terms
-    task = ci2 // CB + nb * (ci // CB) + term_col[tt, 0] + gstride * g
-    pair = (ci % CB) * CB + ci2 % CB
-    cbase = CB * CB * win * cols
-    abase = cbase + ncorr * CB * CB * cols
-    nch = groups * cgp
-    s = _term_total(chunk_sums, term_chunks, tt, (pair * win + term_col[tt, 1]) * cols + task)
-    for j in range(term_corr.shape[1]):
-        k = term_corr[tt, j]
-        if k >= 0:
-            s -= _term_total(chunk_sums, term_chunks, tt,
-                             cbase + (k * CB * CB + pair) * cols + task)
-    a = _term_total(chunk_sums, term_chunks, tt, abase + g * cgp + ci)
-    for j in range(term_edges.shape[1]):
-        k = term_edges[tt, j]
-        if k >= 0:
-            a -= _term_total(chunk_sums, term_chunks, tt, abase + (1 + k) * nch + g * cgp + ci)
-    out[g, tt, ci, ci2] = s + cvals[g * cg + ci2] * a
+    @cuda.jit
+    def gram_reduce(chunk_sums, term_col, term_chunks, term_corr, term_edges, cvals, out, dims):
+        # chunk_sums: (K, width) f64 chunk sums of the slots (GramPlan.partial_width); term_col:
+        # (T, 2) int32: the task offset (the D, H, W window part) and the accumulator offset of
+        # each term's offset; term_chunks: (T, MAXK) int32 the chunks of each term's cells (-1
+        # pads); term_corr, term_edges: (T, corr_width), (T, edge_width) int32 the column
+        # entries and the edges a term leaves out (-1 pads; whole-row mode); cvals: (CI,) the
+        # shifts c; out: (G, T, CG, CG) f64. dims: (cg, nb, gstride, win, cols, cgp, ncorr).
+        # REDUCE_LANES consecutive threads per (group, term, ci, ci'), each over every
+        # REDUCE_LANES-th chunk of the term's, two chunks per trip, then shuffles (a fixed
+        # order: deterministic):
+        #     G(ci, ci') = sum x_a (x_b - c_b) + c_b * sum x_a   (less what the term leaves out)
+        # (A thread per value walking all of a term's chunks, ~25 at the default problem, once
+        # for its sums and once per entry and edge: ~18 dependent round trips, 15.7 us, session
+        # 15.) Launched as gram_chunk_sums' programmatic dependent (``griddep``), and lets the
+        # next one start at once.
+        allow_dependents()
+        wait_prior_grid()
+        cg, nb, gstride, win, cols, cgp, ncorr = dims
+        groups, terms = out.shape[0], out.shape[1]
+        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        lane = t % REDUCE_LANES
+        e = t // REDUCE_LANES
+        values = groups * terms * cg * cg
+        total = 0.0
+        g = tt = ci = ci2 = 0
+        if e < values:  # the lanes of one value share a warp (REDUCE_LANES divides 32)
+            ci2 = e % cg
+            r = e // cg
+            ci = r % cg
+            r = r // cg
+            tt = r % terms
+            g = r // terms
+            task = ci2 // CB + nb * (ci // CB) + term_col[tt, 0] + gstride * g
+            pair = (ci % CB) * CB + ci2 % CB
+            cbase = CB * CB * win * cols
+            nch = groups * cgp
+            col_s = (pair * win + term_col[tt, 1]) * cols + task
+            col_a = cbase + ncorr * CB * CB * cols + g * cgp + ci
+            c_b = float64(cvals[g * cg + ci2])
+            # the term's entries (at cbase + (e*CB*CB + pair)*cols + task) and edges (at
+            # col_a + (1 + e)*nch), once
+            ccols = cuda.local.array(corr_len, int32)
+            cuse = cuda.local.array(corr_len, float64)
+            acols = cuda.local.array(edge_len, int32)
+            ause = cuda.local.array(edge_len, float64)
+            for j in range(corr_width):
+                k = term_corr[tt, j]
+                ccols[j] = cbase + (k * CB * CB + pair) * cols + task if k >= 0 else col_s
+                cuse[j] = 1.0 if k >= 0 else 0.0
+            for j in range(edge_width):
+                k = term_edges[tt, j]
+                acols[j] = col_a + (1 + k) * nch if k >= 0 else col_a
+                ause[j] = 1.0 if k >= 0 else 0.0
+            width = term_chunks.shape[1]
+            m = lane
+            while m + REDUCE_LANES < width and term_chunks[tt, m + REDUCE_LANES] >= 0:
+                total += (chunk_value(chunk_sums, term_chunks[tt, m], col_s, col_a, ccols, cuse,
+                                      acols, ause, c_b)
+                          + chunk_value(chunk_sums, term_chunks[tt, m + REDUCE_LANES], col_s,
+                                        col_a, ccols, cuse, acols, ause, c_b))
+                m += 2 * REDUCE_LANES
+            if m < width and term_chunks[tt, m] >= 0:
+                total += chunk_value(chunk_sums, term_chunks[tt, m], col_s, col_a, ccols, cuse,
+                                     acols, ause, c_b)
+        h = REDUCE_LANES // 2
+        while h > 0:  # every thread of the warp takes part (FULL_MASK)
+            total += cuda.shfl_xor_sync(FULL_MASK, total, h)
+            h //= 2
+        if lane == 0 and e < values:
+            out[g, tt, ci, ci2] = total
+
+    return gram_reduce
 
 
 @dataclass
@@ -561,8 +602,14 @@ def sums_grid(plan: GramPlan) -> tuple[int, int]:
     return len(plan.blocks), plan.task_groups
 
 
+def reduce_kernel(plan: GramPlan):
+    """The plan's ``gram_reduce``: its term tables' widths (``_padded``: at least one column)."""
+    return make_gram_reduce(max((len(t.corr) for t in plan.terms), default=0) or 1,
+                            max((len(t.edges) for t in plan.terms), default=0) or 1)
+
+
 def reduce_grid(plan: GramPlan) -> int:
-    return -(-plan.groups * len(plan.terms) * plan.cg * plan.cg // REDUCE_BLOCK)
+    return -(-plan.groups * len(plan.terms) * plan.cg * plan.cg * REDUCE_LANES // REDUCE_BLOCK)
 
 
 def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
@@ -586,7 +633,7 @@ def launch_gram_reduce(gl: GramLaunch) -> None:
     launch(gram_chunk_sums, -(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
            REDUCE_BLOCK, (gl.partial, gl.apartial, gl.chunks, gl.chunk_sums), after_prior=True)
     gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
-    launch(gram_reduce, reduce_grid(plan), REDUCE_BLOCK,
+    launch(reduce_kernel(plan), reduce_grid(plan), REDUCE_BLOCK,
            (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.term_corr, gl.term_edges, gl.cvals,
             gl.sums, (plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB,
                       len(plan.corr))), after_prior=True)

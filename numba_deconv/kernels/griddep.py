@@ -17,7 +17,16 @@ Here the gather follows box_sums (the per-(n, c) means): its first blocks stage 
 and run their multiply-adds while box_sums finishes, and wait for it only before the epilogue,
 where the means are read. In training, ``batch_statistics`` follows the gather and ``scale_rows``
 follows ``batch_statistics`` the same way; those two wait first thing, so what they gain is only
-the launch gap (their blocks are scheduled while the kernel before them still runs).
+the launch gap (their blocks are scheduled while the kernel before them still runs). The Gram
+path is one chain: ``gram_sums`` -> ``box_sums`` (in its tail; it waits at its very end, so that
+its end implies gram_sums') -> ``gram_chunk_sums`` -> ``gram_reduce`` -> ``gram_statistics`` ->
+the gather, every kernel allowing its dependent at its start and waiting where it reads.
+
+Why a chain cannot deadlock: a dependent is scheduled only once every block of the kernel before
+it has started (run ``allow_dependents``) or finished, so the grid a block waits for is wholly
+resident and makes progress, down to the chain's first kernel, which waits for nothing. A kernel
+that waits for the one before sees what every earlier one wrote: each ended after the one before
+it (``batch_statistics`` reads box_sums' means through the gather the same way).
 
 Without the launch attribute ``griddepcontrol.wait`` returns at once and the launch is ordered as
 usual, so both functions are always safe to call; below compute capability 9.0 (no such
