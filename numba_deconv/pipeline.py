@@ -558,20 +558,25 @@ class Pipeline:
             for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.cvals,
                       plan.means_scaled):
                 t.fill_(float("nan"))
-        chained = record is None  # a trace's copies between the kernels break the chain
+        # Anything that may launch a torch kernel (the bias in float64 when it changed) comes
+        # first: between two kernels of the chain it would break the overlap.
+        bias, bn_buffers = self._bias64(plan), self._bn_buffers(plan)
+        # box_sums waits for gram_sums only at its end, so it is chained only to gram_sums
+        # (which has nothing to launch when no two taps meet), never to a trace's copy
+        chained = record is None
         if not gram.BOX_SUMS_IN_TAIL:
             self._box_sums(x, plan, flat_w, record)
         gram.launch_gram_sums(gl, dtype, x)
         if record is not None:
             record["gram_sums"] = gl.partial.clone()
         if gram.BOX_SUMS_IN_TAIL:
-            self._box_sums(x, plan, flat_w, record, after_prior=chained)
+            self._box_sums(x, plan, flat_w, record, after_prior=chained and bool(gl.plan.terms))
         gram.launch_gram_reduce(gl)
         if record is not None:
             record["gram_reduce"] = gl.sums.clone()
         batch_stats.launch_gram_statistics(
-            gl.sums, flat_w, gl.term_taps, gl.term_coef, plan.means, self._bias64(plan),
-            *self._bn_buffers(plan), bn.eps, bn.momentum, plan.batch * plan.volume,
+            gl.sums, flat_w, gl.term_taps, gl.term_coef, plan.means, bias,
+            *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
             self._updates(record), plan.scale, plan.stats, plan.done, plan.means_scaled)
         if record is not None:
             record["batch_statistics"] = plan.stats.clone()

@@ -79,6 +79,19 @@ def test_kernels_match_numpy(geom, batch, spatial, dtype, device):
     check_term_sums(plan, geom, x, dtype, device)
 
 
+@pytest.mark.parametrize("lanes", [1, 8])
+def test_reduction_lanes_match_numpy(lanes, monkeypatch, device):
+    """``gram_reduce`` with one thread per term sum and with the GPU's eight (the simulator's
+    default is two): the same sums, whole rows with column entries and edges included."""
+    monkeypatch.setattr(gram, "REDUCE_LANES", lanes)
+    geom, batch, spatial, dtype = GEOMETRIES[0]
+    plan = gram_plan(geom, batch, spatial, dtype.itemsize, sms=2, max_block=block_size(256))
+    assert plan.whole_rows and plan.corr and plan.edges
+    gen = torch.Generator().manual_seed(lanes)
+    x = torch.randn((batch, geom.in_channels, *spatial), generator=gen, dtype=torch.float64) - 3
+    check_term_sums(plan, geom, x, dtype, device)
+
+
 @pytest.mark.parametrize("channels", [32, 96, 128])
 def test_many_channels_tile_the_input(channels):
     """Many channels leave a small staging area: tiles narrow until their staged rows fit it (96

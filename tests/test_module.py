@@ -59,18 +59,21 @@ def test_device_array_in_device_array_out(device):
     testing.assert_close(torch.from_numpy(out.copy_to_host()), expected, 1e-5)
 
 
-@pytest.mark.parametrize("box_sums_in_tail", [True, False])
-def test_trace_records_every_stage_without_updating_stats(box_sums_in_tail, monkeypatch, device):
+@pytest.mark.parametrize("impl,variance,box_sums_in_tail",
+                         [("gather", "epilogue", True), ("scatter", "epilogue", True),
+                          ("gather", "gram", True), ("gather", "gram", False)])
+def test_trace_records_every_stage_without_updating_stats(impl, variance, box_sums_in_tail,
+                                                          monkeypatch, device):
+    """Every stage in order (the Gram path with box_sums on either side of gram_sums)."""
     from numba_deconv.kernels import gram
 
     monkeypatch.setattr(gram, "BOX_SUMS_IN_TAIL", box_sums_in_tail)
     model = Model(3, 4, 3, 2, 1).to(device).train()
-    for impl, variance in (("gather", "epilogue"), ("scatter", "epilogue"), ("gather", "gram")):
-        pipe = Pipeline.from_torch(model, conv_impl=impl, variance=variance)
-        before = model.batch_norm.running_mean.clone()
-        stages = pipe.trace(torch.randn(2, 3, 3, 4, 4, device=device))
-        assert list(stages) == ["input", *pipe.stages]
-        assert torch.equal(model.batch_norm.running_mean, before)
+    pipe = Pipeline.from_torch(model, conv_impl=impl, variance=variance)
+    before = model.batch_norm.running_mean.clone()
+    stages = pipe.trace(torch.randn(2, 3, 3, 4, 4, device=device))
+    assert list(stages) == ["input", *pipe.stages]
+    assert torch.equal(model.batch_norm.running_mean, before)
 
 
 @pytest.mark.gpu

@@ -45,7 +45,8 @@ instructions, 10.5 us. (A thread per input column index walking every plane, so 
 intervals apply once per plane instead of per column, spilled at the 128-register cap and took
 22 us; a 96-register cap, so that a gather block fits beside two of these, 12 us and a slower
 call.) The block calls ``griddep.allow_dependents`` first, so the gather after it can start as
-it finishes.
+it finishes. On the Gram path it runs as ``gram_sums``' programmatic dependent, in its tail, and
+waits for it at its very end (``Pipeline._gram_train``).
 
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
 N*Cin*KD*KH*KW doubles and N*Cout means; per value about 5 instructions per lane (two for the

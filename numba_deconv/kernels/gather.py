@@ -34,9 +34,10 @@ accumulates, computed beforehand from box sums; each output is written once, alr
 (``acc - mean``). In evaluation mode the BN scale is already folded into the weights, so that is
 the final output. SCALED (training's Gram path) multiplies instead, ``acc * scale[c] - mean``
 with ``mean`` already scaled: the weights stay unscaled, so nothing before the epilogue depends
-on the batch statistics and the kernel can start while they are finished. Launched as box_sums' programmatic dependent (``griddep``), the kernel's first
-blocks stage their weights and run their multiply-adds while box_sums finishes; they wait for it
-only before the epilogue, where the means are read.
+on the batch statistics. Launched as the previous kernel's programmatic dependent (``griddep``:
+box_sums, which writes the means; on the Gram path gram_statistics, which writes the scaled
+means and the scale), the kernel's first blocks stage their weights and run their multiply-adds
+while that kernel finishes; they wait for it only before the epilogue, where those are read.
 With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces its NC
 sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes to shared
 memory, and after one barrier NC threads add them in a fixed order and write one value per
@@ -336,8 +337,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         wph,    # (SD, CTILES, IPG, TDMAX, NHT, NWT, NC) weights by phase, see phase_weight_index
         mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled, in eval and
                 # with SCALED)
-        scale,  # (CO,) the output's per-channel scale (used only with SCALED; otherwise any
-                # 1-D array of the output's dtype with CO elements or more: the weights)
+        scale,  # (CO,) the output's per-channel scale (read only with SCALED; otherwise any
+                # 1-D array of the output's dtype: the weights)
         out,    # (N*CO*OD*OH*OW,) output, flattened
         ss,     # (N, CO, slots) f64 centred-square partials (written only with TRAIN)
         sizes,  # tuple: the run-time sizes named in _DIMS

@@ -181,6 +181,9 @@ def gram_sums_source(consts: dict) -> str:
 
     src = [
         "def gram_sums(x, tiles, blocks, partial, apartial, cvals, in_ch, in_d, in_h, in_w):",
+        "    # the next kernel (box_sums, or gram_chunk_sums) reads nothing of this one's before",
+        "    # it waits: its blocks may take the room this one's leave (``griddep``)",
+        "    allow_dependents()",
         f"    sm = cuda.shared.array(0, acc_t, alignment=16)  # {c['SMEM']} elements",
         f"    asm = cuda.shared.array({c['BLOCK']}, float64)",
         "    t = cuda.threadIdx.x",
@@ -385,7 +388,8 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
     namespace = {"cuda": cuda, "acc_t": _NUMBA_TYPES[dtype], "float64": float64, "min": min,
-                 "uint64": uint64, "copy1": copy1, "wait_all": wait_all}
+                 "uint64": uint64, "copy1": copy1, "wait_all": wait_all,
+                 "allow_dependents": allow_dependents}
     source = gram_sums_source(dict(consts))
     exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
     # the simulator's jit takes no register cap (and has no registers)
@@ -441,10 +445,11 @@ def gram_chunk_sums(partial, apartial, chunks, out):
 
 
 @functools.lru_cache(maxsize=None)
-def make_gram_reduce(corr_width: int, edge_width: int):
+def make_gram_reduce(corr_width: int, edge_width: int, lanes: int):
     """``gram_reduce`` for terms of at most ``corr_width`` column entries and ``edge_width``
-    edges (the widths of ``GramLaunch.term_corr`` and ``term_edges``): compile-time loops over
-    them, so that every load of a chunk is issued at once."""
+    edges (the widths of ``GramLaunch.term_corr`` and ``term_edges``), ``lanes`` threads per
+    term sum (a power of two up to 32): compile-time loops, so that every load of a chunk is
+    issued at once."""
     corr_len, edge_len = max(1, corr_width), max(1, edge_width)  # local arrays' literal sizes
 
     @cuda.jit(device=True, inline="always")
@@ -468,9 +473,9 @@ def make_gram_reduce(corr_width: int, edge_width: int):
         # pads); term_corr, term_edges: (T, corr_width), (T, edge_width) int32 the column
         # entries and the edges a term leaves out (-1 pads; whole-row mode); cvals: (CI,) the
         # shifts c; out: (G, T, CG, CG) f64. dims: (cg, nb, gstride, win, cols, cgp, ncorr).
-        # REDUCE_LANES consecutive threads per (group, term, ci, ci'), each over every
-        # REDUCE_LANES-th chunk of the term's, two chunks per trip, then shuffles (a fixed
-        # order: deterministic):
+        # ``lanes`` consecutive threads per (group, term, ci, ci'), each over every lanes-th
+        # chunk of the term's, two chunks per trip, then shuffles (a fixed order for a given
+        # ``lanes``: deterministic):
         #     G(ci, ci') = sum x_a (x_b - c_b) + c_b * sum x_a   (less what the term leaves out)
         # (A thread per value walking all of a term's chunks, ~25 at the default problem, once
         # for its sums and once per entry and edge: ~18 dependent round trips, 15.7 us, session
@@ -481,12 +486,12 @@ def make_gram_reduce(corr_width: int, edge_width: int):
         cg, nb, gstride, win, cols, cgp, ncorr = dims
         groups, terms = out.shape[0], out.shape[1]
         t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        lane = t % REDUCE_LANES
-        e = t // REDUCE_LANES
+        lane = t % lanes
+        e = t // lanes
         values = groups * terms * cg * cg
         total = 0.0
         g = tt = ci = ci2 = 0
-        if e < values:  # the lanes of one value share a warp (REDUCE_LANES divides 32)
+        if e < values:  # the lanes of one value share a warp (lanes divides 32)
             ci2 = e % cg
             r = e // cg
             ci = r % cg
@@ -516,16 +521,16 @@ def make_gram_reduce(corr_width: int, edge_width: int):
                 ause[j] = 1.0 if k >= 0 else 0.0
             width = term_chunks.shape[1]
             m = lane
-            while m + REDUCE_LANES < width and term_chunks[tt, m + REDUCE_LANES] >= 0:
+            while m + lanes < width and term_chunks[tt, m + lanes] >= 0:
                 total += (chunk_value(chunk_sums, term_chunks[tt, m], col_s, col_a, ccols, cuse,
                                       acols, ause, c_b)
-                          + chunk_value(chunk_sums, term_chunks[tt, m + REDUCE_LANES], col_s,
+                          + chunk_value(chunk_sums, term_chunks[tt, m + lanes], col_s,
                                         col_a, ccols, cuse, acols, ause, c_b))
-                m += 2 * REDUCE_LANES
+                m += 2 * lanes
             if m < width and term_chunks[tt, m] >= 0:
                 total += chunk_value(chunk_sums, term_chunks[tt, m], col_s, col_a, ccols, cuse,
                                      acols, ause, c_b)
-        h = REDUCE_LANES // 2
+        h = lanes // 2
         while h > 0:  # every thread of the warp takes part (FULL_MASK)
             total += cuda.shfl_xor_sync(FULL_MASK, total, h)
             h //= 2
@@ -605,7 +610,7 @@ def sums_grid(plan: GramPlan) -> tuple[int, int]:
 def reduce_kernel(plan: GramPlan):
     """The plan's ``gram_reduce``: its term tables' widths (``_padded``: at least one column)."""
     return make_gram_reduce(max((len(t.corr) for t in plan.terms), default=0) or 1,
-                            max((len(t.edges) for t in plan.terms), default=0) or 1)
+                            max((len(t.edges) for t in plan.terms), default=0) or 1, REDUCE_LANES)
 
 
 def reduce_grid(plan: GramPlan) -> int:
