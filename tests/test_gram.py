@@ -79,10 +79,10 @@ def test_kernels_match_numpy(geom, batch, spatial, dtype, device):
     check_term_sums(plan, geom, x, dtype, device)
 
 
-@pytest.mark.parametrize("lanes", [1, 8])
+@pytest.mark.parametrize("lanes", [2, 8])
 def test_reduction_lanes_match_numpy(lanes, monkeypatch, device):
-    """``gram_reduce`` with one thread per term sum and with the GPU's eight (the simulator's
-    default is two): the same sums, whole rows with column entries and edges included."""
+    """``gram_reduce`` with two threads per term sum and with the GPU's eight (the simulator's
+    default is one): the same sums, whole rows with column entries and edges included."""
     monkeypatch.setattr(gram, "REDUCE_LANES", lanes)
     geom, batch, spatial, dtype = GEOMETRIES[0]
     plan = gram_plan(geom, batch, spatial, dtype.itemsize, sms=2, max_block=block_size(256))

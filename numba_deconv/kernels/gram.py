@@ -78,8 +78,8 @@ from .warp import FULL_MASK
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
 REDUCE_BLOCK = 128
 # threads per term sum in gram_reduce (a power of two up to 32); the simulator, which pays per
-# thread, takes two (the same code path, the shuffles included)
-REDUCE_LANES = 2 if is_simulator() else 8
+# thread, takes one (tests/test_gram.py runs two and eight)
+REDUCE_LANES = 1 if is_simulator() else 8
 # where the Gram path runs box_sums: after gram_sums as its programmatic dependent, in its tail
 # (True), or before it (``Pipeline._gram_train``; benchmarks/NOTES.md session 16)
 BOX_SUMS_IN_TAIL = True
