@@ -1,4 +1,4 @@
-"""GPU probe of the Gram path's chain of programmatic dependents (session 16, not yet run).
+"""GPU probe of the Gram path's chain of programmatic dependents (session 16).
 
     PYTHONPATH=$PWD python3 benchmarks/probe_gram_chain.py [--rounds 3] [--out DIR]   (GPU only)
 

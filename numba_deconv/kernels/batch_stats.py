@@ -192,6 +192,9 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
         # written by it) are staged before the wait, the term sums read after it
         wait_prior_grid()
         cuda.syncthreads()  # the channel's weights are staged
+        # the first of the thread's means now, read after the term loop: its load in flight
+        # with the loop's (it was a round trip of its own after the first block sum)
+        m_sum = means[t, c] if t < n_batch else 0.0
         q = 0.0
         pairs = cg * cg
         split = max(1, cuda.blockDim.x // pairs)  # threads per channel pair, terms strided
@@ -205,24 +208,37 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
             q2 = 0.0
             q3 = 0.0
             tt = part
-            while tt + 7 * split < terms:  # eight terms in flight (a chain of two loads each)
-                q0 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
-                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 4 * split, ci, ci2))
-                q1 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt + split, ci, ci2)
-                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 5 * split, ci, ci2))
-                q2 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split, ci, ci2)
-                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 6 * split, ci, ci2))
-                q3 += (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split, ci, ci2)
-                       + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 7 * split, ci, ci2))
-                tt += 8 * split
+            while tt + 15 * split < terms:  # sixteen terms in flight (a chain of two loads each)
+                q0 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
+                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 4 * split, ci, ci2))
+                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 8 * split, ci, ci2)
+                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 12 * split, ci,
+                                  ci2)))
+                q1 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt + split, ci, ci2)
+                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 5 * split, ci, ci2))
+                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 9 * split, ci, ci2)
+                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 13 * split, ci,
+                                  ci2)))
+                q2 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split, ci, ci2)
+                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 6 * split, ci, ci2))
+                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 10 * split, ci,
+                                ci2)
+                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 14 * split, ci,
+                                  ci2)))
+                q3 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split, ci, ci2)
+                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 7 * split, ci, ci2))
+                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 11 * split, ci,
+                                ci2)
+                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 15 * split, ci,
+                                  ci2)))
+                tt += 16 * split
             while tt < terms:
                 q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
                 tt += split
             q += (q0 + q1) + (q2 + q3)
-        q = block_sum(q, scratch)
-        m_sum = 0.0
-        for n in range(t, n_batch, cuda.blockDim.x):
+        for n in range(t + cuda.blockDim.x, n_batch, cuda.blockDim.x):
             m_sum += means[n, c]
+        q = block_sum(q, scratch)
         m_sum = block_sum(m_sum, scratch)
         if t == 0:
             mu = m_sum / n_batch

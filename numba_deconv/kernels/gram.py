@@ -55,8 +55,8 @@ problem (0.205 ms with cells along W and two teams of 96 threads, 0.173 ms with 
 two teams) and 16 us at the geometry problem. Without cells at all
 (``benchmarks/probe_gram_v3.py``: every position, tiles of 8 whole rows, no shift) the same loop
 takes 78 us. Training on this path took 0.427 and 0.535 ms in two bench runs (the epilogue
-path 0.430 / 0.429): issuing a call costs the host ~0.4 ms (six launches), about the GPU's time,
-so the GPU at times waits for the host.
+path 0.430 / 0.429); as one chain of programmatic dependents (session 16) 0.411-0.416 ms where
+the host issues a call in ~0.3 ms, host-bound where it needs ~0.4 ms.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ REDUCE_BLOCK = 128
 # thread, takes one (tests/test_gram.py runs two and eight)
 REDUCE_LANES = 1 if is_simulator() else 8
 # where the Gram path runs box_sums: after gram_sums as its programmatic dependent, in its tail
-# (True), or before it (``Pipeline._gram_train``; benchmarks/NOTES.md session 16)
+# (True: 0.411-0.416 ms a call against 0.417-0.422, H100), or before it (``Pipeline._gram_train``;
+# benchmarks/NOTES.md session 16)
 BOX_SUMS_IN_TAIL = True
 MAX_REGS = 0  # register cap of gram_sums (0: none)
 
@@ -405,12 +406,22 @@ def make_gram_sums(dtype: str, plan: GramPlan, max_regs: int | None = None):
 
 @cuda.jit(device=True, inline="always")
 def _slot_sum(partial, lo, hi, col):
-    """Slots lo..hi-1 of one column, in a fixed order (eight loads in flight)."""
+    """Slots lo..hi-1 of one column, in a fixed order (sixteen loads in flight)."""
     s0 = 0.0
     s1 = 0.0
     s2 = 0.0
     s3 = 0.0
     sl = lo
+    while sl + 16 <= hi:
+        s0 += ((float64(partial[sl, col]) + float64(partial[sl + 4, col]))
+               + (float64(partial[sl + 8, col]) + float64(partial[sl + 12, col])))
+        s1 += ((float64(partial[sl + 1, col]) + float64(partial[sl + 5, col]))
+               + (float64(partial[sl + 9, col]) + float64(partial[sl + 13, col])))
+        s2 += ((float64(partial[sl + 2, col]) + float64(partial[sl + 6, col]))
+               + (float64(partial[sl + 10, col]) + float64(partial[sl + 14, col])))
+        s3 += ((float64(partial[sl + 3, col]) + float64(partial[sl + 7, col]))
+               + (float64(partial[sl + 11, col]) + float64(partial[sl + 15, col])))
+        sl += 16
     while sl + 8 <= hi:
         s0 += float64(partial[sl, col]) + float64(partial[sl + 4, col])
         s1 += float64(partial[sl + 1, col]) + float64(partial[sl + 5, col])
