@@ -155,6 +155,15 @@ def _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2):
             * wsm[ci2 * taps + term_taps[tt, 1]])
 
 
+@cuda.jit(device=True, inline="always")
+def _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt, step, ci, ci2):
+    """Terms tt, tt + step, tt + 2*step, tt + 3*step of Q_c, added in pairs."""
+    return ((_term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
+             + _term(sums, wsm, taps, term_taps, term_coef, g, tt + step, ci, ci2))
+            + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * step, ci, ci2)
+               + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * step, ci, ci2)))
+
+
 @cuda.jit
 def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
                     running_var, tracked, eps, momentum, count, update, scale, stats, done,
@@ -209,28 +218,13 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
             q3 = 0.0
             tt = part
             while tt + 15 * split < terms:  # sixteen terms in flight (a chain of two loads each)
-                q0 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
-                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 4 * split, ci, ci2))
-                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 8 * split, ci, ci2)
-                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 12 * split, ci,
-                                  ci2)))
-                q1 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt + split, ci, ci2)
-                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 5 * split, ci, ci2))
-                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 9 * split, ci, ci2)
-                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 13 * split, ci,
-                                  ci2)))
-                q2 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split, ci, ci2)
-                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 6 * split, ci, ci2))
-                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 10 * split, ci,
-                                ci2)
-                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 14 * split, ci,
-                                  ci2)))
-                q3 += ((_term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split, ci, ci2)
-                        + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 7 * split, ci, ci2))
-                       + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 11 * split, ci,
-                                ci2)
-                          + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 15 * split, ci,
-                                  ci2)))
+                q0 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt, 4 * split, ci, ci2)
+                q1 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt + split, 4 * split,
+                                  ci, ci2)
+                q2 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split,
+                                  4 * split, ci, ci2)
+                q3 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split,
+                                  4 * split, ci, ci2)
                 tt += 16 * split
             while tt < terms:
                 q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
