@@ -123,6 +123,36 @@ def test_direct_launcher_writes_the_parameters_numba_would(monkeypatch):
     assert got["doubles"][want.index(None)] == 2.5
 
 
+def test_pinned_tensors_pass_the_fields_read_when_pinned(monkeypatch):
+    """``launch.pin``: a pinned tensor's kind and parameter fields are the ones a plain tensor
+    gives (read once, kept on the object); a view of it is not pinned (no GPU: the driver is
+    faked)."""
+    import ctypes
+
+    import torch
+    from cuda.bindings import driver
+
+    monkeypatch.setattr(launch, "is_simulator", lambda: False)
+    a = torch.randn(4, 6, dtype=torch.float64)
+    b = launch.pin(torch.randn(4, 6, dtype=torch.float64)[:, 1:])
+    view = b.view(-1) if b.is_contiguous() else b[1:]
+    assert launch._kind(b) == (torch.float64, 2, False) and launch._kind(a)[2]
+    assert launch._PINNED not in view.__dict__
+    got = []
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        pointers = (ctypes.c_void_p * 27).from_address(params)
+        got.append([ctypes.c_int64.from_address(p).value for p in pointers])
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(driver, "cuLaunchKernel", fake_launch)
+    direct = launch._direct_launcher(_fake_kernel(5), [_View(a), _View(b), _View(view)], 1, 32, 0)
+    direct(7, (a, b, view))
+    fields = lambda t: [0, 0, t.numel(), 8, t.data_ptr(), *t.shape,  # noqa: E731
+                        *[8 * s for s in t.stride()]]
+    assert got == [fields(a) + fields(b) + fields(view)]
+
+
 def test_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkeypatch):
     """``after_prior`` launches go through ``cuLaunchKernelEx`` with programmatic stream
     serialization allowed, the launch shape in the config and the same parameter buffer (no GPU:

@@ -62,7 +62,7 @@ the host issues a call in ~0.3 ms, host-bound where it needs ~0.4 ms.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
 from .async_copy import copy1, wait_all
 from .griddep import allow_dependents, wait_prior_grid
-from .launch import block_size, launch, tensor_device
+from .launch import block_size, launch, pin, tensor_device
 from .warp import FULL_MASK
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
@@ -570,6 +570,9 @@ class GramLaunch:
     chunk_sums: torch.Tensor
     cvals: torch.Tensor
     sums: torch.Tensor
+    # what a call's launches need, worked out once (a plan's properties are computed, and its
+    # constants build the kernel's cache key: ~60 µs of host time per call, session 17)
+    shapes: dict = field(default_factory=dict)
 
 
 def plan_for(geom, batch: int, in_spatial, itemsize: int) -> GramPlan | None:
@@ -596,20 +599,29 @@ def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
         col.append((task, k))  # the window part of the task; ci, ci', g are added per thread
     lists = [[k for c in term.cells for k in range(*plan.cell_chunks[c])] for term in plan.terms]
     term_chunks = _padded(lists)
-    as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    return GramLaunch(
+    as_dev = lambda a: pin(torch.from_numpy(np.ascontiguousarray(a)).to(device))  # noqa: E731
+    empty = lambda *shape, dtype: pin(torch.empty(shape, dtype=dtype, device=device))  # noqa: E731
+    gl = GramLaunch(
         plan, as_dev(plan.tiles), as_dev(plan.blocks),
         as_dev(np.array(col, np.int32).reshape(-1, 2)), as_dev(term_chunks),
         as_dev(_padded([t.corr for t in plan.terms])),
         as_dev(_padded([t.edges for t in plan.terms])), as_dev(plan.chunks),
         as_dev(np.array([(t.a, t.b) for t in plan.terms], np.int32).reshape(-1, 2)),
         as_dev(np.array([t.coef for t in plan.terms], np.float64)),
-        torch.empty((plan.slots, plan.sums_width), dtype=dtype, device=device),
-        torch.empty((plan.slots, plan.channel_width), dtype=torch.float64, device=device),
-        torch.empty((len(plan.chunks), width), dtype=torch.float64, device=device),
-        torch.empty(plan.groups * plan.cg, dtype=dtype, device=device),
-        torch.empty((plan.groups, len(plan.terms), plan.cg, plan.cg), dtype=torch.float64,
-                    device=device))
+        empty(plan.slots, plan.sums_width, dtype=dtype),
+        empty(plan.slots, plan.channel_width, dtype=torch.float64),
+        empty(len(plan.chunks), width, dtype=torch.float64),
+        empty(plan.groups * plan.cg, dtype=dtype),
+        empty(plan.groups, len(plan.terms), plan.cg, plan.cg, dtype=torch.float64))
+    gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
+    gl.shapes.update(
+        sums_grid=sums_grid(plan), block=plan.block,
+        chunk_grid=-(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
+        reduce_kernel=reduce_kernel(plan), reduce_grid=reduce_grid(plan),
+        # one tuple object: the launcher flattens it once
+        reduce_dims=(plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB,
+                     len(plan.corr)))
+    return gl
 
 
 def sums_grid(plan: GramPlan) -> tuple[int, int]:
@@ -635,8 +647,11 @@ def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
     if not plan.terms:  # no two taps meet inside the output: every sum is zero
         return
     n, ci, d, h, w = x.shape
-    kernel = make_gram_sums(dtype, plan)
-    launch(kernel, sums_grid(plan), plan.block,
+    shapes = gl.shapes
+    kernel = shapes.get(dtype)
+    if kernel is None:
+        kernel = shapes[dtype] = make_gram_sums(dtype, plan)
+    launch(kernel, shapes["sums_grid"], shapes["block"],
            (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.apartial, gl.cvals, ci, d, h, w),
            smem=plan.smem * x.element_size(), max_shared=True)
 
@@ -646,10 +661,9 @@ def launch_gram_reduce(gl: GramLaunch) -> None:
     plan = gl.plan
     if not plan.terms:
         return
-    launch(gram_chunk_sums, -(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
-           REDUCE_BLOCK, (gl.partial, gl.apartial, gl.chunks, gl.chunk_sums), after_prior=True)
-    gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
-    launch(reduce_kernel(plan), reduce_grid(plan), REDUCE_BLOCK,
+    shapes = gl.shapes
+    launch(gram_chunk_sums, shapes["chunk_grid"], REDUCE_BLOCK,
+           (gl.partial, gl.apartial, gl.chunks, gl.chunk_sums), after_prior=True)
+    launch(shapes["reduce_kernel"], shapes["reduce_grid"], REDUCE_BLOCK,
            (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.term_corr, gl.term_edges, gl.cvals,
-            gl.sums, (plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB,
-                      len(plan.corr))), after_prior=True)
+            gl.sums, shapes["reduce_dims"]), after_prior=True)
