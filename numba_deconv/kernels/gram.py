@@ -15,7 +15,11 @@ default problem 96 tasks, one team: four blocks per SM). A block walks its run o
 tile a warp per (D plane, row) stages the tile and the halo its offsets reach in shared memory,
 laid out [plane][row][channel quad][column][CB], by asynchronous copies (``async_copy``) all in
 flight, lanes over (channel of a quad, column) so that a warp's stores fill 32 banks; outside
-the input it stages each channel's shift c (below), so that ``x_b - c`` is zero there. Then
+the input it stages each channel's shift c (below), so that ``x_b - c`` is zero there. A lane's
+columns are tested with one unsigned comparison each against the tile's span of columns inside
+the input (the row's and the channel's tests hoisted out of the column loop; the per-column
+signed 64-bit tests were ~55 instructions per staged warp-row: 27% of the kernel's, ncu,
+session 17). Then
 each thread walks its rows along W, keeping the W window in registers and loading per column
 only the "b" quad entering it and its "a" quad: two 16-byte loads per 48 FMAs at the default
 problem. The quad stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a
@@ -50,9 +54,10 @@ their shares together, each in a fixed order (deterministic), into the term sums
 
 Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the tasks
 compute both signs of the H and W offsets for D offset 0), against the convolution's 3.33 G.
-Measured (H100, benchmarks/NOTES.md sessions 7, 14, 15): this kernel 127 us at the default
-problem (0.205 ms with cells along W and two teams of 96 threads, 0.173 ms with whole rows and
-two teams) and 16 us at the geometry problem. Without cells at all
+Measured (H100, benchmarks/NOTES.md sessions 7, 14, 15, 17): this kernel 119 us at the default
+problem with the staging above (126 us before it, in the same run; 127 in session 15, 0.205 ms
+with cells along W and two teams of 96 threads, 0.173 ms with whole rows and two teams) and
+16 us at the geometry problem. Without cells at all
 (``benchmarks/probe_gram_v3.py``: every position, tiles of 8 whole rows, no shift) the same loop
 takes 78 us. Training on this path took 0.427 and 0.535 ms in two bench runs (the epilogue
 path 0.430 / 0.429); as one chain of programmatic dependents (session 16) 0.411-0.416 ms where
@@ -281,29 +286,42 @@ def gram_sums_source(consts: dict) -> str:
         # divisions was half of all instructions (ncu, session 14)
         f"        wz0 = w0 - {c['HL']}",
         "        nbase = n * in_ch * cstride",
+        # a lane's staged columns are lcol, lcol + 8, ...: niter of them; those inside the
+        # input (wz = wz0 + col in [0, in_w)) are the cspan columns from clo, one unsigned
+        # test each; the others (and whole rows or channels outside) take the pad
+        "        niter = max(0, (ncol - lcol + 7) >> 3)",
+        "        clo = max(0, -wz0)",
+        "        cspan = uint64(max(0, min(ncol, in_w - wz0) - clo))",
         f"        for plane in range({c['P']}):",
         f"            dz = d + plane * {c['SD']}",
         "            row = warp",
         "            while row < nrow:",
         f"                hz = h0 - {c['HT']} + row",
         "                rok = dz < in_d and hz >= 0 and hz < in_h",
-        "                rbase = nbase + (dz * in_h + hz) * in_w + wz0",
-        f"                dbase = (plane * psv + row * rsv) * {CB} + c4",
+        "                rbase = nbase + (dz * in_h + hz) * in_w + wz0 + lcol",
+        f"                dbase = (plane * psv + row * rsv + lcol) * {CB} + c4",
         f"                for q in range({c['NQ']}):",
         f"                    gg = q // {c['NB']}",
         f"                    chl = (q - gg * {c['NB']}) * {CB} + c4",
-        f"                    ok = rok and chl < {c['CG']}",
         f"                    pad = sm[uint64({c['CSM']} + q * {CB}) + c4]  # then b - c = 0",
         f"                    dst = dbase + q * qsv * {CB}",
-        f"                    src = rbase + (gg * {c['CG']} + chl) * cstride",
-        "                    col = lcol",
-        "                    while col < ncol:",
-        "                        wz = wz0 + col",
-        "                        if ok and wz >= 0 and wz < in_w:",
-        f"                            copy1(sm, uint64(dst + col * {CB}), x, uint64(src + col))",
-        "                        else:",
-        f"                            sm[uint64(dst + col * {CB})] = pad",
-        "                        col += 8",
+        f"                    if rok and chl < {c['CG']}:",
+        f"                        srcq = rbase + (gg * {c['CG']} + chl) * cstride",
+        "                        cc = lcol - clo  # as unsigned: huge below clo, so outside",
+        "                        for k in range(niter):",
+        "                            if uint64(cc) < cspan:",
+        "                                copy1(sm, uint64(dst), x, uint64(srcq))",
+        "                            else:",
+        "                                sm[uint64(dst)] = pad",
+        f"                            dst += {8 * CB}",
+        "                            srcq += 8",
+        "                            cc += 8",
+        "                    else:",
+        "                        for k in range(niter):",
+        "                            sm[uint64(dst)] = pad",
+        f"                            dst += {8 * CB}",
+    ]
+    src += [
         "                row += nwarps",
         "        wait_all()  # this thread's copies have landed",
         "        cuda.syncthreads()  # the tile is staged",
