@@ -30,6 +30,14 @@ PROFILE = os.environ.get("NUMBA_DECONV_PROFILE", "ci" if SIM else "gpu")
 settings.load_profile(PROFILE)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: no error where it is absent
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (scripts/test.sh): under the simulator, which runs kernels in Python and is
+    CPU-bound, one worker per core (CI's two cores halve its time); on a GPU one process (0: no
+    workers), so that timing checks do not share the device."""
+    return (os.cpu_count() or 1) if SIM else 0
+
+
 def pytest_report_header(config):
     return f"numba_deconv backend: {'CUDA simulator' if SIM else 'GPU'}; hypothesis profile: {PROFILE}"
 
