@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
@@ -48,18 +47,6 @@ def errors(base, x) -> None:
         print(line)
 
 
-def host_us(fn, calls: int = 8) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return t
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -71,7 +58,7 @@ def main() -> None:
     times = {k: [] for k in models}
     with torch.no_grad():
         for k, model in models.items():
-            print(f"host per call {k[0]:5s} {k[1]:13s} {host_us(lambda: model(x)):7.1f} us "
+            print(f"host per call {k[0]:5s} {k[1]:13s} {bench.host_time_us(lambda: model(x), 8, warmup=3):7.1f} us "
                   "(8 calls issued, no wait)")
         for r in range(args.rounds):
             row = []

@@ -25,16 +25,6 @@ from numba_deconv.explain import _device_limits, _resources
 from numba_deconv.kernels import gram
 from numba_deconv.pipeline import Pipeline
 
-CALLS = 10
-
-
-def graph_us(fn) -> float:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return bench.time_gpu(graph.replay, warmup=3, reps=30).median_ms * 1e3 / CALLS
-
 
 def check(case) -> None:
     model, x = case.build("cuda")
@@ -55,8 +45,8 @@ def check(case) -> None:
         if pipe.uses_gram:
             plan = next(iter(pipe._plans.values()))
             gl = plan.gram
-            gram_us = graph_us(lambda: gram.launch_gram_sums(gl, "float32", x))
-            red_us = graph_us(lambda: gram.launch_gram_reduce(gl))
+            gram_us = bench.graph_time_us(lambda: gram.launch_gram_sums(gl, "float32", x))
+            red_us = bench.graph_time_us(lambda: gram.launch_gram_reduce(gl))
             kernel = gram.make_gram_sums("float32", gl.plan)
             regs, shared, local, occ = _resources(kernel, gl.plan.block, _device_limits())
             p = gl.plan
@@ -84,12 +74,12 @@ def blocks_sweep(values, caps, max_blocks) -> None:
         gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = v, cap
         layout = gram_plan.gram_plan(geom, x.shape[0], tuple(x.shape[2:]), 4, sms, mb)
         gl = gram.gram_launch(layout, x.device)
-        us = graph_us(lambda: gram.launch_gram_sums(gl, "float32", x))
+        us = bench.graph_time_us(lambda: gram.launch_gram_sums(gl, "float32", x))
         regs, _, local, occ = _resources(gram.make_gram_sums("float32", layout),
                                          layout.block, _device_limits())
         print(f"blocks per SM {v}, register cap {cap}, {layout.block} threads: gram_sums "
               f"{us:6.1f} us ({len(layout.blocks)} blocks, {layout.slots} slots; regs {regs} local {local}"
-              f" occupancy {occ}); reduce {graph_us(lambda: gram.launch_gram_reduce(gl)):5.1f} us")
+              f" occupancy {occ}); reduce {bench.graph_time_us(lambda: gram.launch_gram_reduce(gl)):5.1f} us")
     gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = default
 
 

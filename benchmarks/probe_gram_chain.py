@@ -14,7 +14,6 @@ eager and the numba paths, interleaved over rounds, with the speed-up over eager
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
@@ -84,18 +83,6 @@ def timeline(pipe, x, label, calls=10):
     prof.export_chrome_trace(f"{ARGS.out}/trace_{label}.json")
 
 
-def host_us(fn, calls=8):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return t
-
-
 def main() -> None:
     print(torch.cuda.get_device_name())
     errors(bench.default_case())
@@ -120,7 +107,7 @@ def main() -> None:
            "eval": lambda: pv(x)}
     with torch.no_grad():
         for name, fn in fns.items():
-            print(f"host per call {name:12} {host_us(fn):7.1f} us (8 calls issued, no wait)")
+            print(f"host per call {name:12} {bench.host_time_us(fn, 8, warmup=3):7.1f} us (8 calls issued, no wait)")
         gram.BOX_SUMS_IN_TAIL = True
         timeline(pg, x, "gram_tail")
         gram.BOX_SUMS_IN_TAIL = False

@@ -22,16 +22,6 @@ from numba_deconv import bench, gram_plan
 from numba_deconv.kernels import gram
 from numba_deconv.pipeline import Pipeline
 
-CALLS = 10
-
-
-def graph_us(fn) -> float:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return bench.time_gpu(graph.replay, warmup=3, reps=30).median_ms * 1e3 / CALLS
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -50,7 +40,7 @@ def main() -> None:
         gram_plan.TILE_COST = cost
         layout = gram_plan.gram_plan(geom, x.shape[0], tuple(x.shape[2:]), 4, sms)
         gl = gram.gram_launch(layout, x.device)
-        us = graph_us(lambda: gram.launch_gram_sums(gl, "float32", x))
+        us = bench.graph_time_us(lambda: gram.launch_gram_sums(gl, "float32", x))
         t = layout.tiles
         work = t[:, 3].astype(np.int64) * t[:, 5] + default + gram_plan.ROW_COST * t[:, 3]
         runs = np.array([work[b0:b1].sum() for b0, b1, _ in layout.blocks])

@@ -154,6 +154,16 @@ def wall_per_call_us(fn: Callable[[], object], calls: int = TINY_CALLS,
     return _per_call_us(fn, calls, warmup, wait=True)
 
 
+def graph_time_us(fn: Callable[[], object], calls: int = 10, reps: int = 30) -> float:
+    """GPU µs per call of ``fn`` without the host: its launches captured ``calls`` times in one
+    CUDA graph, the replay timed by ``time_gpu`` (median of ``reps``), divided by ``calls``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_gpu(graph.replay, warmup=3, reps=reps).median_ms * 1e3 / calls
+
+
 def sync() -> None:
     if torch.cuda.is_available() and not is_simulator():
         torch.cuda.synchronize()

@@ -169,9 +169,18 @@ class Pipeline:
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
         tensor, restore = self._accept(x)
-        # Inside the caller's own graph capture the launches are simply captured with it.
-        if not is_simulator() and self.graph_wanted(tuple(tensor.shape)) \
-                and not torch.cuda.is_current_stream_capturing():
+        if is_simulator():
+            return restore(self._forward(tensor, record=None))
+        if torch.cuda.is_current_stream_capturing():
+            # Inside the caller's own graph capture the launches are captured with it, and so
+            # is the derivation of folded weights (as in ``_replay``): a replay sees parameters
+            # changed in place, and nothing computed only at replay time enters the cache.
+            self._capturing = True
+            try:
+                return restore(self._forward(tensor, record=None))
+            finally:
+                self._capturing = False
+        if self.graph_wanted(tuple(tensor.shape)):
             return restore(self._replay(tensor))
         return restore(self._forward(tensor, record=None))
 
@@ -227,7 +236,7 @@ class Pipeline:
             return out
         self._graphs.move_to_end(key)
         graph, static_x, static_out, _ = entry
-        static_x.copy_(x)
+        static_x.copy_(x.detach())  # no autograd history kept in the graph's input
         graph.replay()
         if self.training and self.bn.track_running_stats:
             # The replay updated the running statistics without bumping their version counters,
@@ -470,7 +479,7 @@ class Pipeline:
             plan.batch * plan.volume, self._updates(record), plan.scale, plan.stats, plan.done)
         if record is not None:
             record["batch_statistics"] = plan.stats.clone()
-            record["scale"] = plan.scale.to(torch.float64)
+            record["scale"] = plan.scale.to(torch.float64, copy=True)  # never the buffer
         return plan.scale
 
     def _scatter(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
@@ -504,7 +513,7 @@ class Pipeline:
         else:
             scale = plan.ones  # the BN scale is folded into the weights
             if record is not None:
-                record["scale"] = self._eval_scale()
+                record["scale"] = self._eval_scale().clone()
         epilogue.launch_scale_centered(rows, means, scale, rows)
 
     def _gather(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
@@ -535,7 +544,7 @@ class Pipeline:
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()
-                record["scale"] = scale
+                record["scale"] = scale.clone()
             return
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()
@@ -592,4 +601,4 @@ class Pipeline:
                              out.view(-1), plan.ss, scale=plan.scale, after_prior=chained)
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()
-            record["scale"] = plan.scale.to(torch.float64)
+            record["scale"] = plan.scale.to(torch.float64, copy=True)  # never the buffer

@@ -35,7 +35,14 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (scripts/test.sh): under the simulator, which runs kernels in Python and is
     CPU-bound, one worker per core (CI's two cores halve its time); on a GPU one process (0: no
     workers), so that timing checks do not share the device."""
-    return (os.cpu_count() or 1) if SIM else 0
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own reading of it
+    if not SIM:
+        return 0
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use (containers)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def pytest_report_header(config):

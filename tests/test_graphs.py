@@ -89,7 +89,8 @@ def test_auto_graphs_replay_small_calls_of_the_default_path():
 
 def test_a_call_inside_the_callers_own_capture_is_captured_with_it():
     """A caller capturing ``pipe(x)`` in a graph of its own gets the kernels in that graph (the
-    pipeline does not start a capture of its own inside it), and replays compute afresh."""
+    pipeline does not start a capture of its own inside it), and replays compute afresh, with
+    the weights derived inside the graph (a parameter changed in place is seen)."""
     case = testing.Case(testing.ConvGeometry.create(4, 6, 3, 2, 1), testing.BatchNormSettings(),
                         2, (5, 6, 7), False, seed=13)
     conv64, bn64 = testing.build_modules(case, "cuda")
@@ -102,7 +103,11 @@ def test_a_call_inside_the_callers_own_capture_is_captured_with_it():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = pipe(static_x)
-    for step in range(2):
+    for step in range(3):
+        if step == 2:  # parameters changed in place between replays: the graph derives afresh
+            with torch.no_grad():
+                for c in (conv, conv64):
+                    c.weight.mul_(1.25)
         x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
         static_x.copy_(x)
         graph.replay()

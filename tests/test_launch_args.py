@@ -127,6 +127,7 @@ def test_pinned_tensors_pass_the_fields_read_when_pinned(monkeypatch):
     """``launch.pin``: a pinned tensor's kind and parameter fields are the ones a plain tensor
     gives (read once, kept on the object); a view of it is not pinned (no GPU: the driver is
     faked)."""
+    import copy
     import ctypes
 
     import torch
@@ -151,6 +152,14 @@ def test_pinned_tensors_pass_the_fields_read_when_pinned(monkeypatch):
     fields = lambda t: [0, 0, t.numel(), 8, t.data_ptr(), *t.shape,  # noqa: E731
                         *[8 * s for s in t.stride()]]
     assert got == [fields(a) + fields(b) + fields(view)]
+    # a copy carries the attribute (deepcopy copies a tensor's __dict__) but has its own memory:
+    # its own fields are passed, never the original's
+    twin = copy.deepcopy(b)
+    assert launch._PINNED in twin.__dict__ and twin.data_ptr() != b.data_ptr()
+    assert launch._pinned(twin) is None and launch._pinned(b) is not None
+    got.clear()
+    direct(7, (a, twin, view))
+    assert got == [fields(a) + fields(twin) + fields(view)]
 
 
 def test_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkeypatch):

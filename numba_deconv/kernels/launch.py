@@ -130,7 +130,9 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     they are read once, here, and kept on the tensor object itself (so they live as long as it
     does; a view of it is a new object and is not pinned). Only for tensors the package owns and
     never resizes or re-points: a plan's scratch buffers and tables, weights derived from the
-    modules. Does nothing under the simulator.
+    modules. A copy of the tensor (``copy.deepcopy``, ``torch.load``) carries the attribute but
+    lives elsewhere: a launch uses the fields only while the address they hold is the tensor's
+    (one ``data_ptr()`` call), and reads a copy's own. Does nothing under the simulator.
     """
     if not is_simulator() and isinstance(t, torch.Tensor):
         item = t.element_size()
@@ -140,11 +142,19 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _pinned(t: torch.Tensor):
+    """``pin``'s (kind, fields) of ``t``, or None: not pinned, or a copy of a pinned tensor."""
+    pinned = t.__dict__.get(_PINNED)
+    if pinned is not None and pinned[1][4] == t.data_ptr():
+        return pinned
+    return None
+
+
 def _kind(arg) -> tuple:
     """What numba's typing of ``arg`` depends on: dtype, rank and (C-)contiguity, or the type
     (and a tuple's nesting)."""
     if isinstance(arg, torch.Tensor):
-        pinned = arg.__dict__.get(_PINNED)
+        pinned = _pinned(arg)
         if pinned is not None:
             return pinned[0]
         return (arg.dtype, arg.dim(), arg.is_contiguous())
@@ -248,7 +258,7 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
         flat = []
         for arg, kind in zip(args, kinds):
             if kind is None:
-                pinned = arg.__dict__.get(_PINNED)
+                pinned = _pinned(arg)
                 if pinned is not None:  # ``pin``: read once
                     flat += pinned[1]
                     continue
