@@ -588,9 +588,16 @@ class GramLaunch:
     chunk_sums: torch.Tensor
     cvals: torch.Tensor
     sums: torch.Tensor
-    # what a call's launches need, worked out once (a plan's properties are computed, and its
-    # constants build the kernel's cache key: ~60 µs of host time per call, session 17)
-    shapes: dict = field(default_factory=dict)
+    # What a call's launches need, worked out once in ``gram_launch`` (a plan's properties are
+    # computed, and its constants build the kernel's cache key: ~60 µs of host time per call
+    # when the launchers derived them, session 17).
+    sums_grid: tuple = ()
+    block: int = 0
+    chunk_grid: int = 0
+    reduce: object = None    # the plan's ``gram_reduce``
+    reduce_grid: int = 0
+    reduce_dims: tuple = ()  # one tuple object: the launcher flattens it once
+    sums_kernels: dict = field(default_factory=dict)  # dtype name -> ``gram_sums``
 
 
 def plan_for(geom, batch: int, in_spatial, itemsize: int) -> GramPlan | None:
@@ -619,7 +626,8 @@ def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
     term_chunks = _padded(lists)
     as_dev = lambda a: pin(torch.from_numpy(np.ascontiguousarray(a)).to(device))  # noqa: E731
     empty = lambda *shape, dtype: pin(torch.empty(shape, dtype=dtype, device=device))  # noqa: E731
-    gl = GramLaunch(
+    gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
+    return GramLaunch(
         plan, as_dev(plan.tiles), as_dev(plan.blocks),
         as_dev(np.array(col, np.int32).reshape(-1, 2)), as_dev(term_chunks),
         as_dev(_padded([t.corr for t in plan.terms])),
@@ -630,16 +638,12 @@ def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
         empty(plan.slots, plan.channel_width, dtype=torch.float64),
         empty(len(plan.chunks), width, dtype=torch.float64),
         empty(plan.groups * plan.cg, dtype=dtype),
-        empty(plan.groups, len(plan.terms), plan.cg, plan.cg, dtype=torch.float64))
-    gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
-    gl.shapes.update(
+        empty(plan.groups, len(plan.terms), plan.cg, plan.cg, dtype=torch.float64),
         sums_grid=sums_grid(plan), block=plan.block,
         chunk_grid=-(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
-        reduce_kernel=reduce_kernel(plan), reduce_grid=reduce_grid(plan),
-        # one tuple object: the launcher flattens it once
+        reduce=reduce_kernel(plan), reduce_grid=reduce_grid(plan),
         reduce_dims=(plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB,
                      len(plan.corr)))
-    return gl
 
 
 def sums_grid(plan: GramPlan) -> tuple[int, int]:
@@ -665,11 +669,10 @@ def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
     if not plan.terms:  # no two taps meet inside the output: every sum is zero
         return
     n, ci, d, h, w = x.shape
-    shapes = gl.shapes
-    kernel = shapes.get(dtype)
+    kernel = gl.sums_kernels.get(dtype)
     if kernel is None:
-        kernel = shapes[dtype] = make_gram_sums(dtype, plan)
-    launch(kernel, shapes["sums_grid"], shapes["block"],
+        kernel = gl.sums_kernels[dtype] = make_gram_sums(dtype, plan)
+    launch(kernel, gl.sums_grid, gl.block,
            (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.apartial, gl.cvals, ci, d, h, w),
            smem=plan.smem * x.element_size(), max_shared=True)
 
@@ -679,9 +682,8 @@ def launch_gram_reduce(gl: GramLaunch) -> None:
     plan = gl.plan
     if not plan.terms:
         return
-    shapes = gl.shapes
-    launch(gram_chunk_sums, shapes["chunk_grid"], REDUCE_BLOCK,
+    launch(gram_chunk_sums, gl.chunk_grid, REDUCE_BLOCK,
            (gl.partial, gl.apartial, gl.chunks, gl.chunk_sums), after_prior=True)
-    launch(shapes["reduce_kernel"], shapes["reduce_grid"], REDUCE_BLOCK,
+    launch(gl.reduce, gl.reduce_grid, REDUCE_BLOCK,
            (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.term_corr, gl.term_edges, gl.cvals,
-            gl.sums, shapes["reduce_dims"]), after_prior=True)
+            gl.sums, gl.reduce_dims), after_prior=True)
