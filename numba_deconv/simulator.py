@@ -531,7 +531,11 @@ def install() -> None:
         # simulator rejects any alignment. numpy buffers are aligned for their dtype already and
         # a simulated load is never vectorised, so the argument is accepted and ignored. The
         # body is the simulator's own (numba-cuda 0.30), which keys static arrays by the
-        # caller's line: it must run in this frame, not behind a wrapper.
+        # caller's line: it must run in this frame, not behind a wrapper. One change: the
+        # simulator's ``get``, then ``np.empty`` and a store let two threads of a block that
+        # reach the line together each make an array, so that some threads wrote into one
+        # nobody read (a Gram reduction lost shares in one of ~40 CI runs, session 18);
+        # ``setdefault`` (one dict operation under the GIL) hands every thread the same one.
         from numba.cuda import types
         from numba.cuda.simulator.kernelapi import FakeCUDAShared
         from numba.cuda.np import numpy_support
@@ -545,8 +549,7 @@ def install() -> None:
             caller = traceback.extract_stack(sys._getframe())[-2][0:2]
             res = self._allocations.get(caller)
             if res is None:
-                res = np.empty(shape, dtype)
-                self._allocations[caller] = res
+                res = self._allocations.setdefault(caller, np.empty(shape, dtype))
             return res
 
         FakeCUDAShared.array = array

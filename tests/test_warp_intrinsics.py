@@ -11,6 +11,7 @@ Warps are 32 consecutive linear thread ids (x fastest); partial warps pass the m
 that exist, computed in-kernel from the block size, which is the correct usage on hardware.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -516,3 +517,60 @@ def test_ptx_uses_warp_instructions():
     assert "vote.sync.ballot" in ptx and "activemask" in ptx
     ptx, _ = cuda.compile_ptx(syncwarp_kernel.py_func, (float64[:], float64[:], float64[:, :]))
     assert "bar.warp.sync" in ptx
+
+
+class _SlowEmpty:
+    """numpy, with an ``empty`` that lets other threads run first (widens the window between
+    the lookup of a shared array and its store)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        time.sleep(0.002)
+        return np.empty(*args, **kwargs)
+
+
+@pytest.mark.sim
+def test_static_shared_array_is_one_array_per_block(monkeypatch):
+    """Threads reaching ``cuda.shared.array`` together get one array (the simulator's own lookup
+    let two of them each make one: some threads then wrote where no thread read, session 18),
+    checked directly with many threads released at once (the allocation slowed down so that the
+    race, rare otherwise, would show every time), then through a kernel."""
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    monkeypatch.setattr(simulator, "np", _SlowEmpty())
+    threads, rounds = 16, 3
+    for _ in range(rounds):
+        shared = FakeCUDAShared(0)
+        start = threading.Barrier(threads)
+        got = [None] * threads
+
+        def body(i):
+            start.wait()
+            got[i] = shared.array(8, np.float64)
+
+        pool = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        assert len({id(a) for a in got}) == 1
+    monkeypatch.undo()
+
+    @cuda.jit
+    def kernel(out):
+        arr = cuda.shared.array(128, int32)
+        t = cuda.threadIdx.x
+        arr[t] = t + 1
+        cuda.syncthreads()
+        if t == 0:
+            s = 0
+            for u in range(cuda.blockDim.x):
+                s += arr[u]
+            out[cuda.blockIdx.x] = s
+
+    out = np.zeros(8, np.int64)
+    kernel[8, 128](out)
+    assert (out == 128 * 129 // 2).all()
