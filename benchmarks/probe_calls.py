@@ -5,8 +5,9 @@
 
 First each numba path's output against the float64 PyTorch model (two calls; in training a
 fresh model copy, so the running statistics are compared after one step). Then per round, one
-after another: eager and numba in evaluation, eager, the epilogue path and the Gram path in
-training, each timed with ``bench.time_gpu`` (CUDA events around each of 100 calls, median),
+after another: eager and numba in evaluation, eager and two numba paths in
+training (the default, since session 18 the Gram path where it fits, and the epilogue path
+forced), each timed with ``bench.time_gpu`` (CUDA events around each of 100 calls, median),
 with the speed-up over the same round's eager. And the host's time to issue 8 calls (after a
 synchronize, none waited for).
 """
@@ -23,7 +24,7 @@ import numba_deconv  # noqa: F401  (compat before numba.cuda compiles)
 from numba_deconv import bench
 
 PATHS = (("eval", "torch_eager"), ("eval", "numba_gather"), ("train", "torch_eager"),
-         ("train", "numba_gather"), ("train", "numba_gram"))
+         ("train", "numba_gather"), ("train", "numba_epilogue"))
 
 
 def errors(base, x) -> None:

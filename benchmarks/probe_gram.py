@@ -46,7 +46,8 @@ def check(case) -> None:
             plan = next(iter(pipe._plans.values()))
             gl = plan.gram
             gram_us = bench.graph_time_us(lambda: gram.launch_gram_sums(gl, "float32", x))
-            red_us = bench.graph_time_us(lambda: gram.launch_gram_reduce(gl))
+            wflat = m.conv_transpose.weight.detach().flatten(2)
+            red_us = bench.graph_time_us(lambda: gram.launch_gram_reduce(gl, wflat))
             kernel = gram.make_gram_sums("float32", gl.plan)
             regs, shared, local, occ = _resources(kernel, gl.plan.block, _device_limits())
             p = gl.plan
@@ -73,13 +74,14 @@ def blocks_sweep(values, caps, max_blocks) -> None:
     for v, cap, mb in itertools.product(values, caps, max_blocks):
         gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = v, cap
         layout = gram_plan.gram_plan(geom, x.shape[0], tuple(x.shape[2:]), 4, sms, mb)
-        gl = gram.gram_launch(layout, x.device)
+        gl = gram.gram_launch(layout, geom.out_per_group, x.device)
+        wflat = model.conv_transpose.weight.detach().flatten(2)
         us = bench.graph_time_us(lambda: gram.launch_gram_sums(gl, "float32", x))
         regs, _, local, occ = _resources(gram.make_gram_sums("float32", layout),
                                          layout.block, _device_limits())
         print(f"blocks per SM {v}, register cap {cap}, {layout.block} threads: gram_sums "
               f"{us:6.1f} us ({len(layout.blocks)} blocks, {layout.slots} slots; regs {regs} local {local}"
-              f" occupancy {occ}); reduce {bench.graph_time_us(lambda: gram.launch_gram_reduce(gl)):5.1f} us")
+              f" occupancy {occ}); reduce {bench.graph_time_us(lambda: gram.launch_gram_reduce(gl, wflat)):5.1f} us")
     gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = default
 
 

@@ -39,7 +39,7 @@ def main() -> None:
     for cost in args.tile_costs:
         gram_plan.TILE_COST = cost
         layout = gram_plan.gram_plan(geom, x.shape[0], tuple(x.shape[2:]), 4, sms)
-        gl = gram.gram_launch(layout, x.device)
+        gl = gram.gram_launch(layout, geom.out_per_group, x.device)
         us = bench.graph_time_us(lambda: gram.launch_gram_sums(gl, "float32", x))
         t = layout.tiles
         work = t[:, 3].astype(np.int64) * t[:, 5] + default + gram_plan.ROW_COST * t[:, 3]

@@ -90,23 +90,32 @@ reference.train()
 # ## Every stage, inspected
 # `trace` runs once and records each stage's intermediate (it does not update running statistics).
 # In the gather strategy the mean is known *before* the convolution (`box_sums`,
-# `mean_from_box_sums`, see notebook 03), so the convolution writes `y - mean` directly; in
-# training mode the per-channel batch statistics then give the scale of one last light pass.
+# `mean_from_box_sums`, see notebook 03). In training mode the default (`variance="auto"`) knows
+# the batch variance before it too, from the input's Gram sums (`gram_sums`, `gram_reduce`,
+# `batch_statistics`), so the convolution writes the final output once; with
+# `variance="epilogue"` (the path for geometries whose Gram tiles do not fit) the convolution
+# writes `y - mean`, and the batch statistics its epilogue gathered give the scale of one last
+# light pass over the output.
 
 # %%
 stages = pipe.trace(x)
+print("variance from the Gram sums:", pipe.uses_gram)
 for name, value in stages.items():
     print(f"{name:24s} {tuple(value.shape)}")
 assert list(stages)[1:] == list(pipe.stages)
 assert relative_error(stages["output"], expected) < 1e-5
-conv_centred = stages["conv_transpose3d_gather"].double()
+epilogue_stages = nd.Pipeline.from_torch(model, variance="epilogue").trace(x)
+print("epilogue path:", list(epilogue_stages)[1:])
+assert relative_error(epilogue_stages["output"], expected) < 1e-5
+conv_centred = epilogue_stages["conv_transpose3d_gather"].double()
 with torch.no_grad():
     y_ref = reference.conv_transpose(x.double()) - reference.conv_transpose.bias.view(1, -1, 1, 1, 1)
 assert relative_error(conv_centred, y_ref - y_ref.mean(dim=(2, 3, 4), keepdim=True)) < 1e-5
 
 # %% [markdown]
 # ## Slices of the volumes
-# Middle depth slice of sample 0, channel 0: input, centred convolution, final output.
+# Middle depth slice of sample 0, channel 0: input, centred convolution (the epilogue path's),
+# final output.
 # The transposed convolution with stride 2 doubles the resolution; the checkerboard texture is
 # the stride-2 phase pattern (outputs of different phases get different numbers of taps).
 
@@ -118,7 +127,7 @@ def middle(t):
 
 fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
 for ax, (title, vol) in zip(axes, [("input x", stages["input"]),
-                                   ("conv - mean (conv_transpose3d_gather)", stages["conv_transpose3d_gather"]),
+                                   ("conv - mean (epilogue path)", epilogue_stages["conv_transpose3d_gather"]),
                                    ("output", stages["output"])]):
     im = ax.imshow(middle(vol), cmap="RdBu_r")
     ax.set_title(title, fontsize=10)

@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--mode", choices=("train", "eval"), default="train")
     e.add_argument("--measure", action="store_true",
                    help="also time the whole call and every launch (GPU only)")
-    e.add_argument("--variance", choices=("epilogue", "gram"), default="epilogue",
-                   help="training's variance: the gather's epilogue (default) or the Gram sums")
+    e.add_argument("--variance", choices=("auto", "epilogue", "gram"), default="auto",
+                   help="training's variance: the Gram sums where they fit (auto, the default), "
+                        "the gather's epilogue, or the Gram sums")
     return p
 
 
@@ -157,7 +158,7 @@ def run(reps: int = RUN_REPS) -> int:
 
 
 # ---- explain ------------------------------------------------------------------------------------
-def explain(batch: int, mode: str, measure: bool = False, variance: str = "epilogue") -> int:
+def explain(batch: int, mode: str, measure: bool = False, variance: str = "auto") -> int:
     import torch
 
     from numba_deconv import Pipeline

@@ -12,8 +12,10 @@ What one run does, in order (STYLE.md rule 7):
    :func:`time_gpu` (warm-up, one CUDA-event pair per call, median with p10/p90 spread).
    Providers: ``numba_gather`` (the default ``ModelNew``: a captured CUDA graph for small calls,
    ``graphs="auto"``), ``numba_gather_eager`` (the same kernels, always launched one by one),
-   ``numba_gather_graph`` (always one captured CUDA graph), ``numba_gram`` (training's variance
-   from the Gram sums, ``variance="gram"``; in evaluation the same kernels as ``numba_gather``),
+   ``numba_gather_graph`` (always one captured CUDA graph), ``numba_epilogue`` and
+   ``numba_gram`` (training's variance from the gather's epilogue or from the Gram sums, forced;
+   the default ``variance="auto"`` takes the Gram sums where they fit; in evaluation both run
+   the same kernels as ``numba_gather``),
    ``numba_scatter``, ``torch_eager``
    (cuDNN TF32 allowed, PyTorch's default), ``torch_strict_fp32`` (TF32 off for cuDNN and
    matmul) and ``torch_compile`` (Inductor; compile time is spent in the warm-up, a failure is
@@ -53,8 +55,8 @@ from .testing import relative_error
 #: Relative error (vs float64) above which a numba provider's row is marked FAIL.
 NUMBA_RTOL = 1e-5
 MODES = ("train", "eval")
-PROVIDERS = ("numba_gather", "numba_gather_eager", "numba_gather_graph", "numba_gram",
-             "numba_scatter", "torch_eager", "torch_strict_fp32", "torch_compile")
+PROVIDERS = ("numba_gather", "numba_gather_eager", "numba_gather_graph", "numba_epilogue",
+             "numba_gram", "numba_scatter", "torch_eager", "torch_strict_fp32", "torch_compile")
 MAIN_REPS = 100
 SCATTER_REPS = 20  # the atomics baseline is slow; its spread is small anyway
 SWEEP_REPS = 30
@@ -223,7 +225,7 @@ class NumbaModel(nn.Module):
     """A numba pipeline over a copy of a reference-like model (keeps its parameters/buffers)."""
 
     def __init__(self, model: nn.Module, conv_impl: str, graphs: bool | str = "auto",
-                 variance: str = "epilogue"):
+                 variance: str = "auto"):
         super().__init__()
         from .pipeline import Pipeline
 
@@ -292,6 +294,8 @@ def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
         return NumbaModel(model, "gather", graphs=True).train(mode == "train")
     if name == "numba_gram":
         return NumbaModel(model, "gather", variance="gram").train(mode == "train")
+    if name == "numba_epilogue":  # training's variance from the gather's epilogue, forced
+        return NumbaModel(model, "gather", variance="epilogue").train(mode == "train")
     if name == "numba_scatter":
         return NumbaModel(model, "scatter").train(mode == "train")
     if name in ("torch_eager", "torch_strict_fp32"):

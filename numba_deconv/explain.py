@@ -17,8 +17,9 @@ mean_from_box_sums       2 * N*CO*CIg*k^3                    read box sums, w; w
                          (no launch of its own: box_sums' last block per sample)
 conv_transpose3d_gather  2 * macs (+3 per output in train)   read x, w, means; write y once
 gram_sums                2 per multiply-add (gram_plan.fma)  read x; write the slot totals
-gram_reduce              one add per slot value              read the slots; write term sums
-gram_statistics          4 per (term, ci, ci') per channel   read the term sums, w
+gram_reduce              one add per slot value; 4 per       read the slots, w; write term sums
+                         (term, ci, ci') per channel         and the blocks' shares of Q_c
+gram_statistics          one add per share                   read the shares and the means
 =======================  ==================================  ====================================
 
 ``macs`` is :meth:`ConvGeometry.macs`, the multiply-adds of taps that land inside the output.
@@ -304,18 +305,19 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
     width = layout.partial_width
     slot_bytes = layout.slots * (layout.sums_width * e + layout.channel_width * 8)
     terms = len(layout.terms) * layout.groups * layout.cg * layout.cg
+    shares = layout.groups * geom.out_per_group * gram.reduce_blocks_per_group(layout)
     stat_block = block_size(batch_stats_kernels.GRAM_BLOCK)
     return [
         ("gram_sums", f"gram_sums[quads={CB}x{CB},w_window={layout.ww},teams={layout.teams}]",
          gram.make_gram_sums(name, layout), gram.sums_grid(layout),
          layout.block, 2 * layout.fma, x_bytes + slot_bytes, layout.smem * e),
         ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.reduce_kernel(layout),
-         (gram.reduce_grid(layout),), gram.REDUCE_BLOCK, layout.slots * width + terms * 8,
-         slot_bytes + 2 * len(layout.chunks) * width * 8 + terms * 8),
+         (gram.reduce_grid(layout),), gram.REDUCE_BLOCK,
+         layout.slots * width + terms * (1 + 4 * geom.out_per_group),
+         slot_bytes + 2 * len(layout.chunks) * width * 8 + terms * 8 + shares * 8),
         ("batch_statistics", "gram_statistics", batch_stats_kernels.gram_statistics,
          (batch_stats_kernels.grid_size(geom.out_channels),), stat_block,
-         4 * terms * geom.out_per_group, terms * 8 * geom.out_per_group,
-         batch_stats_kernels.gram_statistics_smem(layout.cg, math.prod(geom.kernel_size))),
+         shares, shares * 8, 0),
     ]
 
 
@@ -514,6 +516,18 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         peaks=peaks, macs=int(macs), rows=rows, compulsory_bytes=int(compulsory),
         arithmetic_floor_us=2 * macs / flops_peak * 1e6, memory_floor_us=compulsory / bw * 1e6)
 
+    if batch_stats and pipe.conv_impl == "gather":
+        if pipe.uses_gram:
+            why = ("variance='gram'" if pipe.variance == "gram" else
+                   "variance='auto': the Gram tiles of this geometry fit")
+            report.notes.append(f"training's variance: from the input's Gram sums before the "
+                                f"convolution ({why})")
+        else:
+            why = ("variance='epilogue'" if pipe.variance == "epilogue" else
+                   "variance='auto': this geometry's Gram tiles do not fit shared memory, so "
+                   "the epilogue path")
+            report.notes.append(f"training's variance: from the gather's epilogue, then a "
+                                f"second pass over the output ({why})")
     if pipe.graph_wanted(input_shape):
         report.notes.append(f"graphs={pipe.graphs!r}: on a GPU, calls of this shape replay one "
                             "captured CUDA graph of these launches (input copied in, output "

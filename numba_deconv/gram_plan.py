@@ -66,7 +66,6 @@ MAX_CHANNELS = 256  # ... unless the staged channels are more (a thread each for
 BLOCKS_PER_SM = 4   # blocks of 96 threads at 168 registers (session 15: 128 us, 2 x 192: 173)
 TILE_COST = 64    # a tile's staging and barriers, in positions of work (for the schedule)
 ROW_COST = 4      # a row's window set-up, in positions
-STATS_WEIGHTS = 6144  # batch_stats.gram_statistics stages CG * K float64 weights (48 KiB)
 SLOT_CHUNK = 32   # the reduction's first stage adds at most this many slots per sum
 MAX_ENTRIES = 4   # whole rows along W: column entries at most (CB*CB sums per task each) ...
 MAX_EDGES = 8     # ... and edge columns at most (a float64 channel sum each)
@@ -294,14 +293,15 @@ def _staging(step, reach, channels: int, itemsize: int, block: int, extra: int) 
 
 def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
     """Whether the Gram path runs this geometry for inputs of any size: a one-position tile and
-    its halo fit the staging area, the staged channels a block, the weights of one output
-    channel ``gram_statistics``' shared memory (smaller inputs can only have fewer offsets, so
-    smaller halos; cells along W need no column entries)."""
+    its halo fit the staging area and the staged channels a block (smaller inputs can only have
+    fewer offsets, so smaller halos; cells along W need no column entries). (Until session 18
+    one output channel's weights also had to fit ``gram_statistics``' shared memory; the
+    contraction with the weights is ``gram_reduce``'s now, from global memory.)"""
     steps = [axis_reach(ax) for ax in geom.axes()]
     channels = geom.groups * -(-geom.in_per_group // CB) * CB
     staging = _staging([st for st, _ in steps], [r for _, r in steps], channels, itemsize,
                        MAX_CHANNELS, channels)
-    return staging.fits and geom.in_per_group * math.prod(geom.kernel_size) <= STATS_WEIGHTS
+    return staging.fits
 
 
 def _column(w: int, size: int) -> int:

@@ -8,20 +8,22 @@ launch configurations (cached per input shape), and hands the small per-channel 
     box_sums (box sums and, in its last block per sample, the means) ->
     conv_transpose3d_gather with the fused epilogue.
     Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
-    convolution, so the output is written once, final. Training, two ways (``variance=``):
+    convolution, so the output is written once, final. Training, two ways (``variance=``; the
+    default ``"auto"`` takes ``"gram"`` wherever the geometry's Gram tiles fit, ``"epilogue"``
+    elsewhere):
 
-    ``"epilogue"`` (default): the gather's epilogue writes ``y - mean`` and per-block centred
+    ``"epilogue"``: the gather's epilogue writes ``y - mean`` and per-block centred
     sums of squares; ``batch_statistics`` turns those into the variance, the scale and the
     running-statistics update, and one in-place per-channel multiply
     (``epilogue.scale_rows``) scales the output: a second pass over the output.
     ``"gram"``: the batch variance is known before the convolution too (``gram_plan``): the
-    input's Gram sums (``gram_sums``, with box_sums in its tail, then ``gram_reduce``), then
-    ``gram_statistics`` (variance, scale, running statistics, the means times the scale), then
-    the evaluation kernel, on the unscaled weights with the scale in its epilogue, writes the
-    final output once; one chain of programmatic dependents, so the gather's first blocks run
-    while the statistics finish. It does less arithmetic than the second pass moves bytes, but
-    has not yet measured steadily faster (benchmarks/NOTES.md, sessions 7, 15 and 16), so it is
-    opt-in.
+    input's Gram sums (``gram_sums``, with box_sums in its tail, then ``gram_reduce``, which
+    also contracts them with the weights), then ``gram_statistics`` (variance, scale, running
+    statistics, the means times the scale), then the evaluation kernel, on the unscaled weights
+    with the scale in its epilogue, writes the final output once; one chain of programmatic
+    dependents, so the gather's first blocks run while the statistics finish. At the default
+    problem 0.394-0.395 ms a training call against the epilogue path's 0.428 (H100,
+    benchmarks/NOTES.md session 18), hence the default where it fits.
 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
@@ -56,7 +58,7 @@ from .kernels.launch import pin, tensor_device
 from .simulator import is_simulator
 
 CONV_STRATEGIES = ("gather", "scatter")
-VARIANCE_STRATEGIES = ("epilogue", "gram")
+VARIANCE_STRATEGIES = ("auto", "epilogue", "gram")
 # Input shapes whose launch plans (configurations and GPU scratch buffers) a pipeline keeps, least
 # recently used first out: a long fuzzing session does not hold every shape's buffers.
 PLAN_CACHE = 16
@@ -106,7 +108,7 @@ class Pipeline:
     """
 
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
-                 variance: str = "epilogue", poison: bool = False, graphs: bool | str = "auto"):
+                 variance: str = "auto", poison: bool = False, graphs: bool | str = "auto"):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -124,11 +126,16 @@ class Pipeline:
         self.bn = bn
         self.conv_impl = conv_impl
         self.variance = variance
-        # the Gram path replaces the gather's training finish; the scatter path has its own
-        self.uses_gram = conv_impl == "gather" and variance == "gram"
-        if self.uses_gram and not gram_fits(self.geometry, conv.weight.element_size()):
-            raise ValueError("variance='gram': this geometry's Gram tiles or weights do not fit "
+        # the Gram path replaces the gather's training finish; the scatter path has its own.
+        # "auto": the Gram path wherever the geometry's tiles fit (0.394-0.395 against 0.428 ms
+        # a training call at the default problem, H100, benchmarks/NOTES.md session 18), the
+        # epilogue path otherwise (``explain`` says which and why)
+        fits = gram_fits(self.geometry, conv.weight.element_size())
+        if variance == "gram" and not fits:
+            raise ValueError("variance='gram': this geometry's Gram tiles do not fit "
                              "shared memory (too many input channels for its offsets)")
+        self.uses_gram = conv_impl == "gather" and (variance == "gram"
+                                                    or variance == "auto" and fits)
         self.poison = poison  # fill outputs and scratch with NaN before each run (tests)
         if graphs is not True and graphs is not False and graphs != "auto":
             raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
@@ -187,12 +194,12 @@ class Pipeline:
     def graph_wanted(self, input_shape) -> bool:
         """Whether calls with inputs of ``input_shape`` replay a captured CUDA graph on a GPU.
 
-        ``graphs="auto"``: the default path (gather, variance from the epilogue) when the output
-        has at most ``AUTO_GRAPH_MAX_OUTPUT`` elements. Raises like a call for a bad shape.
+        ``graphs="auto"``: the gather path (either variance) when the output has at most
+        ``AUTO_GRAPH_MAX_OUTPUT`` elements. Raises like a call for a bad shape.
         """
         if self.graphs is True or self.graphs is False:
             return self.graphs
-        if self.conv_impl != "gather" or self.uses_gram:
+        if self.conv_impl != "gather":
             return False
         batch, out_spatial = self._checked_shape(tuple(input_shape))
         volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
@@ -392,7 +399,7 @@ class Pipeline:
                 raise RuntimeError(f"no Gram plan for input {tuple(x.shape)}")
             plan.means_scaled = pin(torch.empty((plan.batch, geom.out_channels),
                                                 dtype=torch.float64, device=dev))
-            plan.gram = gram.gram_launch(layout, dev, x.dtype)
+            plan.gram = gram.gram_launch(layout, geom.out_per_group, dev, x.dtype)
         return plan.gram
 
     def _plan_key(self, x: torch.Tensor) -> tuple:
@@ -572,7 +579,7 @@ class Pipeline:
         bn = self.bn
         gl = self._gram_plan(plan, x)
         if self.poison:  # built at the first training call: poisoned here, not with the others
-            for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.cvals,
+            for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.qpart, gl.cvals,
                       plan.means_scaled):
                 t.fill_(float("nan"))
         # Anything that may launch a torch kernel (the bias in float64 when it changed) comes
@@ -588,12 +595,11 @@ class Pipeline:
             record["gram_sums"] = gl.partial.clone()
         if gram.BOX_SUMS_IN_TAIL:
             self._box_sums(x, plan, flat_w, record, after_prior=chained and bool(gl.plan.terms))
-        gram.launch_gram_reduce(gl)
+        gram.launch_gram_reduce(gl, flat_w)
         if record is not None:
             record["gram_reduce"] = gl.sums.clone()
         batch_stats.launch_gram_statistics(
-            gl.sums, flat_w, gl.term_taps, gl.term_coef, plan.means, bias,
-            *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
+            gl.qpart, plan.means, bias, *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
             self._updates(record), plan.scale, plan.stats, plan.done, plan.means_scaled)
         if record is not None:
             record["batch_statistics"] = plan.stats.clone()

@@ -180,7 +180,7 @@ def test_explain_flags_reach_the_report(monkeypatch):
     assert cli.main(["explain", "--measure"]) == 0 and cli.main(["explain"]) == 0
     assert cli.main(["explain", "--variance", "gram"]) == 0
     assert [k["measure"] for k in seen] == [True, False, False]
-    assert [k["variance"] for k in seen] == ["epilogue", "epilogue", "gram"]
+    assert [k["variance"] for k in seen] == ["auto", "auto", "gram"]
 
 
 def test_explain_shows_the_gram_path(capsys):

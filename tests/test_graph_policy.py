@@ -12,7 +12,7 @@ def _modules(cin=4, cout=6):
     return nn.ConvTranspose3d(cin, cout, 3, stride=2, padding=1), nn.BatchNorm3d(cout)
 
 
-def test_auto_replays_small_calls_of_the_default_path_only():
+def test_auto_replays_small_calls_of_the_gather_path_only():
     pipe = Pipeline(*_modules())
     assert pipe.graphs == "auto"
     assert pipe.graph_wanted((1, 4, 4, 4, 4))
@@ -20,7 +20,8 @@ def test_auto_replays_small_calls_of_the_default_path_only():
     big = Pipeline(nn.ConvTranspose3d(16, 32, 3, stride=2, padding=1), nn.BatchNorm3d(32))
     assert not big.graph_wanted((16, 16, 16, 32, 32))
     assert not Pipeline(*_modules(), conv_impl="scatter").graph_wanted((1, 4, 4, 4, 4))
-    assert not Pipeline(*_modules(), variance="gram").graph_wanted((1, 4, 4, 4, 4))
+    assert Pipeline(*_modules(), variance="gram").graph_wanted((1, 4, 4, 4, 4))
+    assert Pipeline(*_modules(), variance="epilogue").graph_wanted((1, 4, 4, 4, 4))
 
 
 def test_auto_limit_is_on_output_elements():

@@ -39,9 +39,13 @@ per channel took 21 µs (session 5); a block per channel spreads the same reads 
 ``gram_statistics`` is the same finish for ``Pipeline(..., variance="gram")``: the variance comes
 from the input's Gram sums (``kernels/gram.py``) before the convolution,
 
-    Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]   (threads per channel pair, the
-                                                               channel's weights in shared memory)
+    Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]
     var_c = Q_c / (N*S) - mu_c^2                               (float64)
+
+where ``gram.gram_reduce`` has already contracted its term sums with the weights, so that a
+block here adds BPG numbers per channel (its blocks' shares, in order) instead of the 16 K term
+sums times the weights (session 18: that contraction, one block per channel, ended 27 us after
+the reduction did, the gather's first blocks beside it),
 
 and, with a_c known, the block also writes the means times a_c: the evaluation kernel, with the
 unscaled weights and ``acc * a_c - mean * a_c`` in its epilogue, writes the final output (no
@@ -61,9 +65,7 @@ from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
 MAX_BLOCKS = 65535
 BLOCK = 256  # one block per channel: 8 warps over the N*SLOTS partials
-# gram_statistics: threads per channel pair = GRAM_BLOCK // CG^2. It takes 136 registers, so 512
-# threads do not launch on an H100 (session 7); 256 always do (at most 255 registers each).
-GRAM_BLOCK = 256
+GRAM_BLOCK = 256  # gram_statistics: one block per channel over gram_reduce's blocks' shares
 
 
 @cuda.jit(device=True, inline="always")
@@ -147,92 +149,48 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
     _count_block(done, tracked, batches, update, last)
 
 
-@cuda.jit(device=True, inline="always")
-def _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2):
-    """One term of Q_c: coef * w[ci, c, a] * sums[ci, ci'] * w[ci', c, b] (gram_plan); the
-    channel's weights are in shared memory, ``wsm[ci * taps + tap]``."""
-    return (term_coef[tt] * wsm[ci * taps + term_taps[tt, 0]] * sums[g, tt, ci, ci2]
-            * wsm[ci2 * taps + term_taps[tt, 1]])
-
-
-@cuda.jit(device=True, inline="always")
-def _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt, step, ci, ci2):
-    """Terms tt, tt + step, tt + 2*step, tt + 3*step of Q_c, added in pairs."""
-    return ((_term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
-             + _term(sums, wsm, taps, term_taps, term_coef, g, tt + step, ci, ci2))
-            + (_term(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * step, ci, ci2)
-               + _term(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * step, ci, ci2)))
-
-
 @cuda.jit
-def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
-                    running_var, tracked, eps, momentum, count, update, scale, stats, done,
-                    means_out):
-    # The Gram path's finish (kernels/gram.py): the batch variance from the term sums, then
-    # what batch_statistics does, then the means scaled for the evaluation kernel's epilogue.
-    # sums: (G, T, CG, CG) f64 term sums; weight: (CI, OPG, K) conv weight; term_taps: (T, 2)
-    # int32 flat taps (a, b); term_coef: (T,) f64; means: (N, C) f64 spatial means of the
+def gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracked, eps, momentum,
+                    count, update, scale, stats, done, means_out):
+    # The Gram path's finish (kernels/gram.py): the batch variance from gram_reduce's blocks'
+    # shares of Q_c, then what batch_statistics does, then the means scaled for the evaluation
+    # kernel's epilogue. qpart: (G, OPG, BPG) f64; means: (N, C) f64 spatial means of the
     # bias-free convolution; bias ... done: as batch_statistics; means_out: (N, C) f64 the
     # means times the scale a_c.
     # The gather after it (a programmatic dependent) reads only ``scale`` and ``means_out``, in
     # its epilogue: let it start at once, so its first blocks run beside this kernel.
     allow_dependents()
     n_batch, channels = means.shape[0], means.shape[1]
-    terms, cg = sums.shape[1], sums.shape[2]
-    opg, taps = weight.shape[1], weight.shape[2]
-    wsm = cuda.shared.array(0, float64)  # the channel's (CG, K) weights (dynamic size)
+    opg, bpg = qpart.shape[1], qpart.shape[2]
     scratch = cuda.shared.array(MAX_WARPS, float64)
     shared = cuda.shared.array(2, float64)
     last = cuda.shared.array(1, int32)
     t = cuda.threadIdx.x
+    step = cuda.blockDim.x
     batches = tracked[0] + 1  # read by every thread of every block before the last one writes it
     if momentum < 0:
         factor = 1.0 / batches
     else:
         factor = momentum
+    # launched as gram_reduce's programmatic dependent (``griddep``): its shares, and the means
+    # (box_sums, earlier in the chain), are read after the wait
+    wait_prior_grid()
     for c in range(cuda.blockIdx.x, channels, cuda.gridDim.x):  # block-uniform
         g = c // opg
         oc = c - g * opg
-        base = g * cg
-        for e in range(t, cg * taps, cuda.blockDim.x):
-            ci = e // taps
-            wsm[e] = weight[base + ci, oc, e - ci * taps]
-        # launched as gram_reduce's programmatic dependent (``griddep``): the weights (not
-        # written by it) are staged before the wait, the term sums read after it
-        wait_prior_grid()
-        cuda.syncthreads()  # the channel's weights are staged
-        # the first of the thread's means now, read after the term loop: its load in flight
-        # with the loop's (it was a round trip of its own after the first block sum)
-        m_sum = means[t, c] if t < n_batch else 0.0
-        q = 0.0
-        pairs = cg * cg
-        split = max(1, cuda.blockDim.x // pairs)  # threads per channel pair, terms strided
-        for e in range(t, pairs * split, cuda.blockDim.x):
-            part = e // pairs
-            pair = e - part * pairs
-            ci = pair // cg
-            ci2 = pair - ci * cg
-            q0 = 0.0
-            q1 = 0.0
-            q2 = 0.0
-            q3 = 0.0
-            tt = part
-            while tt + 15 * split < terms:  # sixteen terms in flight (a chain of two loads each)
-                q0 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt, 4 * split, ci, ci2)
-                q1 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt + split, 4 * split,
-                                  ci, ci2)
-                q2 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt + 2 * split,
-                                  4 * split, ci, ci2)
-                q3 += _four_terms(sums, wsm, taps, term_taps, term_coef, g, tt + 3 * split,
-                                  4 * split, ci, ci2)
-                tt += 16 * split
-            while tt < terms:
-                q0 += _term(sums, wsm, taps, term_taps, term_coef, g, tt, ci, ci2)
-                tt += split
-            q += (q0 + q1) + (q2 + q3)
-        for n in range(t + cuda.blockDim.x, n_batch, cuda.blockDim.x):
+        q0 = 0.0
+        q1 = 0.0
+        b = t
+        while b + step < bpg:  # two loads in flight per trip, a fixed order
+            q0 += qpart[g, oc, b]
+            q1 += qpart[g, oc, b + step]
+            b += 2 * step
+        if b < bpg:
+            q0 += qpart[g, oc, b]
+        m_sum = 0.0
+        for n in range(t, n_batch, step):
             m_sum += means[n, c]
-        q = block_sum(q, scratch)
+        q = block_sum(q0 + q1, scratch)
         m_sum = block_sum(m_sum, scratch)
         if t == 0:
             mu = m_sum / n_batch
@@ -241,9 +199,9 @@ def gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, runn
                                         running_mean, running_var, scale, stats)
         cuda.syncthreads()  # a_c is in shared memory
         a = shared[0]
-        for n in range(t, n_batch, cuda.blockDim.x):
+        for n in range(t, n_batch, step):
             means_out[n, c] = means[n, c] * a
-        cuda.syncthreads()  # shared[0] and wsm are reused by the next channel
+        cuda.syncthreads()  # shared[0] is reused by the next channel
     _count_block(done, tracked, batches, update, last)
 
 
@@ -266,19 +224,11 @@ def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, t
             done), small_grid=True, after_prior=True)
 
 
-def gram_statistics_smem(cg: int, taps: int) -> int:
-    """Dynamic shared memory of a ``gram_statistics`` block, bytes: one output channel's (CG, K)
-    weights in float64 (the launcher and explain)."""
-    return 8 * cg * taps
-
-
-def launch_gram_statistics(sums, weight, term_taps, term_coef, means, bias, gamma, running_mean,
-                           running_var, tracked, eps: float, momentum: float | None, count: int,
-                           update: bool, scale, stats, done, means_out) -> None:
+def launch_gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracked,
+                           eps: float, momentum: float | None, count: int, update: bool, scale,
+                           stats, done, means_out) -> None:
     """A block per channel, as ``launch_batch_statistics``; see ``gram_statistics``."""
     launch(gram_statistics, grid_size(means.shape[1]), block_size(GRAM_BLOCK),
-           (sums, weight, term_taps, term_coef, means, bias, gamma, running_mean, running_var,
-            tracked, float(eps), -1.0 if momentum is None else float(momentum), int(count),
-            int(update), scale, stats, done, means_out),
-           smem=gram_statistics_smem(sums.shape[2], weight.shape[2]), small_grid=True,
-           after_prior=True)
+           (qpart, means, bias, gamma, running_mean, running_var, tracked, float(eps),
+            -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
+            done, means_out), small_grid=True, after_prior=True)

@@ -1,8 +1,9 @@
 """``gram_sums``: the input's Gram sums that give training's batch variance before the convolution.
 
 The algebra and the bookkeeping (cells, terms, tiles, slots) are in ``numba_deconv/gram_plan.py``;
-this file holds the kernels and their launchers. The pipeline runs them with
-``Pipeline(..., variance="gram")``; they are slower than the epilogue path so far (below).
+this file holds the kernels and their launchers. The pipeline runs them in training wherever
+the geometry's tiles fit (``variance="auto"``, the default, or ``"gram"``): faster than the
+epilogue path's second pass over the output since session 18 (below).
 
 ``gram_sums`` (one launch): what one thread owns is a *task*: a quad of CB "a" channels, a
 quad of CB "b" channels, one D offset, one H offset and a window of WW W offsets, ``CB*CB*WW``
@@ -48,9 +49,10 @@ shift back exactly: ``G = G' + c_ci' * sum_cell x_ci``.
 SLOT_CHUNK slots of one cell (the sums in the input's dtype, the channel sums in float64),
 then REDUCE_LANES threads per (group, term, ci, ci') add the chunks of the term's cells, each
 chunk less the term's column entries and edges (all of a chunk's loads at once), and shuffle
-their shares together, each in a fixed order (deterministic), into the term sums that
-``batch_stats.gram_statistics`` contracts with the weights. Both are programmatic dependents
-(``griddep``) of the kernel before them, and let the next start at once.
+their shares together, each in a fixed order (deterministic), into the term sums; each block
+then contracts its term sums with the weights into its share of every output channel's Q_c,
+so that ``batch_stats.gram_statistics`` only adds the blocks' shares. Both are programmatic
+dependents (``griddep``) of the kernel before them, and let the next start at once.
 
 Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the tasks
 compute both signs of the H and W offsets for D offset 0), against the convolution's 3.33 G.
@@ -61,7 +63,9 @@ with cells along W and two teams of 96 threads, 0.173 ms with whole rows and two
 (``benchmarks/probe_gram_v3.py``: every position, tiles of 8 whole rows, no shift) the same loop
 takes 78 us. Training on this path took 0.427 and 0.535 ms in two bench runs (the epilogue
 path 0.430 / 0.429); as one chain of programmatic dependents (session 16) 0.411-0.416 ms where
-the host issues a call in ~0.3 ms, host-bound where it needs ~0.4 ms.
+the host issues a call in ~0.3 ms, host-bound where it needs ~0.4 ms; with the contraction in
+``gram_reduce`` (session 18) 0.394-0.395 ms, the statistics ending 11 us after the reduction
+instead of 27.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ REDUCE_BLOCK = 128
 # threads per term sum in gram_reduce (a power of two up to 32); the simulator, which pays per
 # thread, takes one (tests/test_gram.py runs two and eight)
 REDUCE_LANES = 1 if is_simulator() else 8
+QCHUNK = 32  # gram_reduce contracts its term sums with the weights this many channels at a time
 # where the Gram path runs box_sums: after gram_sums as its programmatic dependent, in its tail
 # (True: 0.411-0.416 ms a call against 0.417-0.422, H100), or before it (``Pipeline._gram_train``;
 # benchmarks/NOTES.md session 16)
@@ -480,6 +485,8 @@ def make_gram_reduce(corr_width: int, edge_width: int, lanes: int):
     term sum (a power of two up to 32): compile-time loops, so that every load of a chunk is
     issued at once."""
     corr_len, edge_len = max(1, corr_width), max(1, edge_width)  # local arrays' literal sizes
+    most_values = REDUCE_BLOCK // lanes  # term sums of a block at most
+    per_lane = QCHUNK // lanes           # channels of a chunk of QCHUNK per lane
 
     @cuda.jit(device=True, inline="always")
     def chunk_value(chunk_sums, k, col_s, col_a, ccols, cuse, acols, ause, c_b):
@@ -494,43 +501,73 @@ def make_gram_reduce(corr_width: int, edge_width: int, lanes: int):
             a -= ause[j] * chunk_sums[k, acols[j]]
         return s + c_b * a
 
+    @cuda.jit(device=True, inline="always")
+    def weight_product(weight, row_a, row_b, oc, tap_a, tap_b, coef):
+        """coef * w[ci, oc, a] * w[ci', oc, b] in float64 (weight rows of the group)."""
+        return coef * float64(weight[row_a, oc, tap_a]) * float64(weight[row_b, oc, tap_b])
+
     @cuda.jit
-    def gram_reduce(chunk_sums, term_col, term_chunks, term_corr, term_edges, cvals, out, dims):
+    def gram_reduce(chunk_sums, term_col, term_chunks, term_corr, term_edges, cvals, weight,
+                    term_taps, term_coef, out, qpart, dims):
         # chunk_sums: (K, width) f64 chunk sums of the slots (GramPlan.partial_width); term_col:
         # (T, 2) int32: the task offset (the D, H, W window part) and the accumulator offset of
         # each term's offset; term_chunks: (T, MAXK) int32 the chunks of each term's cells (-1
         # pads); term_corr, term_edges: (T, corr_width), (T, edge_width) int32 the column
         # entries and the edges a term leaves out (-1 pads; whole-row mode); cvals: (CI,) the
-        # shifts c; out: (G, T, CG, CG) f64. dims: (cg, nb, gstride, win, cols, cgp, ncorr).
-        # ``lanes`` consecutive threads per (group, term, ci, ci'), each over every lanes-th
-        # chunk of the term's, two chunks per trip, then shuffles (a fixed order for a given
-        # ``lanes``: deterministic):
+        # shifts c; weight: (CI, OPG, K) the convolution's weight; term_taps: (T, 2) int32 the
+        # flat taps (a, b) of each term; term_coef: (T,) f64; out: (G, T, CG, CG) f64 the term
+        # sums; qpart: (G, OPG, BPG) f64 each block's share of Q_c (below). dims: (cg, nb,
+        # gstride, win, cols, cgp, ncorr, bpg).
+        # A block holds blockDim / lanes term sums of one group (BPG blocks per group), each
+        # ``lanes`` consecutive threads, each over every lanes-th chunk of the term's, two
+        # chunks per trip, then shuffles (a fixed order for a given ``lanes``: deterministic):
         #     G(ci, ci') = sum x_a (x_b - c_b) + c_b * sum x_a   (less what the term leaves out)
-        # (A thread per value walking all of a term's chunks, ~25 at the default problem, once
-        # for its sums and once per entry and edge: ~18 dependent round trips, 15.7 us, session
-        # 15.) Launched as gram_chunk_sums' programmatic dependent (``griddep``), and lets the
-        # next one start at once.
+        # then contracts its sums with the weights, QCHUNK output channels at a time (each lane
+        # of a sum takes every lanes-th channel), and one thread per channel adds the block's
+        # products in order (deterministic):
+        #     qpart[g, oc, block] = sum_{its sums} coef * w[ci, oc, a] * G(ci, ci') * w[ci', oc, b]
+        # so that ``batch_stats.gram_statistics`` only adds BPG numbers per channel (it
+        # contracted the 16 K term sums per channel itself, one block per channel, and took
+        # 27 us after this kernel's end: session 18). The first chunk's weight products are
+        # loaded before the wait (nothing before this kernel in the chain writes the weights).
+        # Launched as gram_chunk_sums' programmatic dependent (``griddep``), and lets the next
+        # one start at once.
+        cg, nb, gstride, win, cols, cgp, ncorr, bpg = dims
+        terms = out.shape[1]
+        opg = weight.shape[1]
+        shared = cuda.shared.array((most_values, QCHUNK), float64)
+        t = cuda.threadIdx.x
+        lane = t % lanes
+        v = t // lanes
+        values = cuda.blockDim.x // lanes
+        g = cuda.blockIdx.x // bpg
+        bl = cuda.blockIdx.x - g * bpg
+        e = bl * values + v  # the term sum within its group
+        valid = e < terms * cg * cg  # the lanes of one sum share a warp (lanes divides 32)
+        ci2 = e % cg
+        r = e // cg
+        ci = r % cg
+        tt = r // cg
+        if not valid:
+            tt = 0
+        row_a = g * cg + ci
+        row_b = g * cg + ci2
+        tap_a = term_taps[tt, 0]
+        tap_b = term_taps[tt, 1]
+        coef = term_coef[tt] if valid else 0.0
+        first = cuda.local.array(per_lane, float64)
+        for j in range(per_lane):
+            oc = lane + lanes * j
+            first[j] = weight_product(weight, row_a, row_b, oc, tap_a, tap_b, coef) \
+                if oc < opg else 0.0
         allow_dependents()
         wait_prior_grid()
-        cg, nb, gstride, win, cols, cgp, ncorr = dims
-        groups, terms = out.shape[0], out.shape[1]
-        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        lane = t % lanes
-        e = t // lanes
-        values = groups * terms * cg * cg
         total = 0.0
-        g = tt = ci = ci2 = 0
-        if e < values:  # the lanes of one value share a warp (lanes divides 32)
-            ci2 = e % cg
-            r = e // cg
-            ci = r % cg
-            r = r // cg
-            tt = r % terms
-            g = r // terms
+        if valid:
             task = ci2 // CB + nb * (ci // CB) + term_col[tt, 0] + gstride * g
             pair = (ci % CB) * CB + ci2 % CB
             cbase = CB * CB * win * cols
-            nch = groups * cgp
+            nch = out.shape[0] * cgp
             col_s = (pair * win + term_col[tt, 1]) * cols + task
             col_a = cbase + ncorr * CB * CB * cols + g * cgp + ci
             c_b = float64(cvals[g * cg + ci2])
@@ -560,11 +597,28 @@ def make_gram_reduce(corr_width: int, edge_width: int, lanes: int):
                 total += chunk_value(chunk_sums, term_chunks[tt, m], col_s, col_a, ccols, cuse,
                                      acols, ause, c_b)
         h = lanes // 2
-        while h > 0:  # every thread of the warp takes part (FULL_MASK)
+        while h > 0:  # every thread of the warp takes part (FULL_MASK); every lane gets the sum
             total += cuda.shfl_xor_sync(FULL_MASK, total, h)
             h //= 2
-        if lane == 0 and e < values:
+        if lane == 0 and valid:
             out[g, tt, ci, ci2] = total
+        for c0 in range(0, opg, QCHUNK):  # block-uniform: every thread reaches the barriers
+            for j in range(per_lane):
+                oc = c0 + lane + lanes * j
+                if c0 == 0:
+                    p = first[j]
+                elif oc < opg:
+                    p = weight_product(weight, row_a, row_b, oc, tap_a, tap_b, coef)
+                else:
+                    p = 0.0
+                shared[v, lane + lanes * j] = p * total  # zero for a pad (coef 0, total 0)
+            cuda.syncthreads()
+            if t < QCHUNK and c0 + t < opg:
+                q = 0.0
+                for u in range(values):
+                    q += shared[u, t]
+                qpart[g, c0 + t, bl] = q
+            cuda.syncthreads()
 
     return gram_reduce
 
@@ -588,6 +642,7 @@ class GramLaunch:
     chunk_sums: torch.Tensor
     cvals: torch.Tensor
     sums: torch.Tensor
+    qpart: torch.Tensor   # (G, OPG, BPG) f64: gram_reduce's blocks' shares of Q_c
     # What a call's launches need, worked out once in ``gram_launch`` (a plan's properties are
     # computed, and its constants build the kernel's cache key: ~60 µs of host time per call
     # when the launchers derived them, session 17).
@@ -616,7 +671,9 @@ def _padded(lists) -> np.ndarray:
     return out
 
 
-def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
+def gram_launch(plan: GramPlan, out_per_group: int, device, dtype=torch.float32) -> GramLaunch:
+    """The device tables and buffers of ``plan`` for a convolution of ``out_per_group`` output
+    channels per group (``gram_reduce`` contracts the term sums with its weights)."""
     width = plan.partial_width
     col = []
     for term in plan.terms:
@@ -639,11 +696,12 @@ def gram_launch(plan: GramPlan, device, dtype=torch.float32) -> GramLaunch:
         empty(len(plan.chunks), width, dtype=torch.float64),
         empty(plan.groups * plan.cg, dtype=dtype),
         empty(plan.groups, len(plan.terms), plan.cg, plan.cg, dtype=torch.float64),
+        empty(plan.groups, out_per_group, reduce_blocks_per_group(plan), dtype=torch.float64),
         sums_grid=sums_grid(plan), block=plan.block,
         chunk_grid=-(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
         reduce=reduce_kernel(plan), reduce_grid=reduce_grid(plan),
         reduce_dims=(plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB,
-                     len(plan.corr)))
+                     len(plan.corr), reduce_blocks_per_group(plan)))
 
 
 def sums_grid(plan: GramPlan) -> tuple[int, int]:
@@ -658,8 +716,14 @@ def reduce_kernel(plan: GramPlan):
                             max((len(t.edges) for t in plan.terms), default=0) or 1, REDUCE_LANES)
 
 
+def reduce_blocks_per_group(plan: GramPlan) -> int:
+    """``gram_reduce``'s blocks per group: a group's term sums, ``REDUCE_LANES`` threads each."""
+    values = REDUCE_BLOCK // REDUCE_LANES
+    return max(1, -(-len(plan.terms) * plan.cg * plan.cg // values))
+
+
 def reduce_grid(plan: GramPlan) -> int:
-    return -(-plan.groups * len(plan.terms) * plan.cg * plan.cg * REDUCE_LANES // REDUCE_BLOCK)
+    return plan.groups * reduce_blocks_per_group(plan)
 
 
 def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
@@ -677,13 +741,20 @@ def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
            smem=plan.smem * x.element_size(), max_shared=True)
 
 
-def launch_gram_reduce(gl: GramLaunch) -> None:
-    """Chunk sums, then the term sums (G, T, CG, CG) f64 into ``gl.sums`` (two launches)."""
+def launch_gram_reduce(gl: GramLaunch, weight) -> None:
+    """Chunk sums, then the term sums (G, T, CG, CG) f64 into ``gl.sums`` and their contraction
+    with ``weight`` (CI, OPG, K), the blocks' shares of Q_c, into ``gl.qpart`` (two launches;
+    with no terms, ``gl.qpart`` is zeroed)."""
     plan = gl.plan
-    if not plan.terms:
+    if weight.shape[1] != gl.qpart.shape[1]:
+        raise ValueError(f"weight has {weight.shape[1]} output channels per group, the plan's "
+                         f"buffers {gl.qpart.shape[1]}")
+    if not plan.terms:  # no two taps meet inside the output: Q is zero
+        gl.qpart.zero_()
         return
     launch(gram_chunk_sums, gl.chunk_grid, REDUCE_BLOCK,
            (gl.partial, gl.apartial, gl.chunks, gl.chunk_sums), after_prior=True)
     launch(gl.reduce, gl.reduce_grid, REDUCE_BLOCK,
            (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.term_corr, gl.term_edges, gl.cvals,
-            gl.sums, gl.reduce_dims), after_prior=True)
+            weight, gl.term_taps, gl.term_coef, gl.sums, gl.qpart, gl.reduce_dims),
+           after_prior=True)
