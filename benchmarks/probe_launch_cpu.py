@@ -2,10 +2,10 @@
 
     NUMBA_ENABLE_CUDASIM=1 python benchmarks/probe_launch_cpu.py
 
-``gram_statistics``' argument kinds (14 tensors, 4 scalars) as CPU tensors, plain and pinned
-(``launch.pin``), through the real launch key and direct launcher with the driver's launch
-faked: what a launch costs the host before the driver, per launch, and split into the key
-(argument kinds) and the direct launcher (parameter fields). The simulator only stands in for
+Session 17's ``gram_statistics`` argument kinds (14 tensors, 4 scalars; 11 and 4 since session
+18) as CPU tensors, plain and pinned (``launch.pin``), through the real launch key and direct
+launcher with the driver's launch faked: what a launch costs the host before the driver, per
+launch, and split into the key (argument kinds) and the direct launcher (parameter fields). The simulator only stands in for
 the device (nothing is compiled); the launcher is told it runs on a GPU.
 """
 

@@ -523,9 +523,14 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             report.notes.append(f"training's variance: from the input's Gram sums before the "
                                 f"convolution ({why})")
         else:
-            why = ("variance='epilogue'" if pipe.variance == "epilogue" else
-                   "variance='auto': this geometry's Gram tiles do not fit shared memory, so "
-                   "the epilogue path")
+            if pipe.variance == "epilogue":
+                why = "variance='epilogue'"
+            elif not pipe.gram_tiles_fit():
+                why = ("variance='auto': this geometry's Gram tiles do not fit shared memory, so "
+                       "the epilogue path")
+            else:
+                why = ("variance='auto': this GPU has no programmatic dependent launch (before "
+                       "Hopper), which the Gram path's gain leans on, so the epilogue path")
             report.notes.append(f"training's variance: from the gather's epilogue, then a "
                                 f"second pass over the output ({why})")
     if pipe.graph_wanted(input_shape):

@@ -4,8 +4,9 @@ Training needs, per output channel c, ``Q_c = sum_{n,o} y[n, c, o]^2`` of the bi
 convolution y; with the mean (known from the box sums) it gives the batch variance. Computing it
 from y costs a second pass over the output (``epilogue.scale_rows``, 0.18 ms at the default
 problem). Computing it from the input costs a third of the convolution's multiply-adds and
-lets the evaluation kernel write the final output once (benchmarks/NOTES.md, sessions 6-7),
-though the kernels that do it are not yet faster than the second pass (``kernels/gram.py``).
+lets the evaluation kernel write the final output once (benchmarks/NOTES.md, sessions 6-7); the
+kernels that do it (``kernels/gram.py``) beat the second pass since session 18, so training
+takes this path by default where its tiles fit.
 
 **The algebra** (checked in float64 against PyTorch by ``benchmarks/probe_gram_variance.py``).
 Per axis, tap ``a`` of input ``i`` lands on output ``s*i - p + d*a``. Two taps ``a, b`` reach the

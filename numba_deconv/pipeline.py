@@ -53,7 +53,8 @@ from torch import nn
 from . import folding
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
-from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
+from .kernels import (batch_stats, box_sums, epilogue, gather, gram, griddep, scatter,
+                      spatial_reduce)
 from .kernels.launch import pin, tensor_device
 from .simulator import is_simulator
 
@@ -126,16 +127,11 @@ class Pipeline:
         self.bn = bn
         self.conv_impl = conv_impl
         self.variance = variance
-        # the Gram path replaces the gather's training finish; the scatter path has its own.
-        # "auto": the Gram path wherever the geometry's tiles fit (0.394-0.395 against 0.428 ms
-        # a training call at the default problem, H100, benchmarks/NOTES.md session 18), the
-        # epilogue path otherwise (``explain`` says which and why)
-        fits = gram_fits(self.geometry, conv.weight.element_size())
-        if variance == "gram" and not fits:
+        self._fits: dict[int, bool] = {}  # itemsize -> gram_fits(geometry, itemsize)
+        self._dependents: bool | None = None  # programmatic dependent launch runs here
+        if variance == "gram" and conv_impl == "gather" and not self.gram_tiles_fit():
             raise ValueError("variance='gram': this geometry's Gram tiles do not fit "
                              "shared memory (too many input channels for its offsets)")
-        self.uses_gram = conv_impl == "gather" and (variance == "gram"
-                                                    or variance == "auto" and fits)
         self.poison = poison  # fill outputs and scratch with NaN before each run (tests)
         if graphs is not True and graphs is not False and graphs != "auto":
             raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
@@ -190,6 +186,34 @@ class Pipeline:
         if self.graph_wanted(tuple(tensor.shape)):
             return restore(self._replay(tensor))
         return restore(self._forward(tensor, record=None))
+
+    @property
+    def uses_gram(self) -> bool:
+        """Whether training takes its variance from the Gram sums (the Gram path).
+
+        The Gram path replaces the gather's training finish; the scatter path has its own.
+        ``variance="auto"``: the Gram path wherever the geometry's tiles fit for the parameters'
+        current dtype (a module moved to float64 after the pipeline was built may no longer
+        fit) and programmatic dependent launch runs (Hopper and later, and the simulator, so
+        that its tests cover the default): 0.394-0.400 against 0.428-0.430 ms a training call
+        at the default problem on an H100 (benchmarks/NOTES.md, session 18), a gain that leans
+        on the chain of dependents; the epilogue path otherwise (``explain`` says which).
+        """
+        if self.conv_impl != "gather" or self.variance == "epilogue":
+            return False
+        if self.variance == "gram":
+            return True
+        if self._dependents is None:  # asked once (a device query costs host time per call)
+            self._dependents = is_simulator() or griddep.supported()
+        return self.gram_tiles_fit() and self._dependents
+
+    def gram_tiles_fit(self) -> bool:
+        """Whether the Gram path runs this geometry in the parameters' current dtype."""
+        item = self.conv.weight.element_size()
+        fits = self._fits.get(item)
+        if fits is None:
+            fits = self._fits[item] = gram_fits(self.geometry, item)
+        return fits
 
     def graph_wanted(self, input_shape) -> bool:
         """Whether calls with inputs of ``input_shape`` replay a captured CUDA graph on a GPU.
@@ -395,8 +419,10 @@ class Pipeline:
         if plan.gram is None:
             geom, dev = self.geometry, x.device
             layout = gram.plan_for(geom, plan.batch, x.shape[2:], x.element_size())
-            if layout is None:  # gram_fits checked the geometry for any input size
-                raise RuntimeError(f"no Gram plan for input {tuple(x.shape)}")
+            if layout is None:  # "auto" checks gram_fits for the parameters' dtype (= x's) at
+                # every call; "gram" only when the pipeline was built
+                raise RuntimeError(f"variance='gram': this geometry's Gram tiles do not fit "
+                                   f"shared memory in {x.dtype} (input {tuple(x.shape)})")
             plan.means_scaled = pin(torch.empty((plan.batch, geom.out_channels),
                                                 dtype=torch.float64, device=dev))
             plan.gram = gram.gram_launch(layout, geom.out_per_group, dev, x.dtype)

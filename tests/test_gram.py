@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -101,6 +102,39 @@ def test_reduction_lanes_match_numpy(lanes, monkeypatch, device):
     gen = torch.Generator().manual_seed(lanes)
     x = torch.randn((batch, geom.in_channels, *spatial), generator=gen, dtype=torch.float64) - 3
     check_term_sums(plan, geom, x, dtype, device)
+
+
+def test_auto_follows_the_parameters_dtype(device):
+    """``variance="auto"`` decides at every call, for the parameters' current dtype: a geometry
+    whose Gram tiles fit in float32 but not in float64 takes the epilogue path after ``.double()``
+    (it failed with "no Gram plan" when the choice was made once, at construction)."""
+    conv = torch.nn.ConvTranspose3d(8, 4, 4, 1, 0, dilation=2)
+    bn = torch.nn.BatchNorm3d(4)
+    geom = ConvGeometry.from_conv(conv)
+    assert gram_fits(geom, 4) and not gram_fits(geom, 8)
+    conv, bn = conv.to(device), bn.to(device)
+    pipe = Pipeline(conv, bn)
+    assert pipe.uses_gram
+    conv.double()
+    bn.double()
+    assert not pipe.uses_gram
+    x = torch.randn((1, 8, 3, 3, 3), dtype=torch.float64, device=device)
+    ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
+    testing.assert_close(pipe(x), testing.reference(ref_conv, ref_bn, x), 1e-10)
+
+
+@pytest.mark.parametrize("lanes", [1, 8])
+def test_reduction_contracts_many_output_channels(lanes, monkeypatch, device):
+    """More output channels per group than one chunk of ``gram.QCHUNK``: the later chunks' weight
+    products are loaded after the kernel waits, and a chunk ends part-way (40 = 32 + 8), in two
+    groups."""
+    monkeypatch.setattr(gram, "REDUCE_LANES", lanes)
+    geom = ConvGeometry.create(4, 80, 3, 2, 1, groups=2)
+    assert geom.out_per_group > gram.QCHUNK
+    plan = gram_plan(geom, 1, (2, 3, 4), 4, sms=2, max_block=block_size(256))
+    gen = torch.Generator().manual_seed(40 + lanes)
+    x = torch.randn((1, 4, 2, 3, 4), generator=gen, dtype=torch.float64) + 2
+    check_term_sums(plan, geom, x, torch.float32, device)
 
 
 @pytest.mark.parametrize("channels", [32, 96, 128])

@@ -36,7 +36,8 @@ float64 adds), so what matters is loads in flight and blocks: the first version 
 into one index and divided per element (72 µs at the default problem, H100); one block with a warp
 per channel took 21 µs (session 5); a block per channel spreads the same reads over C SMs.
 
-``gram_statistics`` is the same finish for ``Pipeline(..., variance="gram")``: the variance comes
+``gram_statistics`` is the same finish for the Gram path (training's default where its tiles fit,
+``Pipeline(..., variance="auto")``, or ``variance="gram"``): the variance comes
 from the input's Gram sums (``kernels/gram.py``) before the convolution,
 
     Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]
