@@ -71,11 +71,11 @@ def blocks_sweep(values, caps, max_blocks) -> None:
     geom = bench.default_case().geometry()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = gram_plan.BLOCKS_PER_SM, gram.MAX_REGS
+    wflat = model.conv_transpose.weight.detach().flatten(2)
     for v, cap, mb in itertools.product(values, caps, max_blocks):
         gram_plan.BLOCKS_PER_SM, gram.MAX_REGS = v, cap
         layout = gram_plan.gram_plan(geom, x.shape[0], tuple(x.shape[2:]), 4, sms, mb)
         gl = gram.gram_launch(layout, geom.out_per_group, x.device)
-        wflat = model.conv_transpose.weight.detach().flatten(2)
         us = bench.graph_time_us(lambda: gram.launch_gram_sums(gl, "float32", x))
         regs, _, local, occ = _resources(gram.make_gram_sums("float32", layout),
                                          layout.block, _device_limits())

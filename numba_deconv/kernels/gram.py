@@ -684,6 +684,7 @@ def gram_launch(plan: GramPlan, out_per_group: int, device, dtype=torch.float32)
     as_dev = lambda a: pin(torch.from_numpy(np.ascontiguousarray(a)).to(device))  # noqa: E731
     empty = lambda *shape, dtype: pin(torch.empty(shape, dtype=dtype, device=device))  # noqa: E731
     gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
+    bpg = reduce_blocks_per_group(plan)
     return GramLaunch(
         plan, as_dev(plan.tiles), as_dev(plan.blocks),
         as_dev(np.array(col, np.int32).reshape(-1, 2)), as_dev(term_chunks),
@@ -696,12 +697,12 @@ def gram_launch(plan: GramPlan, out_per_group: int, device, dtype=torch.float32)
         empty(len(plan.chunks), width, dtype=torch.float64),
         empty(plan.groups * plan.cg, dtype=dtype),
         empty(plan.groups, len(plan.terms), plan.cg, plan.cg, dtype=torch.float64),
-        empty(plan.groups, out_per_group, reduce_blocks_per_group(plan), dtype=torch.float64),
+        empty(plan.groups, out_per_group, bpg, dtype=torch.float64),
         sums_grid=sums_grid(plan), block=plan.block,
         chunk_grid=-(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
-        reduce=reduce_kernel(plan), reduce_grid=reduce_grid(plan),
+        reduce=reduce_kernel(plan), reduce_grid=plan.groups * bpg,
         reduce_dims=(plan.cg, plan.nb, gstride, plan.ww, plan.columns, plan.nb * CB,
-                     len(plan.corr), reduce_blocks_per_group(plan)))
+                     len(plan.corr), bpg))
 
 
 def sums_grid(plan: GramPlan) -> tuple[int, int]:
