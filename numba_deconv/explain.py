@@ -241,18 +241,21 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                     spatial_reduce.make_spatial_moments(batch_stats), (max(1, min(rows_nc, 65535)),),
                     blk, n_out * (1 + 3 * (passes - 1)), passes * n_out * e + passes * rows_nc * 8))
     else:
-        blk = block_size(box_sums.BLOCK)
+        gram_path = batch_stats and pipe.uses_gram
+        in_tail = gram_path and gram.BOX_SUMS_IN_TAIL  # its own block size there
+        blk = block_size(gram.BOX_SUMS_BLOCK if in_tail else box_sums.BLOCK)
         planes = batch * geom.in_channels
         kd, kh, kw = geom.kernel_size
         boxes = planes * kd * kh * kw * 8
         name = "float32" if dtype == torch.float32 else "float64"
-        box_rows = [("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name),
+        # the kernel of an aligned input (whole quads of float32 read by 16-byte loads)
+        vec = name == "float32" and in_spatial[2] % box_sums.QUAD == 0
+        box_rows = [("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name, vec=vec),
                      (box_sums.grid_size(planes),), blk,
                      _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes),
                     ("mean_from_box_sums", FUSED_MEANS, None, None, None,
                      2 * rows_nc * geom.in_per_group * kd * kh * kw,
                      boxes + w_bytes + rows_nc * 8)]
-        gram_path = batch_stats and pipe.uses_gram
         if gram_path:  # box_sums runs in gram_sums' tail (``Pipeline._gram_train``)
             gram_rows = _gram_rows(pipe, batch, in_spatial, dtype, x_bytes)
             out += [gram_rows[0], *box_rows, *gram_rows[1:]] if gram.BOX_SUMS_IN_TAIL \

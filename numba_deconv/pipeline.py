@@ -55,7 +55,7 @@ from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gram, griddep, scatter,
                       spatial_reduce)
-from .kernels.launch import pin, tensor_device
+from .kernels.launch import block_size, pin, tensor_device
 from .simulator import is_simulator
 
 CONV_STRATEGIES = ("gather", "scatter")
@@ -586,10 +586,11 @@ class Pipeline:
         # (epilogue.scale_rows: 2.86 TB/s, torch's broadcast mul_ 2.35 TB/s; benchmarks/NOTES.md).
         epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)
 
-    def _box_sums(self, x, plan: _ShapePlan, flat_w, record, after_prior: bool = False) -> None:
+    def _box_sums(self, x, plan: _ShapePlan, flat_w, record, after_prior: bool = False,
+                  block: int | None = None) -> None:
         box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes, flat_w, plan.zero_bias,
                                  1.0 / plan.volume, plan.contrib, plan.means, plan.samples_done,
-                                 after_prior=after_prior)
+                                 block=block, after_prior=after_prior)
         if record is not None:
             record["box_sums"] = plan.boxes.clone()
             record["mean_from_box_sums"] = plan.means.clone()
@@ -620,7 +621,8 @@ class Pipeline:
         if record is not None:
             record["gram_sums"] = gl.partial.clone()
         if gram.BOX_SUMS_IN_TAIL:
-            self._box_sums(x, plan, flat_w, record, after_prior=chained and bool(gl.plan.terms))
+            self._box_sums(x, plan, flat_w, record, after_prior=chained and bool(gl.plan.terms),
+                           block=block_size(gram.BOX_SUMS_BLOCK))
         gram.launch_gram_reduce(gl, flat_w)
         if record is not None:
             record["gram_reduce"] = gl.sums.clone()

@@ -18,10 +18,19 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
     ((4, 1, 2), (3, 1, 1), (3, 0, 1), (2, 0, 0), (1, 1, 3), (2, 2, 9)),  # a one-tap axis
     # H boxes [4, 5] and [0, 1] (disjoint: rows 2-3 in none), an empty W box
     ((2, 2, 3), (1, 1, 2), (0, 4, 2), (0, 0, 0), (1, 4, 1), (3, 6, 2)),
-    # rows wider than the block: a block's step moves a thread along W only (several rounds)
-    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 3, 70)),
-    # a plane of 90 columns: with 32 or 64 threads a block's step moves a thread along D and W
+    # rows of more column quads than the block has threads: a block's step moves a thread along
+    # W only (several rounds); 603 columns, the last quad one column wide
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 3, 603)),
+    # a plane of 27 quads, the last of each row half outside: with 32 threads one round
     ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (9, 3, 10)),
+    # rows of whole quads (16-byte loads unless x is misaligned): 90 quads per plane, so with
+    # 32 or 64 threads a block's step moves a thread along D and W
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (9, 3, 40)),
+    ((2, 3, 4), (2, 1, 3), (1, 0, 2), (1, 0, 2), (1, 2, 1), (3, 5, 12)),
+    # 8 quads of 20 rows: several slices of rows per quad (``row_parts``): 4 slices of 5 rows
+    # with 32 threads (a whole and a partial round of loads at rows=3), 16 slices of 2 with 128
+    # or more (the last six past the input: no rows)
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 20, 16)),
 ]
 
 
@@ -31,12 +40,13 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
 # block=32 with ipg=9, opg=5: more output channels than a block's groups of eight threads (the
 # means' share and the last block loop twice), more than eight input channels per group
 # wide: the 64-bit offsets of volumes of 2**32 elements or more, forced on small ones
-@pytest.mark.parametrize("groups,ipg,opg,grid_cap,rows,block,wide", [
-    (1, 5, 2, 65535, box_sums.ROWS, None, False), (3, 3, 2, 65535, 3, None, False),
-    (1, 4, 2, 3, 3, None, False), (1, 9, 5, 65535, 4, 32, False),
-    (1, 3, 2, 65535, 3, None, True)])
+# shift: x starts this many elements into its buffer (1: not 16-byte aligned, element loads)
+@pytest.mark.parametrize("groups,ipg,opg,grid_cap,rows,block,wide,shift", [
+    (1, 5, 2, 65535, box_sums.ROWS, None, False, 0), (3, 3, 2, 65535, 3, None, False, 0),
+    (1, 2, 2, 65535, 3, box_sums.MAX_BLOCK, False, 0), (1, 4, 2, 3, 3, None, False, 1),
+    (1, 9, 5, 65535, 4, 32, False, 0), (1, 3, 2, 65535, 3, None, True, 0)])
 def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, block, wide,
-                                        device, monkeypatch):
+                                        shift, device, monkeypatch):
     kernel, stride, padding, output_padding, dilation, size = case
     if wide:
         monkeypatch.setattr(box_sums, "needs_wide", lambda spatial: True)
@@ -60,10 +70,14 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, 
     # fewer blocks than planes: each block takes several, of different samples
     monkeypatch.setattr(box_sums, "MAX_GRID", grid_cap)
     dev = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    x_dev = torch.empty(x.size + shift, dtype=torch.float32, device=device)[shift:].view(x.shape)
+    x_dev.copy_(dev(x))
+    # the kernel this case runs: 16-byte row loads exactly where rows are whole, aligned quads
+    assert box_sums.vector_rows(x_dev) == (shift == 0 and size[2] % box_sums.QUAD == 0)
     for _ in range(2):  # the counters are back at zero after a call: a second call is right too
         for t in (out, mean, contrib):
             t.fill_(float("nan"))
-        box_sums.launch_box_sums(dev(x), dev(lo), dev(hi), out,
+        box_sums.launch_box_sums(x_dev, dev(lo), dev(hi), out,
                                  dev(w).view(in_ch, out_ch // groups, -1), dev(bias),
                                  1.0 / volume, contrib, mean, done, rows=rows, block=block)
         want = np.zeros(out.shape)
@@ -88,7 +102,8 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, 
         assert not done.any()
 
 
-@pytest.mark.parametrize("shape", [(2**16, 2**15, 1, 1, 1), (1, 1, 2**16, 1, 2**15),
+# (1, 1, 2**16, 1, 2**17): 2**16 planes of 2**15 column quads
+@pytest.mark.parametrize("shape", [(2**16, 2**15, 1, 1, 1), (1, 1, 2**16, 1, 2**17),
                                    (1, 1, 1, 2**31, 1), (1, 0, 2, 2, 2), (1, 1, 2, 2, 0)])
 def test_box_sums_refuses_inputs_past_its_32_bit_counters_or_empty(shape):
     # an expanded view: the shape is checked before anything is read or launched

@@ -9,12 +9,18 @@ output (per axis an interval [lo_k, hi_k], from ``geometry.AxisGeometry.box``). 
 mean is known from one light pass over the small input, and the convolution's epilogue can write
 the final ``acc - mean`` directly: evaluation mode then writes the output exactly once.
 
-Box sums: one block per (n, ci) volume (grid-stride), one pass over x, no scratch. A thread
-owns whole input columns (id, ., iw) and walks them along H: consecutive threads own consecutive
-iw, so every load is coalesced. Per column it sums every row (one add per value), and each H
-tap's sum is that total less the rows the tap's interval leaves out (the few edge rows, read
-again); it then adds those KH sums into the KD*KH*KW box sums its column belongs to (by D and W
-interval), in registers: the kernel sizes are compile-time (``make_box_sums``). The block then
+Box sums: one block per (n, ci) volume (grid-stride), one pass over x, no scratch. A work item
+is a *quad*, four consecutive input columns (id, ., iw..iw+3), over one slice of its rows (as
+many slices per quad as the block has threads per quad, ``row_parts``: two of 16 rows at the
+default problem with 256 threads, one with 128); a thread walks its item along H, consecutive
+threads on consecutive quads, so every load is coalesced, and where rows are whole aligned
+quads of float32 (``vector_rows``) a quad's row is one 16-byte load (``vecload.load4``). Per
+column it sums the
+slice's rows (one add per value), and each H tap's sum is that total less the rows the tap's
+interval leaves out (the few edge rows, read again by the slice holding them); slices add up.
+It then adds those KH sums into the KD*KH*KW box sums its quad's columns belong to (per W tap
+the columns inside its interval, then per D tap all or none), in registers: the kernel sizes
+are compile-time (``make_box_sums``). The block then
 reduces its threads' box sums (a reduce-scatter over each warp's lanes, one partial per warp and
 box in shared memory, a fixed order: deterministic) and writes B[n, ci, :, :, :].
 
@@ -48,13 +54,23 @@ call.) The block calls ``griddep.allow_dependents`` first, so the gather after i
 it finishes. On the Gram path it runs as ``gram_sums``' programmatic dependent, in its tail, and
 waits for it at its very end (``Pipeline._gram_train``).
 
+Session 19 (this form): a thread per column quad and slice of rows, where a thread per column
+ran the W interval tests and the box sums' adds per column (KD*KH + KD*KH*KW selected adds per
+column; now 4*KH*KW + KD*KH*KW per quad) and four scalar loads per quad row: 10.51 us alone
+against 10.61 (256 threads, two slices of 16 rows), the same eval call (0.2449 against 0.2445
+ms): instructions no longer set its time, the round trips do (the walk, then the reduction,
+the means' share, the fence and count, the last block's sums). What it gave is a block that
+runs well at 128 threads: in ``gram_sums``' tail (``gram.BOX_SUMS_BLOCK``) the training call
+took 0.3936-0.3938 ms against 0.3966-0.3975 (two runs, benchmarks/NOTES.md).
+
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
-N*Cin*KD*KH*KW doubles and N*Cout means; per value about 5 instructions per lane (two for the
-address, the load, the conversion to float64, the add), plus each warp's bookkeeping once per
-plane.
+N*Cin*KD*KH*KW doubles and N*Cout means; per value about 2.5 instructions per lane (a quarter
+of a 16-byte load and its address, the conversion to float64, the add), plus each warp's
+bookkeeping once per plane.
 
 Preconditions (the launcher checks them): a non-empty input; fewer than 2**31 (n, ci) planes,
-columns per plane (ID * IW) and rows (IH); blocks of a multiple of 32 threads up to ``BLOCK``.
+column quads per plane (ID * ceil(IW / 4)) and rows (IH); blocks of a multiple of 32 threads
+up to ``MAX_BLOCK``.
 """
 
 from __future__ import annotations
@@ -70,19 +86,30 @@ from .fastdiv import divisor
 from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, launch
+from .vecload import load4
 from .warp import FULL_MASK, WARP_SIZE
 
 BLOCK = 256
-ROWS = 16  # loads in flight per thread in box_sums
+MAX_BLOCK = 256  # the shared partials hold this many threads' warps
+ROWS = 8  # rows of a quad's loads in flight per thread in box_sums
+QUAD = 4  # input columns per thread: one 16-byte load per row where the rows are aligned
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
 
 def make_box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str = "float32", rows: int = ROWS,
-                  wide: bool = False):
+                  wide: bool = False, vec: bool = False):
     """``box_sums`` for one kernel size (its per-thread box sums live in registers) and input
-    dtype, with ``rows`` loads in flight per thread and 64-bit offsets inside a volume if
-    ``wide`` (a volume of 2**32 or more elements): one kernel object per distinct setting."""
-    return _box_sums(int(kd_n), int(kh_n), int(kw_n), dtype, int(rows), bool(wide))
+    dtype, with ``rows`` rows of loads in flight per thread, 64-bit offsets inside a volume if
+    ``wide`` (a volume of 2**32 or more elements), and a quad's row as one 16-byte load if
+    ``vec`` (float32, rows of a multiple of four values, x 16-byte aligned: ``vector_rows``):
+    one kernel object per distinct setting."""
+    return _box_sums(int(kd_n), int(kh_n), int(kw_n), dtype, int(rows), bool(wide), bool(vec))
+
+
+def vector_rows(x) -> bool:
+    """Whether ``box_sums`` may read ``x``'s rows four values per 16-byte load: float32, a row
+    width that is a multiple of four and a 16-byte aligned start (every row is then aligned)."""
+    return x.dtype == torch.float32 and x.shape[4] % QUAD == 0 and x.data_ptr() % 16 == 0
 
 
 def needs_wide(in_spatial) -> bool:
@@ -91,27 +118,43 @@ def needs_wide(in_spatial) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool):
+def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool, vec: bool):
+    assert not vec or dtype == "float32", "16-byte row loads read float32 quads"
     elem = {"float32": float32, "float64": float64}[dtype]
     off_t = uint64 if wide else uint32
     n_box = kd_n * kh_n * kw_n
-    n_dh = kd_n * kh_n
+    n_hw = kh_n * kw_n
+    n_vals = rows * QUAD   # literal shapes for the local arrays
+    n_sub = kh_n * QUAD
     n_pad = -(-n_box // WARP_SIZE) * WARP_SIZE  # box sums in groups of 32 for the reduce-scatter
-    max_warps = BLOCK // WARP_SIZE  # compile-time constants: shared arrays need literal shapes
+    max_warps = MAX_BLOCK // WARP_SIZE  # compile-time constants: shared arrays need literal shapes
+
+    @cuda.jit(device=True, inline="always")
+    def load_quad(buf, i, xv, off, last_u):
+        """``buf[i:i + QUAD]`` = the quad's values in the row at ``off`` (its first column); a
+        column past the row's end (``u > last_u``) reads the row's last value instead, which no
+        W interval holds."""
+        if vec:
+            buf[i], buf[i + 1], buf[i + 2], buf[i + 3] = load4(xv, off)
+        else:
+            for u in range(QUAD):
+                buf[i + u] = xv[off + off_t(min(u, last_u))]
 
     @cuda.jit(device=True, inline="always")
     def leave_out(sub, v, ih, hlo, hhi):
-        """Add row ``ih``'s value ``v`` to the sums of the H taps whose interval leaves it out."""
+        """Add row ``ih``'s quad ``v`` to the sums of the H taps whose interval leaves it out."""
         for b in range(kh_n):
             if ih < hlo[b] or ih > hhi[b]:
-                sub[b] += v
+                for u in range(QUAD):
+                    sub[b * QUAD + u] += float64(v[u])
 
-    # 128 registers: two blocks of 256 threads per SM (uncapped it took 162: one block)
+    # at most 128 registers (uncapped, the thread-per-column kernel took 162)
     @cuda.jit(**({} if is_simulator() else {"max_registers": 128}))
     def box_sums(x, xf, lo, hi, dims, out, w, bias, inv_size, contrib, mean, done):
         # x: (N, CI, ID, IH, IW), xf the same memory flattened; lo, hi: (3, KMAX) int32
-        # inclusive box bounds per axis and tap; dims: (input channels per group, in_w and in_ch
-        # as ``fastdiv.divisor`` triples) from the host, read from the constant bank
+        # inclusive box bounds per axis and tap; dims, from the host, read from the constant
+        # bank: (input channels per group; as ``fastdiv.divisor`` triples the column quads per
+        # row ceil(IW / QUAD), in_ch and the quads per plane; rows per slice; slices per quad)
         # out: (N, CI*K) f64 box sums, K = KD*KH*KW in (kd, kh, kw) order; w: (CI, OPG, K) the
         # weights; bias: (CO,) f64 (zeros if none); inv_size: 1 / output voxels; contrib:
         # (N, CI, OPG) f64 scratch, each plane's share of its group's means; mean: (N, CO) f64
@@ -153,17 +196,17 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             if hlo[k] <= hhi[k]:
                 top = max(top, hlo[k])
                 bottom = min(bottom, hhi[k] + 1)
-        cols = in_d * in_w
-        # the thread's first column, and how far a block's step moves it (multiply-high
-        # divisions: a divide is ~20 instructions)
-        id0, iw0 = fast_divmod(t, dims[1])
-        id0, iw0 = int32(id0), int32(iw0)
-        step_d, step_w = fast_divmod(bs, dims[1])
-        step_d, step_w = int32(step_d), int32(step_w)
+        # A work item is one column quad (i_d, iq) over one slice of its rows: ``parts``
+        # slices of ``part_rows`` rows (from the host: as many slices as the block has threads
+        # per quad, so that a plane of few quads still gives every thread a few rows and a
+        # thread waits for fewer rounds of loads). Item j = part * quads + quad: consecutive
+        # threads read consecutive quads of one row (coalesced).
+        quads = int32(dims[3][0])      # column quads per plane, ID * ceil(IW / QUAD)
+        part_rows = int32(dims[4])
+        items = quads * int32(dims[5])
         vol = int64(in_d) * int64(in_h) * int64(in_w)
         row_w = off_t(in_w)
         plane_h = off_t(int64(in_h) * int64(in_w))
-        full = in_h // rows     # whole rounds of ``rows`` loads; a last partial round is clamped
         plane = int32(cuda.blockIdx.x)
         while plane < n_batch * in_ch:
             n, ci = fast_divmod(plane, dims[2])
@@ -176,72 +219,77 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             box = cuda.local.array(n_pad, float64)
             for j in range(n_pad):
                 box[j] = 0.0
-            # the thread's column (i_d, iw) = col0 + t, moved along with col0 (no division per
-            # column); the same trip count for every thread (a test inside, not a shorter loop),
-            # so the warps are provably converged at the shuffles below: plain SHFL
-            col0 = int32(0)
-            i_d = id0
-            iw = iw0
-            while col0 < cols:
-                if col0 + t < cols:
+            # the same trip count for every thread (a test inside, not a shorter loop), so the
+            # warps are provably converged at the shuffles below: plain SHFL
+            item0 = int32(0)
+            while item0 < items:
+                if item0 + t < items:
+                    part, quad = fast_divmod(item0 + t, dims[3])
+                    i_d, iq = fast_divmod(quad, dims[1])   # (multiply-high divisions)
+                    i_d, iw = int32(i_d), int32(iq) * QUAD
+                    r0 = int32(part) * part_rows
+                    r1 = r0 + min(part_rows, in_h - r0)  # (no 32-bit overflow)
+                    last_u = in_w - 1 - iw  # columns iw + u past it lie outside the input
                     cbase = off_t(i_d) * plane_h + off_t(iw)
-                    # the column's total over every row, ``rows`` loads in flight, two chains
-                    # of adds
-                    vals = cuda.local.array(rows, elem)
-                    tot0 = 0.0
-                    tot1 = 0.0
-                    rbase = cbase
-                    for _ in range(full):
-                        for u in range(rows):
-                            vals[u] = xv[rbase + off_t(u) * row_w]
-                        for u in range(0, rows, 2):
-                            tot0 += float64(vals[u])
-                            if u + 1 < rows:
-                                tot1 += float64(vals[u + 1])
+                    # the quad's column totals over the slice's rows, ``rows`` rows of loads
+                    # in flight; four columns, four independent chains of adds
+                    vals = cuda.local.array(n_vals, elem)
+                    tot = cuda.local.array(QUAD, float64)
+                    for u in range(QUAD):
+                        tot[u] = 0.0
+                    rbase = cbase + off_t(r0) * row_w
+                    ih0 = r0
+                    while ih0 + rows <= r1:
+                        for r in range(rows):
+                            load_quad(vals, r * QUAD, xv, rbase + off_t(r) * row_w, last_u)
+                        for r in range(rows):
+                            for u in range(QUAD):
+                                tot[u] += float64(vals[r * QUAD + u])
                         rbase += off_t(rows) * row_w
-                    ih0 = full * rows
-                    if ih0 < in_h:  # the last, partial round: indices clamped, values tested
-                        for u in range(rows):
-                            vals[u] = xv[cbase + off_t(min(ih0 + u, in_h - 1)) * row_w]
-                        for u in range(rows):
-                            if ih0 + u < in_h:
-                                tot0 += float64(vals[u])
-                    tot = tot0 + tot1
-                    # each H tap's interval [lo, hi] (inside the input, or empty) is the total less
-                    # the rows it leaves out, all of them above ``top`` or from ``bottom`` on: the
-                    # few edge rows (for the default problem one at each edge), read again (from
-                    # L1), each once, with a test per tap
-                    sub = cuda.local.array(kh_n, float64)
-                    for b in range(kh_n):
+                        ih0 += rows
+                    if ih0 < r1:  # the last, partial round: rows clamped, values tested
+                        for r in range(rows):
+                            load_quad(vals, r * QUAD, xv,
+                                      cbase + off_t(min(ih0 + r, in_h - 1)) * row_w, last_u)
+                        for r in range(rows):
+                            if ih0 + r < r1:
+                                for u in range(QUAD):
+                                    tot[u] += float64(vals[r * QUAD + u])
+                    # each H tap's interval [lo, hi] (inside the input, or empty) is the total
+                    # less the rows it leaves out, all of them above ``top`` or from ``bottom``
+                    # on: the few edge rows (for the default problem one at each edge), read
+                    # again (from L1) by the slice that holds them, each once, with a test per
+                    # tap. Slices add up: so do their interval sums.
+                    sub = cuda.local.array(n_sub, float64)
+                    for b in range(n_sub):
                         sub[b] = 0.0
-                    for ih in range(top):
-                        leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
-                    for ih in range(max(top, bottom), in_h):
-                        leave_out(sub, float64(xv[cbase + off_t(ih) * row_w]), ih, hlo, hhi)
-                    # which box sums the column's KH interval sums go to: 32-bit tests and
-                    # selects, per D tap, then per W tap (nested branches on 64-bit tests were
-                    # ~270 instructions per warp and column, ncu; this form measured the same,
-                    # session 13)
-                    di = int32(i_d)
-                    wi = int32(iw)
-                    rab = cuda.local.array(n_dh, float64)
-                    for a in range(kd_n):
-                        ind = (di >= dlo[a]) & (di <= dhi[a])
-                        for b in range(kh_n):
-                            run = tot - sub[b] if hlo[b] <= hhi[b] else 0.0
-                            rab[a * kh_n + b] = run if ind else 0.0
-                    for c in range(kw_n):
-                        inw = (wi >= wlo[c]) & (wi <= whi[c])
-                        for a in range(kd_n):
+                    edge = cuda.local.array(QUAD, elem)
+                    for ih in range(r0, min(top, r1)):
+                        load_quad(edge, 0, xv, cbase + off_t(ih) * row_w, last_u)
+                        leave_out(sub, edge, ih, hlo, hhi)
+                    for ih in range(max(max(top, bottom), r0), r1):
+                        load_quad(edge, 0, xv, cbase + off_t(ih) * row_w, last_u)
+                        leave_out(sub, edge, ih, hlo, hhi)
+                    # which box sums the quad's KH interval sums go to: per W tap the sum over
+                    # the quad's columns inside its interval (a column past the input is inside
+                    # none), then per D tap all of them or none (32-bit tests and selects). Per
+                    # quad 4*KH*KW + KD*KH*KW selected adds, where a thread per column did
+                    # KD*KH + KD*KH*KW per column
+                    rq = cuda.local.array(n_hw, float64)
+                    for j in range(n_hw):
+                        rq[j] = 0.0
+                    for u in range(QUAD):
+                        wu = iw + u
+                        for c in range(kw_n):
+                            inw = (wu >= wlo[c]) & (wu <= whi[c])
                             for b in range(kh_n):
-                                v = rab[a * kh_n + b]
-                                box[(a * kh_n + b) * kw_n + c] += v if inw else 0.0
-                col0 += bs
-                iw += step_w
-                i_d += step_d
-                if iw >= in_w:
-                    iw -= in_w
-                    i_d += 1
+                                run = tot[u] - sub[b * QUAD + u] if hlo[b] <= hhi[b] else 0.0
+                                rq[b * kw_n + c] += run if inw else 0.0
+                    for a in range(kd_n):
+                        ind = (i_d >= dlo[a]) & (i_d <= dhi[a])
+                        for j in range(n_hw):
+                            box[a * n_hw + j] += rq[j] if ind else 0.0
+                item0 += bs
             # Reduce-scatter over the warp, 32 box sums at a time: at the step of width h each
             # lane keeps half of its sums (the upper half if its bit h is set), adds the
             # partner's (lane ^ h) copy of that half and sends the other half. After the steps
@@ -341,23 +389,33 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
     previous kernel's programmatic dependent, which must write nothing this kernel reads or
     writes and read nothing it writes (the Gram path's ``gram_sums``)."""
     block = block_size(BLOCK) if block is None else block
-    if block > BLOCK or block % WARP_SIZE:
-        raise ValueError(f"box_sums blocks are multiples of {WARP_SIZE} up to {BLOCK}, got {block}")
+    if block > MAX_BLOCK or block % WARP_SIZE:
+        raise ValueError(f"box_sums blocks are multiples of {WARP_SIZE} up to {MAX_BLOCK}, "
+                         f"got {block}")
     n, ci = x.shape[0], x.shape[1]
     if x.numel() == 0:
         raise ValueError(f"box_sums needs a non-empty input, got shape {tuple(x.shape)}")
-    if n * ci >= 2**31 or x.shape[2] * x.shape[4] >= 2**31 or x.shape[3] >= 2**31:
+    quads = -(-x.shape[4] // QUAD)
+    if n * ci >= 2**31 or x.shape[2] * quads >= 2**31 or x.shape[3] >= 2**31:
         raise ValueError(f"box_sums counts planes and columns in 32 bits: input of shape "
                          f"{tuple(x.shape)} has too many")
     kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",
-                           rows, needs_wide(x.shape[2:]))
-    dims = _dims(ci // (mean.shape[1] // w.shape[1]), x.shape[4], ci)
+                           rows, needs_wide(x.shape[2:]), vector_rows(x))
+    parts = row_parts(x.shape[2] * quads, x.shape[3], block)
+    dims = _dims(ci // (mean.shape[1] // w.shape[1]), quads, ci, x.shape[2] * quads,
+                 -(-x.shape[3] // parts), parts)
     launch(kernel, grid_size(n * ci), block,
            (x, x.view(-1), lo, hi, dims, out.view(n, -1), w, bias, float(inv_size), contrib, mean,
             done), after_prior=after_prior)
 
 
+def row_parts(quads: int, in_h: int, block: int) -> int:
+    """Slices of rows per column quad: one per thread the block has for each of the plane's
+    ``quads`` (at least one, at most a row each)."""
+    return max(1, min(in_h, block // quads))
+
+
 @functools.lru_cache(maxsize=256)
-def _dims(ipg: int, in_w: int, in_ch: int) -> tuple:
+def _dims(ipg: int, row_quads: int, in_ch: int, quads: int, part_rows: int, parts: int) -> tuple:
     """The kernel's ``dims``: one tuple object per setting, so the launcher flattens it once."""
-    return (ipg, divisor(in_w), divisor(in_ch))
+    return (ipg, divisor(row_quads), divisor(in_ch), divisor(quads), part_rows, parts)

@@ -94,6 +94,9 @@ QCHUNK = 32  # gram_reduce contracts its term sums with the weights this many ch
 # (True: 0.411-0.416 ms a call against 0.417-0.422, H100), or before it (``Pipeline._gram_train``;
 # benchmarks/NOTES.md session 16)
 BOX_SUMS_IN_TAIL = True
+# box_sums' threads per block there: in gram_sums' tail its blocks of 128 fit where 256 wait
+# (train 0.3936-0.3938 ms against 0.3966-0.3975 with 256, eval's size; H100, session 19)
+BOX_SUMS_BLOCK = 128
 MAX_REGS = 0  # register cap of gram_sums (0: none)
 
 

@@ -1,0 +1,53 @@
+"""Four float32 values in one 16-byte load from global memory: ``load4(src, j)``.
+
+numba turns ``src[j]``, ``src[j + 1]``, ... into one scalar load each (``ld.f32``): it cannot
+know that ``src``'s data is 16-byte aligned, so LLVM may not merge them. ``load4`` emits one
+``<4 x float>`` load with 16-byte alignment, which the NVPTX backend lowers to a single
+``ld.v4.f32``: a quarter of the load instructions and the same bytes per instruction as the
+widest load the hardware has. ``box_sums`` walks its input columns four at a time with it.
+
+Precondition (the caller checks it on the host): ``src``'s data pointer and the element offset
+``j`` are 16-byte aligned (``j`` a multiple of 4). Returns a tuple of four float32. Under the
+CUDA simulator: four element reads.
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+from ..simulator import is_simulator
+
+if is_simulator():
+    @cuda.jit(device=True)
+    def load4(src, j):
+        """``(src[j], src[j + 1], src[j + 2], src[j + 3])``."""
+        return src[j], src[j + 1], src[j + 2], src[j + 3]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load4(typingctx, src, j):
+        """``(src[j], src[j + 1], src[j + 2], src[j + 3])`` as one 16-byte load."""
+        if not (isinstance(src, types.Array) and src.dtype == types.float32):
+            raise TypingError("load4: a float32 array")
+        if not (isinstance(j, types.Integer) and not j.signed):
+            raise TypingError("load4: the offset must be an unsigned integer")
+        ret = types.UniTuple(types.float32, 4)
+
+        def codegen(context, builder, signature, args):
+            src_t, _ = signature.args
+            data = context.make_array(src_t)(context, builder, args[0]).data
+            index = args[1]
+            if index.type.width < 64:
+                index = builder.zext(index, ir.IntType(64))
+            vec_t = ir.VectorType(ir.FloatType(), 4)
+            ptr = builder.bitcast(builder.gep(data, [index]), vec_t.as_pointer())
+            vec = builder.load(ptr, align=16)
+            vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k)) for k in range(4)]
+            return context.make_tuple(builder, ret, vals)
+
+        return ret(src, j), codegen
