@@ -47,7 +47,7 @@ from . import folding
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
 from .kernels import box_sums, epilogue, gather, gram, scatter, spatial_reduce
-from .kernels.launch import block_size, grid_for
+from .kernels.launch import block_size, grid_for, tensor_device
 from .simulator import is_simulator
 
 #: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores (no
@@ -547,7 +547,14 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             + (" measure=True ignored." if measure else ""))
         return report
 
-    x = torch.randn(input_shape, dtype=dtype, device=pipe.conv.weight.device)
+    device, where = tensor_device(), pipe.conv.weight.device
+    if where != device:  # a pipeline of CPU modules runs nowhere: the plan, without resources
+        report.notes.append(
+            f"the parameters are on {where}, the kernels run on {device}: move the module there "
+            "for regs, smem, local (spill) bytes, occupancy and measured times"
+            + (" (measure=True ignored)." if measure else "."))
+        return report
+    x = torch.randn(input_shape, dtype=dtype, device=device)
     pipe.trace(x)  # compiles every kernel of this plan; trace leaves the running stats alone
     limits = _device_limits()
     for row, spec in zip(rows, specs):

@@ -151,3 +151,14 @@ def test_gpu_resources_and_timings(conv_impl, training):
     assert "measured whole call" in str(report)
     for k, v in pipe.bn.state_dict().items():  # timing in training mode leaves the stats alone
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.gpu
+def test_parameters_off_the_kernels_device_give_the_plan_and_say_why():
+    # a pipeline of CPU modules on a GPU machine: explain cannot trace it (the kernels read the
+    # parameters where they are), so it gives the plan without resources and says what to do
+    pipe = nd.Pipeline(nn.ConvTranspose3d(4, 8, 3, 2, 1), nn.BatchNorm3d(8))
+    report = explain(pipe, (1, 4, 3, 3, 3), measure=True)
+    assert any("parameters are on cpu" in note and "measure=True ignored" in note
+               for note in report.notes)
+    assert report.rows and all(row.regs is None and row.measured_us is None for row in report.rows)
