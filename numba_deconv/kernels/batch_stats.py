@@ -195,7 +195,11 @@ def gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracke
         m_sum = block_sum(m_sum, scratch)
         if t == 0:
             mu = m_sum / n_batch
-            var = max(q / count - mu * mu, 0.0)  # E[y^2] - E[y]^2 in float64
+            var = q / count - mu * mu  # E[y^2] - E[y]^2 in float64
+            # clamped at zero against rounding; a NaN (a NaN in the input) stays NaN, as in
+            # PyTorch: on the GPU ``max(var, 0.0)`` compiled to ``fmax``, which returns the 0
+            if var < 0.0:
+                var = 0.0
             shared[0] = _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update,
                                         running_mean, running_var, scale, stats)
         cuda.syncthreads()  # a_c is in shared memory
