@@ -18,24 +18,26 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
     ((4, 1, 2), (3, 1, 1), (3, 0, 1), (2, 0, 0), (1, 1, 3), (2, 2, 9)),  # a one-tap axis
     # H boxes [4, 5] and [0, 1] (disjoint: rows 2-3 in none), an empty W box
     ((2, 2, 3), (1, 1, 2), (0, 4, 2), (0, 0, 0), (1, 4, 1), (3, 6, 2)),
-    # rows of more column quads than the block has threads: a block's step moves a thread along
-    # W only (several rounds); 603 columns, the last quad one column wide
-    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 3, 603)),
-    # a plane of 27 quads, the last of each row half outside: with 32 threads one round
+    # 32 quads of 17 rows (whole quads: 16-byte loads unless x is misaligned): with 64 threads
+    # (the simulator's default) two slices of 9 rows, a whole round of ROWS = 8 and a partial one
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 17, 64)),
+    # a plane of 27 quads, the last of each row half outside (width 7 above: 3 columns of 4;
+    # width 5: 1)
     ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (9, 3, 10)),
     # rows of whole quads (16-byte loads unless x is misaligned): 90 quads per plane, so with
     # 32 or 64 threads a block's step moves a thread along D and W
     ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (9, 3, 40)),
     ((2, 3, 4), (2, 1, 3), (1, 0, 2), (1, 0, 2), (1, 2, 1), (3, 5, 12)),
     # 8 quads of 20 rows: several slices of rows per quad (``row_parts``): 4 slices of 5 rows
-    # with 32 threads (a whole and a partial round of loads at rows=3), 16 slices of 2 with 128
-    # or more (the last six past the input: no rows)
+    # with 32 threads (a whole and a partial round of loads at rows=4), 8 slices of 3 with 64
+    # (the last one past the input: no rows), 20 of one row with 256
     ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 20, 16)),
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
-# rows=3: columns of 4 or 5 rows take two rounds of loads, the last one partial
+# rows=3 (and 4): slices of a few rows take a whole round of loads and a partial one, or only a
+# partial one
 # grid_cap=3: 8 planes over 3 blocks, each takes several (of different samples)
 # block=32 with ipg=9, opg=5: more output channels than a block's groups of eight threads (the
 # means' share and the last block loop twice), more than eight input channels per group
@@ -102,9 +104,10 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, 
         assert not done.any()
 
 
-# (1, 1, 2**16, 1, 2**17): 2**16 planes of 2**15 column quads
+# (1, 1, 2**16, 1, 2**17): 2**16 D planes of 2**15 column quads; (..., 2**31): rows of 2**31
 @pytest.mark.parametrize("shape", [(2**16, 2**15, 1, 1, 1), (1, 1, 2**16, 1, 2**17),
-                                   (1, 1, 1, 2**31, 1), (1, 0, 2, 2, 2), (1, 1, 2, 2, 0)])
+                                   (1, 1, 1, 2**31, 1), (1, 1, 1, 1, 2**31), (1, 0, 2, 2, 2),
+                                   (1, 1, 2, 2, 0)])
 def test_box_sums_refuses_inputs_past_its_32_bit_counters_or_empty(shape):
     # an expanded view: the shape is checked before anything is read or launched
     x = torch.zeros(1).expand(*shape)
@@ -116,3 +119,12 @@ def test_box_sums_refuses_inputs_past_its_32_bit_counters_or_empty(shape):
 def test_wide_offsets_from_2_to_the_32_elements_per_volume():
     assert box_sums.needs_wide((2**16, 2**16, 1))
     assert not box_sums.needs_wide((2**16, 2**16 - 1, 1))
+
+
+@pytest.mark.parametrize("block,rows", [(0, 8), (-32, 8), (48, 8), (box_sums.MAX_BLOCK + 32, 8),
+                                        (64, 0)])
+def test_box_sums_refuses_bad_launch_settings(block, rows):
+    x = torch.zeros(1, 1, 2, 2, 4)
+    with pytest.raises(ValueError, match="blocks|rows"):
+        box_sums.launch_box_sums(x, None, None, torch.zeros(1, 1, 1, 1, 1), None, None, 1.0,
+                                 None, None, None, block=block, rows=rows)

@@ -15,9 +15,9 @@ many slices per quad as the block has threads per quad, ``row_parts``: two of 16
 default problem with 256 threads, one with 128); a thread walks its item along H, consecutive
 threads on consecutive quads, so every load is coalesced, and where rows are whole aligned
 quads of float32 (``vector_rows``) a quad's row is one 16-byte load (``vecload.load4``). Per
-column it sums the
-slice's rows (one add per value), and each H tap's sum is that total less the rows the tap's
-interval leaves out (the few edge rows, read again by the slice holding them); slices add up.
+column it sums the slice's rows (one add per value), and each H tap's sum is that total less
+the rows the tap's interval leaves out (the few edge rows, read again by the slice holding
+them); slices add up.
 It then adds those KH sums into the KD*KH*KW box sums its quad's columns belong to (per W tap
 the columns inside its interval, then per D tap all or none), in registers: the kernel sizes
 are compile-time (``make_box_sums``). The block then
@@ -64,13 +64,13 @@ runs well at 128 threads: in ``gram_sums``' tail (``gram.BOX_SUMS_BLOCK``) the t
 took 0.3936-0.3938 ms against 0.3966-0.3975 (two runs, benchmarks/NOTES.md).
 
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
-N*Cin*KD*KH*KW doubles and N*Cout means; per value about 2.5 instructions per lane (a quarter
-of a 16-byte load and its address, the conversion to float64, the add), plus each warp's
-bookkeeping once per plane.
+N*Cin*KD*KH*KW doubles and N*Cout means; per value about 2.5 instructions per lane on whole
+aligned quads (a quarter of a 16-byte load and its address, the conversion to float64, the
+add; element loads add ~1.5), plus each warp's bookkeeping once per plane.
 
 Preconditions (the launcher checks them): a non-empty input; fewer than 2**31 (n, ci) planes,
-column quads per plane (ID * ceil(IW / 4)) and rows (IH); blocks of a multiple of 32 threads
-up to ``MAX_BLOCK``.
+column quads per plane (ID * ceil(IW / 4)), rows (IH) and columns (IW); blocks of a multiple of
+32 threads up to ``MAX_BLOCK``; at least one row of loads in flight.
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
 
     @cuda.jit(device=True, inline="always")
     def load_quad(buf, i, xv, off, last_u):
-        """``buf[i:i + QUAD]`` = the quad's values in the row at ``off`` (its first column); a
-        column past the row's end (``u > last_u``) reads the row's last value instead, which no
-        W interval holds."""
+        """``buf[i:i + QUAD]`` = the quad's values in the row at ``off`` (its first column). A
+        column past the row's end (``u > last_u``) loads the row's last value in its place (an
+        address inside x); that column lies in no W interval, so the value is never added."""
         if vec:
             buf[i], buf[i + 1], buf[i + 2], buf[i + 3] = load4(xv, off)
         else:
@@ -389,14 +389,17 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
     previous kernel's programmatic dependent, which must write nothing this kernel reads or
     writes and read nothing it writes (the Gram path's ``gram_sums``)."""
     block = block_size(BLOCK) if block is None else block
-    if block > MAX_BLOCK or block % WARP_SIZE:
+    if not 0 < block <= MAX_BLOCK or block % WARP_SIZE:
         raise ValueError(f"box_sums blocks are multiples of {WARP_SIZE} up to {MAX_BLOCK}, "
                          f"got {block}")
+    if rows < 1:
+        raise ValueError(f"box_sums needs at least one row of loads in flight, got rows={rows}")
     n, ci = x.shape[0], x.shape[1]
     if x.numel() == 0:
         raise ValueError(f"box_sums needs a non-empty input, got shape {tuple(x.shape)}")
     quads = -(-x.shape[4] // QUAD)
-    if n * ci >= 2**31 or x.shape[2] * quads >= 2**31 or x.shape[3] >= 2**31:
+    if n * ci >= 2**31 or x.shape[2] * quads >= 2**31 or x.shape[3] >= 2**31 \
+            or x.shape[4] >= 2**31:
         raise ValueError(f"box_sums counts planes and columns in 32 bits: input of shape "
                          f"{tuple(x.shape)} has too many")
     kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",

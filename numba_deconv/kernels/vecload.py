@@ -6,9 +6,9 @@ know that ``src``'s data is 16-byte aligned, so LLVM may not merge them. ``load4
 ``ld.v4.f32``: a quarter of the load instructions and the same bytes per instruction as the
 widest load the hardware has. ``box_sums`` walks its input columns four at a time with it.
 
-Precondition (the caller checks it on the host): ``src``'s data pointer and the element offset
-``j`` are 16-byte aligned (``j`` a multiple of 4). Returns a tuple of four float32. Under the
-CUDA simulator: four element reads.
+Precondition (the caller checks it on the host): ``src`` is a 1-D float32 array of unit stride
+whose data pointer and element offset ``j`` are 16-byte aligned (``j`` a multiple of 4).
+Returns a tuple of four float32. Under the CUDA simulator: four element reads.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ else:
     @intrinsic
     def load4(typingctx, src, j):
         """``(src[j], src[j + 1], src[j + 2], src[j + 3])`` as one 16-byte load."""
-        if not (isinstance(src, types.Array) and src.dtype == types.float32):
-            raise TypingError("load4: a float32 array")
+        if not (isinstance(src, types.Array) and src.dtype == types.float32 and src.ndim == 1):
+            raise TypingError("load4: a 1-D float32 array (of unit stride: the offset is in "
+                              "elements from its data pointer)")
         if not (isinstance(j, types.Integer) and not j.signed):
             raise TypingError("load4: the offset must be an unsigned integer")
         ret = types.UniTuple(types.float32, 4)
