@@ -520,20 +520,11 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         arithmetic_floor_us=2 * macs / flops_peak * 1e6, memory_floor_us=compulsory / bw * 1e6)
 
     if batch_stats and pipe.conv_impl == "gather":
-        if pipe.uses_gram:
-            why = ("variance='gram'" if pipe.variance == "gram" else
-                   "variance='auto': the Gram tiles of this geometry fit")
+        gram_path, why = pipe.variance_path()
+        if gram_path:
             report.notes.append(f"training's variance: from the input's Gram sums before the "
                                 f"convolution ({why})")
         else:
-            if pipe.variance == "epilogue":
-                why = "variance='epilogue'"
-            elif not pipe.gram_tiles_fit():
-                why = ("variance='auto': this geometry's Gram tiles do not fit shared memory, so "
-                       "the epilogue path")
-            else:
-                why = ("variance='auto': this GPU has no programmatic dependent launch (before "
-                       "Hopper), which the Gram path's gain leans on, so the epilogue path")
             report.notes.append(f"training's variance: from the gather's epilogue, then a "
                                 f"second pass over the output ({why})")
     if pipe.graph_wanted(input_shape):

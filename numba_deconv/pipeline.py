@@ -128,7 +128,7 @@ class Pipeline:
         self.conv_impl = conv_impl
         self.variance = variance
         self._fits: dict[int, bool] = {}  # itemsize -> gram_fits(geometry, itemsize)
-        self._dependents: bool | None = None  # programmatic dependent launch runs here
+        self._paths: dict[int, tuple] = {}  # itemsize -> variance_path() under "auto"
         if variance == "gram" and conv_impl == "gather" and not self.gram_tiles_fit():
             raise ValueError("variance='gram': this geometry's Gram tiles do not fit "
                              "shared memory (too many input channels for its offsets)")
@@ -195,17 +195,34 @@ class Pipeline:
         ``variance="auto"``: the Gram path wherever the geometry's tiles fit for the parameters'
         current dtype (a module moved to float64 after the pipeline was built may no longer
         fit) and programmatic dependent launch runs (Hopper and later, and the simulator, so
-        that its tests cover the default): 0.394-0.400 against 0.428-0.430 ms a training call
-        at the default problem on an H100 (benchmarks/NOTES.md, session 18), a gain that leans
-        on the chain of dependents; the epilogue path otherwise (``explain`` says which).
+        that its tests cover the default): 0.394-0.397 against 0.429-0.431 ms a training call
+        at the default problem on an H100 (benchmarks/NOTES.md, session 19), a gain that leans
+        on the chain of dependents; the epilogue path otherwise (``variance_path`` says which
+        and why, and ``explain`` prints it).
         """
-        if self.conv_impl != "gather" or self.variance == "epilogue":
-            return False
-        if self.variance == "gram":
-            return True
-        if self._dependents is None:  # asked once (a device query costs host time per call)
-            self._dependents = is_simulator() or griddep.supported()
-        return self.gram_tiles_fit() and self._dependents
+        return self.variance_path()[0]
+
+    def variance_path(self) -> tuple[bool, str]:
+        """``(uses_gram, why)``: whether training takes the Gram path, and the reason in words
+        (``explain`` prints it). Decided once per parameter dtype under ``variance="auto"``."""
+        if self.conv_impl != "gather":
+            return False, "the scatter path has its own finish"
+        if self.variance != "auto":
+            return self.variance == "gram", f"variance={self.variance!r}"
+        item = self.conv.weight.element_size()
+        path = self._paths.get(item)
+        if path is None:  # a device query costs host time: asked once
+            if not self.gram_tiles_fit():
+                path = (False, "variance='auto': this geometry's Gram tiles do not fit shared "
+                               "memory, so the epilogue path")
+            elif not (is_simulator() or griddep.supported()):
+                path = (False, "variance='auto': this GPU has no programmatic dependent launch "
+                               "(before Hopper), which the Gram path's gain leans on, so the "
+                               "epilogue path")
+            else:
+                path = (True, "variance='auto': the Gram tiles of this geometry fit")
+            self._paths[item] = path
+        return path
 
     def gram_tiles_fit(self) -> bool:
         """Whether the Gram path runs this geometry in the parameters' current dtype."""

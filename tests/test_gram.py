@@ -216,6 +216,9 @@ def test_geometries_the_path_refuses():
         Pipeline(conv, bn, variance="bogus")
     # the default takes the epilogue path where the Gram tiles do not fit, and says so
     assert not Pipeline(conv, bn).uses_gram
+    uses, why = Pipeline(conv, bn).variance_path()
+    assert not uses and "do not fit shared memory" in why
+    assert Pipeline(conv, bn, variance="epilogue").variance_path() == (False, "variance='epilogue'")
     assert Pipeline(torch.nn.ConvTranspose3d(16, 32, 3, 2, 1), torch.nn.BatchNorm3d(32)).uses_gram
     report = str(Pipeline(conv, bn).explain((1, 64, 2, 3, 3)))
     assert "do not fit shared memory, so the epilogue path" in report
