@@ -249,7 +249,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         boxes = planes * kd * kh * kw * 8
         name = "float32" if dtype == torch.float32 else "float64"
         # the kernel of an aligned input (whole quads of float32 read by 16-byte loads)
-        vec = name == "float32" and in_spatial[2] % box_sums.QUAD == 0
+        vec = box_sums.whole_quads(dtype, in_spatial[2])
         box_rows = [("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name, vec=vec),
                      (box_sums.grid_size(planes),), blk,
                      _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes),

@@ -127,7 +127,6 @@ class Pipeline:
         self.bn = bn
         self.conv_impl = conv_impl
         self.variance = variance
-        self._fits: dict[int, bool] = {}  # itemsize -> gram_fits(geometry, itemsize)
         self._paths: dict[int, tuple] = {}  # itemsize -> variance_path() under "auto"
         if variance == "gram" and conv_impl == "gather" and not self.gram_tiles_fit():
             raise ValueError("variance='gram': this geometry's Gram tiles do not fit "
@@ -225,12 +224,9 @@ class Pipeline:
         return path
 
     def gram_tiles_fit(self) -> bool:
-        """Whether the Gram path runs this geometry in the parameters' current dtype."""
-        item = self.conv.weight.element_size()
-        fits = self._fits.get(item)
-        if fits is None:
-            fits = self._fits[item] = gram_fits(self.geometry, item)
-        return fits
+        """Whether the Gram path runs this geometry in the parameters' current dtype (asked at
+        construction and by ``variance_path``, which keeps its answer)."""
+        return gram_fits(self.geometry, self.conv.weight.element_size())
 
     def graph_wanted(self, input_shape) -> bool:
         """Whether calls with inputs of ``input_shape`` replay a captured CUDA graph on a GPU.

@@ -106,10 +106,16 @@ def make_box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str = "float32", rows:
     return _box_sums(int(kd_n), int(kh_n), int(kw_n), dtype, int(rows), bool(wide), bool(vec))
 
 
+def whole_quads(dtype: torch.dtype, in_w: int) -> bool:
+    """Whether rows of ``in_w`` values of ``dtype`` are whole float32 quads (the 16-byte loads'
+    shape condition; ``vector_rows`` adds the pointer's alignment)."""
+    return dtype == torch.float32 and in_w % QUAD == 0
+
+
 def vector_rows(x) -> bool:
-    """Whether ``box_sums`` may read ``x``'s rows four values per 16-byte load: float32, a row
-    width that is a multiple of four and a 16-byte aligned start (every row is then aligned)."""
-    return x.dtype == torch.float32 and x.shape[4] % QUAD == 0 and x.data_ptr() % 16 == 0
+    """Whether ``box_sums`` may read ``x``'s rows four values per 16-byte load: whole quads and a
+    16-byte aligned start (every row is then aligned)."""
+    return whole_quads(x.dtype, x.shape[4]) and x.data_ptr() % 16 == 0
 
 
 def needs_wide(in_spatial) -> bool:
