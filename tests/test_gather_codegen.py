@@ -136,3 +136,36 @@ def test_weight_chunks_match_pytorch(training, exact, device, monkeypatch):
     assert plans and all(plan.exact == exact for plan in plans)
     sizes = dict(zip(gather._DIMS, plans[0].dims[0]))
     assert sizes["ci_chunk"] < sizes["ipg"] and sizes["ipg"] % sizes["ci_chunk"]
+
+
+def test_patch_edges_match_every_thread():
+    """``patch_edges`` (closed form) against the definition: the fewest rows and columns of any
+    thread's patch inside the output, over every group of quotients a launch has."""
+    seen = set()
+    for stride in range(1, 4):
+        for per in range(1, 5):
+            tiling = gather.GatherTiling(1, per, per, 1, 32)
+            for size in range(1, 30):
+                groups = -(-(-(-size // stride)) // per)   # quotient groups along the axis
+                want = min(min(stride * per, size - g * per * stride) for g in range(groups))
+                got = gather.patch_edges(tiling, (stride, stride), (size, size))
+                assert got == (want, want), (stride, per, size)
+                seen.add(want == stride * per)
+    assert seen == {True, False}  # whole and partial edge patches both occur
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("out_width", [9, 10, 11, 12])
+def test_partial_edge_patches_match_pytorch(training, out_width, device):
+    """Outputs 9 to 12 wide and high (kernel 3, stride 2, output padding 0 or 1) leave every
+    count of rows and columns in the edge patches of 4 x 4; those ``patch_edges`` says every
+    patch has are stored without a test."""
+    from numba_deconv import testing
+
+    size, output_padding = (out_width + 1) // 2, (out_width + 1) % 2
+    geom = testing.ConvGeometry.create(2, 4, 3, 2, 1, output_padding=output_padding)
+    in_spatial = (2, size, size)
+    assert geom.output_spatial(in_spatial)[1:] == (out_width, out_width)
+    plans = _check_against_pytorch(geom, 1, in_spatial, training, device)
+    assert plans and all(plan.edges == gather.patch_edges(plan.tiling, (2, 2), (out_width,) * 2)
+                         for plan in plans)

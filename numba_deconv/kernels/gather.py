@@ -85,10 +85,17 @@ the weights with asynchronous copies (``async_copy``, PTX ``cp.async``): a load 
 made each warp wait at its first shared-memory store for the L2 round trip before its set-up;
 copies that hold no register let the set-up run while the weights are in flight, and the wait
 comes just before the main loop: 0.239 -> 0.234 ms (eval kernel), 0.256 -> 0.243 (train),
-0.261 -> 0.255 ms per eval call.
+0.261 -> 0.255 ms per eval call. v10 (this) reworks the epilogue, which offline SASS showed
+spending ~500 instructions per warp on 64 stores: every channel's mean is loaded before the
+first store (read per channel, each load had waited a round trip of its own, since no load may
+move above a store to ``out``), and the rows and columns every thread's patch has inside the
+output (``patch_edges``, compile-time; 3 x 3 of the default problem's 4 x 4) are stored
+without a test, where the column tests had been recomputed for every row: 509 -> 373
+instructions after the wait (static), 231.0 -> 228.0 us per eval kernel, 242.6 -> 230.6 us
+with the scaled epilogue. Blocks with nothing to store leave before staging (256 of 8192).
 
 Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
-and of the W lanes; every thread reaches the barriers (none returns early).
+and of the W lanes; every thread reaches the barriers (a block leaves early only as a whole).
 """
 
 from __future__ import annotations
@@ -250,7 +257,8 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 @functools.lru_cache(maxsize=None)
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
                        wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int,
-                       wide: bool, chunked: bool, scaled: bool = False):
+                       wide: bool, chunked: bool, scaled: bool = False,
+                       edges: tuple[int, int] = (1, 1)):
     """Compile-time specialisation of the gather kernel (see the module docstring).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
@@ -260,6 +268,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     ``scaled``: the epilogue multiplies by a per-channel scale, ``acc * scale[c] - mean``
     (training's Gram path: the weights are the unscaled ones, so nothing before the epilogue
     depends on the batch statistics); never with ``train``.
+    ``edges``: (rows, columns) of every active thread's output patch that lie inside the output
+    (``patch_edges``): those are stored without a test. (1, 1) holds for any size.
     """
     assert not (train and scaled), "a scaled epilogue writes no centred squares"
     acc_t = _NUMBA_TYPES[dtype]
@@ -284,6 +294,7 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     out_rows, out_cols = sh * mh, sw * qw   # output rows and columns of one channel's patch
     per_c = out_rows * out_cols  # accumulators per channel
     n_acc = nc * per_c
+    rows_in, cols_in = edges      # patch rows and columns always inside the output
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
     vec = 16 // _ITEMSIZE[dtype]  # weights per 16-byte copy
@@ -365,6 +376,15 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         bid = cuda.blockIdx.x
         bid, ctile = fast_divmod(bid, ctiles_d)
         bid, rd = fast_divmod(bid, sd_div)
+        bid, row_blk = fast_divmod(bid, row_blocks_d)
+        if not train:
+            # A block whose first row lies past the output has nothing to store and, outside
+            # TRAIN (which writes a partial per block), nothing to write: it leaves before
+            # staging, the whole block at once (no barrier is left waiting). The D phases with
+            # fewer quotients have such blocks: 256 of the default problem's 8192.
+            qd_first, _ = fast_divmod(row_blk * rows_per_block, qh_groups_d)
+            if qd_first * sd + rd >= out_d:
+                return
         per_ci = tdmax * per_step        # weights of one input channel
         wslab = int64((rd * ctiles + ctile) * ipg) * per_ci
         stage_weights(wsm, wph, wslab, int32(min(ci_chunk, ipg) * per_ci), t, bs)
@@ -375,7 +395,6 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         # (A block that ran several tiles to stage its weights once was no faster: the tile
         # loop's state cost a register, which at the 128-register cap spilled inside the main
         # loop; benchmarks/NOTES.md, session 5.)
-        bid, row_blk = fast_divmod(bid, row_blocks_d)
         n, lane_blk = fast_divmod(bid, lane_blocks_d)
         g, c0 = fast_divmod(ctile, tiles_per_group_d)
         c0 = int64(c0) * nc
@@ -525,10 +544,10 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         col_ok = cuda.local.array(out_cols, np.bool_)   # patch column q*SW + rw inside
         h_left = int32(out_h - qh0 * sh)    # 32-bit compares: one instruction per store
         w_left = int32(out_w - qw0 * sw)
-        for k in range(out_rows):
-            row_ok[k] = int32(k) < h_left
+        for k in range(out_rows):  # (compile-time True for the rows every patch has)
+            row_ok[k] = k < rows_in or int32(k) < h_left
         for k in range(out_cols):
-            col_ok[k] = int32(k) < w_left
+            col_ok[k] = k < cols_in or int32(k) < w_left
         obase = idx(((n * out_ch + g * opg + c0) * out_d + od) * out_plane
                     + qh0 * sh * out_w + qw0 * sw)
         sq = cuda.local.array(nc, acc_t)
@@ -542,12 +561,22 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         # alone, launched plainly, is ~2 us faster that way. benchmarks/NOTES.md, session 9.)
         wait_prior_grid()
         if active:
+            # Every channel's mean (and scale) first, all loads in flight at once: read just
+            # before each channel's stores, each load waited a round trip of its own, since no
+            # load may move above a store to ``out`` (benchmarks/NOTES.md, session 20). A
+            # channel past the group's end reads the group's last one and stores nothing.
+            ms = cuda.local.array(nc, acc_t)
+            a_s = cuda.local.array(nc, acc_t)
+            co0 = int32(g * opg + c0)           # (32-bit: channel counts are < 2**31)
+            co_last = int32(g * opg + opg - 1)
+            for c in range(nc):
+                co = uint64(min(co0 + int32(c), co_last))
+                ms[c] = acc_t(mean[uint64(n), co])
+                a_s[c] = acc_t(scale[co]) if scaled else acc_t(1)
             for c in range(nc):
                 if c0 + c < opg:
-                    m = acc_t(mean[n, g * opg + c0 + c])
-                    a_c = acc_t(1)
-                    if scaled:
-                        a_c = acc_t(scale[g * opg + c0 + c])
+                    m = ms[c]
+                    a_c = a_s[c]
                     cbase = idx(obase + c * out_d * out_plane)
                     for rh in range(sh):
                         for j in range(mh):
@@ -670,6 +699,22 @@ def arrange_weights(weight, index):
     return flat[index.reshape(-1)].contiguous()
 
 
+def patch_edges(tiling: GatherTiling, strides: tuple, out_hw: tuple) -> tuple[int, int]:
+    """(rows, columns) of every thread's output patch that lie inside the output.
+
+    A patch is SH*MH rows by SW*QW columns; only the last group of quotients along an axis can
+    reach past the output, and it keeps ``size - (groups - 1) * patch`` of them. Compile-time
+    in the kernel, so those rows and columns are stored without a test (the default problem's
+    4 x 4 patches keep 3 x 3 at its 63-wide edges: 48 of 64 stores need none).
+    """
+    out = []
+    for size, stride, per in zip(out_hw, strides, (tiling.mh, tiling.qw)):
+        patch = stride * per
+        groups = -(-(-(-size // stride)) // per)
+        out.append(max(1, min(patch, size - (groups - 1) * patch)))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class GatherLaunch:
     """Everything about one gather launch that depends only on shapes: cache it per shape."""
@@ -686,6 +731,7 @@ class GatherLaunch:
     smem: int          # dynamic shared memory per block, bytes
     wide: bool         # some tensor has 2**31 elements or more: 64-bit offsets
     chunked: bool      # several chunks of input channels (compile-time)
+    edges: tuple = (1, 1)  # ``patch_edges`` (compile-time)
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
@@ -734,7 +780,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                batch * geom.out_channels * math.prod(out_spatial), n_wph) >= NARROW_LIMIT
     return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, d_plan.pattern,
                         exact, dims, grid, slots, ci_chunk * per_ci * item, wide,
-                        ci_chunk < ipg)
+                        ci_chunk < ipg, patch_edges(tiling, (sh, sw), (oh, ow)))
 
 
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool, scaled: bool = False):
@@ -742,7 +788,7 @@ def gather_kernel(launch: GatherLaunch, dtype: str, train: bool, scaled: bool = 
     t = launch.tiling
     return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.dpat, launch.hpat, launch.wpat,
                               launch.wshift, launch.exact, train, t.max_regs, launch.wide,
-                              launch.chunked, scaled)
+                              launch.chunked, scaled, launch.edges)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss, *,
