@@ -61,7 +61,9 @@ against 10.61 (256 threads, two slices of 16 rows), the same eval call (0.2449 a
 ms): instructions no longer set its time, the round trips do (the walk, then the reduction,
 the means' share, the fence and count, the last block's sums). What it gave is a block that
 runs well at 128 threads: in ``gram_sums``' tail (``gram.BOX_SUMS_BLOCK``) the training call
-took 0.3936-0.3938 ms against 0.3966-0.3975 (two runs, benchmarks/NOTES.md).
+took 0.3936-0.3938 ms against 0.3966-0.3975 (two runs, benchmarks/NOTES.md). Session 20: the
+first share's weights are loaded before the reduction and the last block's loads come two at
+a time, so neither waits at the end of the chain: 10.92 -> 10.40 us alone.
 
 Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
 N*Cin*KD*KH*KW doubles and N*Cout means; per value about 2.5 instructions per lane on whole
@@ -92,6 +94,7 @@ from .warp import FULL_MASK, WARP_SIZE
 BLOCK = 256
 MAX_BLOCK = 256  # the shared partials hold this many threads' warps
 ROWS = 8  # rows of a quad's loads in flight per thread in box_sums
+SHARE = 8  # threads per output channel in the means' shares and their sums
 QUAD = 4  # input columns per thread: one 16-byte load per row where the rows are aligned
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
@@ -133,6 +136,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
     n_vals = rows * QUAD   # literal shapes for the local arrays
     n_sub = kh_n * QUAD
     n_pad = -(-n_box // WARP_SIZE) * WARP_SIZE  # box sums in groups of 32 for the reduce-scatter
+    n_share = -(-n_box // SHARE)  # weights per thread in one channel's share of the means
     max_warps = MAX_BLOCK // WARP_SIZE  # compile-time constants: shared arrays need literal shapes
 
     @cuda.jit(device=True, inline="always")
@@ -296,6 +300,15 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                         for j in range(n_hw):
                             box[a * n_hw + j] += rq[j] if ind else 0.0
                 item0 += bs
+            # The weights of this thread's first share of the means (below: channel t // 8, taps
+            # t % 8, t % 8 + 8, ...), loaded now so that their round trip passes during the
+            # reduction instead of after it.
+            wpre = cuda.local.array(n_share, elem)
+            oc_pre = t >> 3
+            for i in range(n_share):
+                k = (t & 7) + SHARE * i
+                if oc_pre < opg and k < n_box:
+                    wpre[i] = w[uint32(ci), uint32(oc_pre), uint32(k)]
             # Reduce-scatter over the warp, 32 box sums at a time: at the step of width h each
             # lane keeps half of its sums (the upper half if its bit h is set), adds the
             # partner's (lane ^ h) copy of that half and sends the other half. After the steps
@@ -331,12 +344,17 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                 oc = oc0 + (t >> 3)
                 oc0 += bs >> 3
                 acc = 0.0
-                if oc < opg:
+                if oc < opg and oc0 == bs >> 3:  # the first share: its weights are loaded
+                    for i in range(n_share):
+                        k = (t & 7) + SHARE * i
+                        if k < n_box:
+                            acc += wpre[i] * btot[k]
+                elif oc < opg:
                     wrow = w[uint32(ci), uint32(oc)]
                     k = t & 7
                     while k < n_box:
                         acc += wrow[uint32(k)] * btot[k]
-                        k += 8
+                        k += SHARE
                 for h in (4, 2, 1):
                     acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
                 if (t & 7) == 0 and oc < opg:
@@ -363,9 +381,15 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                         g = co // opg
                         oc = co - g * opg
                         cl = g * ipg + (t & 7)
-                        while cl < (g + 1) * ipg:
+                        end = (g + 1) * ipg
+                        while cl + SHARE < end:  # two loads in flight, added in order
+                            a0 = contrib[n, cl, oc]
+                            a1 = contrib[n, cl + SHARE, oc]
+                            acc += a0
+                            acc += a1
+                            cl += 2 * SHARE
+                        if cl < end:
                             acc += contrib[n, cl, oc]
-                            cl += 8
                     for h in (4, 2, 1):
                         acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
                     if (t & 7) == 0 and co < out_ch:
