@@ -1,0 +1,104 @@
+"""Registers, spills and SASS of the default problem's gather kernel without a GPU (session 20).
+
+    pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
+    python benchmarks/offline_sass.py [eval|train|scaled] [--out PREFIX]
+
+numba compiles the kernel to PTX for compute capability 9.0 with a stand-in for the device
+(numba asks the current device's capability when it compiles device functions, and the
+package asks it to decide whether to emit ``cp.async`` and ``griddepcontrol``); ptxas from the
+``nvidia-cuda-nvcc-cu12`` wheel assembles it at the kernel's register cap and prints its
+registers, stack and spills; nvdisasm lists the SASS. Prints the instruction mix, the spill
+instructions inside the multiply-add span (the main loop, up to ``griddepcontrol.wait``:
+``ACQBULK`` in SASS) and the epilogue's size (what follows that wait), and writes
+PREFIX.ptx / .cubin / .sass. The GPU's own ptxas may differ by a few instructions; register
+counts and stack sizes matched it for every kernel compared in session 20 (128 registers, 48 B
+of stack for the eval kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")  # the real compiler, no device needed
+CC = (9, 0)
+
+
+def tool(name: str) -> str:
+    """A CUDA binary from the wheels beside numba (``nvidia/*/bin``)."""
+    import nvidia
+
+    for root in nvidia.__path__:
+        for path in sorted(Path(root).glob(f"*/bin/{name}")):
+            return str(path)
+    sys.exit(f"{name} not found: pip install -e '.[sass]'")
+
+
+def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
+    """PTX, ptxas' report and the SASS of the default problem's gather kernel."""
+    from numba_deconv.kernels import ptx as ptx_mod
+
+    ptx_mod.device_at_least = lambda cc: tuple(cc) <= CC
+    import numba
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda, float32, float64
+
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CC)
+    from numba_deconv import bench
+    from numba_deconv.kernels import gather
+
+    case = bench.default_case()
+    geom = case.geometry()
+    tiling = gather.GatherTiling(4, 2, 2, 16, 128, 128)  # choose_tiling's GPU answer
+    out_spatial = tuple(a.output_size(n) for a, n in zip(geom.axes(), case.spatial))
+    launch = gather.gather_launch(geom, case.batch, case.spatial, out_spatial, "float32", tiling)
+    kernel = gather.gather_kernel(launch, "float32", mode == "train", mode == "scaled")
+    sizes, divs = launch.dims
+    sig = (float32[::1], float32[::1], float64[:, ::1], float32[::1], float32[::1],
+           float64[:, :, ::1], numba.typeof(sizes), numba.typeof(divs))
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
+    # NVVM may stamp a PTX version newer than the wheel's ptxas reads; nothing here needs it
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
+    Path(prefix + ".ptx").write_text(ptx)
+    report = subprocess.run([tool("ptxas"), f"-arch=sm_{CC[0]}{CC[1]}", "-v",
+                             f"--maxrregcount={tiling.max_regs}", prefix + ".ptx",
+                             "-o", prefix + ".cubin"], capture_output=True, text=True, check=True)
+    sass = subprocess.run([tool("nvdisasm"), "-c", prefix + ".cubin"], capture_output=True,
+                          text=True, check=True).stdout
+    Path(prefix + ".sass").write_text(sass)
+    return report.stderr + report.stdout, sass
+
+
+def summary(sass: str) -> str:
+    ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                              for t in ins)
+    wait = next((k for k, t in enumerate(ins) if t.strip().startswith("ACQBULK")), len(ins))
+    ffma = [k for k, t in enumerate(ins[:wait]) if "FFMA" in t]  # (the epilogue's are not)
+    span = ins[ffma[0]:ffma[-1] + 1] if ffma else []
+    spills = sum(("LDL" in t or "STL" in t) for t in span)
+    tail = ins[wait:]
+    return (f"{len(ins)} instructions: {dict(ops.most_common(12))}\n"
+            f"spill loads/stores inside the multiply-add span: {spills}\n"
+            f"after griddepcontrol.wait: {len(tail)} instructions "
+            f"({sum('ISETP' in t for t in tail)} ISETP, {sum('STG' in t for t in tail)} STG)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", nargs="?", default="eval", choices=("eval", "train", "scaled"))
+    parser.add_argument("--out", default="gather_sm90")
+    args = parser.parse_args()
+    report, sass = compile_gather(args.mode, args.out)
+    print("\n".join(line.strip() for line in report.splitlines()
+                    if "Used" in line or "spill" in line))
+    print(summary(sass))
+
+
+if __name__ == "__main__":
+    main()
