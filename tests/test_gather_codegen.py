@@ -169,3 +169,28 @@ def test_partial_edge_patches_match_pytorch(training, out_width, device):
     plans = _check_against_pytorch(geom, 1, in_spatial, training, device)
     assert plans and all(plan.edges == gather.patch_edges(plan.tiling, (2, 2), (out_width,) * 2)
                          for plan in plans)
+
+
+def test_tail_order_takes_the_last_sample_heavy_first():
+    """``tail_order``: the last sample's blocks from ``grid - per_sample`` on, unless one sample,
+    equal tap counts or the switch leaves the grid as it is; ``tail_ranks`` most taps first."""
+    assert gather.tail_ranks((1, 2)) == (1, 0) and gather.tail_ranks((2, 1, 2)) == (0, 2, 1)
+    assert gather.tail_order(4, 10, (1, 2)) == (30, 3)
+    assert gather.tail_order(1, 10, (1, 2)) == (10, 0)
+    assert gather.tail_order(4, 10, (2, 2)) == (40, 3)
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("heavy_first", [True, False])
+def test_tail_order_matches_pytorch(training, heavy_first, device, monkeypatch):
+    """Three samples of a geometry whose D phases have 1 and 2 taps: the last sample's blocks
+    take the phases heavy first (or, switched off, in the usual order); every output is written
+    (poisoned beforehand) and right."""
+    from numba_deconv import testing
+
+    monkeypatch.setattr(gather, "TAIL_HEAVY_FIRST", heavy_first)
+    geom = testing.ConvGeometry.create(3, 6, 3, 2, 1)
+    plans = _check_against_pytorch(geom, 3, (3, 4, 5), training, device)
+    for plan in plans:
+        sizes = dict(zip(gather._DIMS, plan.dims[0]))
+        assert (sizes["tail_start"] < plan.grid) == heavy_first and sizes["tail_n"] == 2

@@ -92,7 +92,9 @@ move above a store to ``out``), and the rows and columns every thread's patch ha
 output (``patch_edges``, compile-time; 3 x 3 of the default problem's 4 x 4) are stored
 without a test, where the column tests had been recomputed for every row: 509 -> 373
 instructions after the wait (static), 231.0 -> 228.0 us per eval kernel, 242.6 -> 230.6 us
-with the scaled epilogue. Blocks with nothing to store leave before staging (256 of 8192).
+with the scaled epilogue. Blocks with nothing to store leave before staging (256 of 8192). The
+last sample's blocks take the D phases with more taps first (``tail_order``), so the grid ends
+on its shortest blocks: 231.7 -> 229.3 us (eval), 231.0 -> 227.5 (scaled).
 
 Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
 and of the W lanes; every thread reaches the barriers (a block leaves early only as a whole).
@@ -179,6 +181,28 @@ def d_phases(dpat: tuple) -> tuple[int, tuple, tuple, int]:
             steps.pop() if steps else 0)
 
 
+def tail_ranks(d_counts: tuple) -> tuple:
+    """The D phases in the order ``tail_order``'s blocks take them: most taps first (stable)."""
+    return tuple(sorted(range(len(d_counts)), key=lambda r: -d_counts[r]))
+
+
+# The last sample's blocks take the D phases with more taps first (``tail_order``): on by default
+TAIL_HEAVY_FIRST = True
+
+
+def tail_order(batch: int, blocks_per_sample: int, d_counts: tuple) -> tuple[int, int]:
+    """(first block, sample) of the grid's reordered tail: the last sample's blocks in D phase
+    order, most taps first, so the grid ends on its shortest blocks instead of a mix (a block
+    of the default problem's odd D phase does 32 steps, of the even one 16). Elsewhere the
+    phases stay interleaved per row block: blocks that read the same input rows run together
+    (the whole grid phase-major was slower, benchmarks/NOTES.md, session 7). Off (the grid's
+    size) for one sample, phases of equal tap counts, or ``TAIL_HEAVY_FIRST`` False."""
+    grid = batch * blocks_per_sample
+    if batch < 2 or len(set(d_counts)) < 2 or not TAIL_HEAVY_FIRST:
+        return grid, batch - 1
+    return grid - blocks_per_sample, batch - 1
+
+
 def exact_edges(axis: AxisGeometry, in_size: int) -> bool:
     """Whether every tap of every output inside the output reads an input inside the input.
 
@@ -212,7 +236,8 @@ def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...
 # triple per name in _DIVISORS; ``dtaps`` is the D tap table: counts[SD], then deltas[SD * TDMAX].
 _DIMS = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w",
          "ipg", "opg", "shift_d", "shift_h", "qd_n", "qw_groups",
-         "ci_chunk", "lane_shift", "rows_per_block", "row_blocks", "ctiles")
+         "ci_chunk", "lane_shift", "rows_per_block", "row_blocks", "ctiles", "tail_start",
+         "tail_n")
 _DIVISORS = ("ctiles", "row_blocks", "lane_blocks", "tiles_per_group", "qh_groups")
 # Offsets fit in 32 bits (unsigned, wrapping) when every tensor has fewer elements than this
 NARROW_LIMIT = 2**31
@@ -284,6 +309,7 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     idx = int64 if wide else int32
     sd, d_counts, d_first, d_step = d_phases(dpat)
     tdmax = max(1, max(d_counts))
+    rank_order = tail_ranks(d_counts)
     sd_div = fastdiv.divisor(sd)
     sh, h_taps, hwin = hpat
     sw, w_taps, wwin = wpat
@@ -358,11 +384,14 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         wsm = cuda.shared.array(0, acc_t, alignment=16)  # staged weights (dynamic size)
         partial = cuda.shared.array((MAX_WARPS, nc), float64)
         (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
-         qd_n, qw_groups, ci_chunk, lane_shift, rows_per_block, row_blocks, ctiles) = sizes
+         qd_n, qw_groups, ci_chunk, lane_shift, rows_per_block, row_blocks, ctiles, tail_start,
+         tail_n) = sizes
         ctiles_d, row_blocks_d, lane_blocks_d, tiles_per_group_d, qh_groups_d = divs
 
         # ---- the first chunk's weights, before anything else ---------------------------------
-        # Blocks: (((n * lane_blocks + lane_blk) * row_blocks + row_blk) * sd + rd) * ctiles + ctile
+        # Blocks: (((n * lane_blocks + lane_blk) * row_blocks + row_blk) * sd + rd) * ctiles
+        # + ctile, except the last sample's from ``tail_start`` on: ((rank * lane_blocks +
+        # lane_blk) * row_blocks + row_blk) * ctiles + ctile, rd the rank-th of ``tail_ranks``.
         # The weight slab depends only on (rd, ctile). Its copies are issued first, all at once
         # and asynchronously (no register waits for them), so the set-up below runs while they
         # are in flight; the wait and the barrier come just before the main loop. (Copied
@@ -373,10 +402,22 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
             allow_dependents()
         t = cuda.threadIdx.x
         bs = int32(cuda.blockDim.x)
-        bid = cuda.blockIdx.x
-        bid, ctile = fast_divmod(bid, ctiles_d)
-        bid, rd = fast_divmod(bid, sd_div)
-        bid, row_blk = fast_divmod(bid, row_blocks_d)
+        bid = uint32(cuda.blockIdx.x)
+        if bid < uint32(tail_start):
+            bid, ctile = fast_divmod(bid, ctiles_d)
+            bid, rd = fast_divmod(bid, sd_div)
+            bid, row_blk = fast_divmod(bid, row_blocks_d)
+        else:
+            # The last sample's blocks (``tail_order``): D phases with more taps first, so
+            # that the grid ends on its shortest blocks.
+            tail, ctile = fast_divmod(bid - uint32(tail_start), ctiles_d)
+            tail, row_blk = fast_divmod(tail, row_blocks_d)
+            rank, lane_tail = fast_divmod(tail, lane_blocks_d)
+            rd = uint32(0)
+            for r in range(sd):
+                if rank == r:
+                    rd = uint32(rank_order[r])
+            bid = uint32(tail_n * lane_blocks_d[0] + lane_tail)
         if not train:
             # A block whose first row lies past the output has nothing to store and, outside
             # TRAIN (which writes a partial per block), nothing to write: it leaves before
@@ -763,12 +804,14 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd
     grid = batch * slots * ctiles
+    tail_start, tail_n = tail_order(batch, slots * ctiles, d_phases(axis_plan(d_axis).pattern)[1])
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
                  ipg=ipg, opg=opg, shift_d=d_plan.shift, shift_h=h_plan.shift,
                  qd_n=qd_n, qw_groups=qw_groups, ci_chunk=ci_chunk,
                  lane_shift=tiling.lanes.bit_length() - 1, rows_per_block=rows_per_block,
-                 row_blocks=row_blocks, ctiles=ctiles, lane_blocks=lane_blocks,
+                 row_blocks=row_blocks, ctiles=ctiles, tail_start=tail_start, tail_n=tail_n,
+                 lane_blocks=lane_blocks,
                  tiles_per_group=tiles_per_group, qh_groups=qh_groups)
     if grid >= fastdiv.LIMIT:
         raise ValueError(f"gather grid of {grid} blocks exceeds the 2**31 - 1 a launch allows")
