@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import statistics
 import sys
 import types
 
@@ -24,6 +23,7 @@ from numba_deconv.kernels import _box_sums_old as old
 
 sys.path.insert(0, "benchmarks")
 from probe_box_sums import default_inputs  # noqa: E402
+from probe_rounds import print_medians, time_rounds  # noqa: E402
 
 CALLS = 20
 VARIANTS = {
@@ -80,7 +80,6 @@ def calls(rounds: int):
     models = {}
     for mode, prov, var in rows:
         models[(mode, prov, var)] = bench.make_provider(prov, copy.deepcopy(base), mode)
-    times = {k: [] for k in models}
 
     def use(var):
         if var is None:
@@ -99,19 +98,9 @@ def calls(rounds: int):
                 got = model(x)
                 err = ((got.double() - want).abs().max() / want.abs().max()).item()
                 print(f"{mode:5s} {var:6s} error vs float64 {err:.2e}")
-        for r in range(rounds):
-            line = []
-            for (mode, prov, var), model in models.items():
-                use(var)
-                ms = bench.time_gpu(lambda: model(x), reps=100).median_ms
-                times[(mode, prov, var)].append(ms)
-                line.append(f"{mode} {var or prov} {ms:.4f}")
-            print(f"round {r}: " + "; ".join(line), flush=True)
-    print(f"{'mode':5s} {'variant':12s} {'median ms':>9s} {'x eager':>8s}")
-    for (mode, prov, var), v in times.items():
-        eager = statistics.median(times[(mode, "torch_eager", None)])
-        med = statistics.median(v)
-        print(f"{mode:5s} {var or prov:12s} {med:9.4f} {eager / med:8.2f}")
+    times = time_rounds(models, x, rounds, before=lambda key: use(key[2]))
+    print_medians(times, lambda key: (key[0], "torch_eager", None),
+                  lambda key: f"{key[0]} {key[2] or key[1]}")
 
 
 if __name__ == "__main__":

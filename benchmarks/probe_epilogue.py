@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import statistics
 import sys
 import types
 
@@ -28,6 +27,9 @@ from numba_deconv.kernels import _box_sums_old as old_box
 from numba_deconv.kernels import _gather_old as old
 from numba_deconv.kernels import box_sums as new_box
 from numba_deconv.kernels import gather as new
+
+sys.path.insert(0, "benchmarks")
+from probe_rounds import print_medians, time_rounds  # noqa: E402
 
 CALLS = 20
 
@@ -115,7 +117,6 @@ def main(rounds: int):
         rows.append((mode, "torch_eager", None))
         rows += [(mode, "numba_gather", var) for var in VARIANTS]
     models = {}
-    times = {k: [] for k in rows}
     with torch.no_grad():
         ref = copy.deepcopy(base).double()
         for mode, prov, var in rows:
@@ -132,19 +133,9 @@ def main(rounds: int):
         plan = next(iter(pipe._plans.values()))
         w = pipe._weights["gather_folded"][1]
         box_alone(x, plan, w.view(*w.shape[:2], -1))
-        for r in range(rounds):
-            line = []
-            for key, model in models.items():
-                use(key[2])
-                ms = bench.time_gpu(lambda: model(x), reps=100).median_ms
-                times[key].append(ms)
-                line.append(f"{key[0]} {key[2] or key[1]} {ms:.4f}")
-            print(f"round {r}: " + "; ".join(line), flush=True)
-    print(f"{'mode':5s} {'variant':12s} {'median ms':>9s} {'x eager':>8s}")
-    for (mode, prov, var), v in times.items():
-        eager = statistics.median(times[(mode, "torch_eager", None)])
-        med = statistics.median(v)
-        print(f"{mode:5s} {var or prov:12s} {med:9.4f} {eager / med:8.2f}")
+    times = time_rounds(models, x, rounds, before=lambda key: use(key[2]))
+    print_medians(times, lambda key: (key[0], "torch_eager", None),
+                  lambda key: f"{key[0]} {key[2] or key[1]}")
 
 
 if __name__ == "__main__":
