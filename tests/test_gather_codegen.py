@@ -190,7 +190,22 @@ def test_tail_order_matches_pytorch(training, heavy_first, device, monkeypatch):
 
     monkeypatch.setattr(gather, "TAIL_HEAVY_FIRST", heavy_first)
     geom = testing.ConvGeometry.create(3, 6, 3, 2, 1)
-    plans = _check_against_pytorch(geom, 3, (3, 4, 5), training, device)
+    plans = _check_against_pytorch(geom, 3, (3, 12, 5), training, device)
     for plan in plans:
         sizes = dict(zip(gather._DIMS, plan.dims[0]))
         assert (sizes["tail_start"] < plan.grid) == heavy_first and sizes["tail_n"] == 2
+        assert sizes["row_blocks"] > 1  # the tail's row blocks decoded too, not only its phases
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_blocks_past_the_output_match_pytorch(training, device):
+    """One output plane along D (input depth 1, kernel 1) at stride 3: the D phases 1 and 2 have
+    no quotient inside the output, so their blocks have nothing to store and (outside TRAIN)
+    leave at once; two samples, so the tail order runs as well."""
+    from numba_deconv import testing
+
+    geom = testing.ConvGeometry.create(2, 4, (1, 3, 3), (3, 2, 2), (0, 1, 1))
+    in_spatial = (1, 4, 5)
+    assert geom.output_spatial(in_spatial)[0] == 1
+    plans = _check_against_pytorch(geom, 2, in_spatial, training, device)
+    assert plans
