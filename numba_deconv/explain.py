@@ -266,7 +266,8 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         t = launch.tiling
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             out.append(("conv_transpose3d_gather",
-                        f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},scaled]",
+                        f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},"
+                        f"edges={launch.edges[0]}x{launch.edges[1]},scaled]",
                         gather.gather_kernel(launch, name, False, True), (launch.grid,), t.block,
                         2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e, launch.smem))
             out.append(("scale", FUSED_SCALE, None, None, None, 0, 0))
@@ -277,8 +278,8 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         if batch_stats:
             nbytes += rows_nc * launch.slots * 8
         out.append(("conv_transpose3d_gather",
-                    f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw}"
-                    f"{',train' if batch_stats else ''}]",
+                    f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},"
+                    f"edges={launch.edges[0]}x{launch.edges[1]}{',train' if batch_stats else ''}]",
                     kernel, (launch.grid,), t.block, flops, nbytes, launch.smem))
     if batch_stats:
         slots = launch.slots if pipe.conv_impl == "gather" else 1

@@ -804,7 +804,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd
     grid = batch * slots * ctiles
-    tail_start, tail_n = tail_order(batch, slots * ctiles, d_phases(axis_plan(d_axis).pattern)[1])
+    tail_start, tail_n = tail_order(batch, slots * ctiles, d_phases(d_plan.pattern)[1])
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
                  ipg=ipg, opg=opg, shift_d=d_plan.shift, shift_h=h_plan.shift,
