@@ -213,6 +213,12 @@ def _box_sums_flops(geom, batch: int, in_spatial) -> int:
     return batch * geom.in_channels * per_volume
 
 
+def _gather_label(launch, variant: str) -> str:
+    """The gather's row label: its register tile, the patch stored without tests, ``variant``."""
+    t, (rows, cols) = launch.tiling, launch.edges
+    return f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},edges={rows}x{cols}{variant}]"
+
+
 def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, batch_stats: bool):
     """(stage, kernel name, dispatcher or None, grid, block, flops, bytes[, dynamic shared
     memory bytes of the launch]) per stage."""
@@ -266,8 +272,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         t = launch.tiling
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             out.append(("conv_transpose3d_gather",
-                        f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},"
-                        f"edges={launch.edges[0]}x{launch.edges[1]},scaled]",
+                        _gather_label(launch, ",scaled"),
                         gather.gather_kernel(launch, name, False, True), (launch.grid,), t.block,
                         2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e, launch.smem))
             out.append(("scale", FUSED_SCALE, None, None, None, 0, 0))
@@ -278,8 +283,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         if batch_stats:
             nbytes += rows_nc * launch.slots * 8
         out.append(("conv_transpose3d_gather",
-                    f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},"
-                    f"edges={launch.edges[0]}x{launch.edges[1]}{',train' if batch_stats else ''}]",
+                    _gather_label(launch, ",train" if batch_stats else ""),
                     kernel, (launch.grid,), t.block, flops, nbytes, launch.smem))
     if batch_stats:
         slots = launch.slots if pipe.conv_impl == "gather" else 1
