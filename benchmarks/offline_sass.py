@@ -25,8 +25,18 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")  # the real compiler, no device needed
 CC = (9, 0)
+
+
+def instructions(sass: str) -> list[str]:
+    """The SASS listing's instructions, predicate guards and all, in order."""
+    return [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+
+
+def op_counts(sass: str) -> collections.Counter:
+    """Instructions per opcode (``FFMA``, ``LDG``, ...: modifiers and guards dropped)."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                               for t in instructions(sass))
 
 
 def tool(name: str) -> str:
@@ -75,9 +85,8 @@ def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
 
 
 def summary(sass: str) -> str:
-    ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                              for t in ins)
+    ins = instructions(sass)
+    ops = op_counts(sass)
     wait = next((k for k, t in enumerate(ins) if t.strip().startswith("ACQBULK")), len(ins))
     ffma = [k for k, t in enumerate(ins[:wait]) if "FFMA" in t]  # (the epilogue's are not)
     span = ins[ffma[0]:ffma[-1] + 1] if ffma else []
@@ -94,6 +103,7 @@ def main() -> None:
     parser.add_argument("mode", nargs="?", default="eval", choices=("eval", "train", "scaled"))
     parser.add_argument("--out", default="gather_sm90")
     args = parser.parse_args()
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")  # the real compiler, no device needed
     report, sass = compile_gather(args.mode, args.out)
     print("\n".join(line.strip() for line in report.splitlines()
                     if "Used" in line or "spill" in line))

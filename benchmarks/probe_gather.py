@@ -12,11 +12,10 @@ SASS opcodes. ``--host`` adds a cProfile of 200 calls per mode (host time).
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import cProfile
 import pstats
-import re
+import sys
 from unittest import mock
 
 import torch
@@ -25,6 +24,9 @@ import numba_deconv as nd
 from numba_deconv import bench, testing
 from numba_deconv.kernels import gather
 from numba_deconv.reference import Model, get_init_inputs, get_inputs
+
+sys.path.insert(0, "benchmarks")
+from offline_sass import op_counts  # noqa: E402  (the SASS listing's opcode counts)
 
 
 def resources(kernel):
@@ -42,11 +44,7 @@ def sass_mix(kernel) -> dict:
         sass = list(kernel.inspect_sass().values())[0]
     except Exception as exc:  # noqa: BLE001
         return {"error": repr(exc)[:60]}
-    ops = collections.Counter()
-    for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if m:
-            ops[m.group(1).split(".")[0]] += 1
+    ops = op_counts(sass)
     total = sum(ops.values())
     keys = ("FFMA", "LDG", "LDGSTS", "LDS", "STS", "STG", "LDL", "STL", "BAR", "BRA", "IMAD",
             "IADD3", "ISETP", "SEL", "LEA", "MOV")
