@@ -49,16 +49,22 @@ def tool(name: str) -> str:
     sys.exit(f"{name} not found: pip install -e '.[sass]'")
 
 
-def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
-    """PTX, ptxas' report and the SASS of the default problem's gather kernel."""
+def stand_in_device() -> None:
+    """Make numba and the package compile for compute capability CC without a device."""
     from numba_deconv.kernels import ptx as ptx_mod
 
     ptx_mod.device_at_least = lambda cc: tuple(cc) <= CC
-    import numba
     import numba.cuda.dispatcher as dispatcher
-    from numba import cuda, float32, float64
 
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CC)
+
+
+def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
+    """PTX, ptxas' report and the SASS of the default problem's gather kernel."""
+    stand_in_device()
+    import numba
+    from numba import cuda, float32, float64
+
     from numba_deconv import bench
     from numba_deconv.kernels import gather
 

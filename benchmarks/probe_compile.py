@@ -1,0 +1,101 @@
+"""Compile time of the default problem's gather kernel (session 21): the multiply-adds as a
+device function NVVM inlines (``forceinline``, the package's choice) against numba's IR
+inlining (``inline="always"``, before), each compiled from scratch for the eval, scaled and
+train epilogues. Runs on the GPU, or without one given ``--offline`` (PTX only, sm_90). With
+``--pipeline`` (GPU), first the seconds a pipeline's first call takes at new geometries (every
+kernel compiled) against its second call, float32 and float64, both modes.
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_compile.py [--offline] [--pipeline] [eval|scaled|train ...]
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from numba import cuda
+
+from numba_deconv import bench
+from numba_deconv.kernels import gather
+
+
+def compile_all(offline: bool, modes) -> dict:
+    """Seconds to compile each epilogue's kernel (fresh caches)."""
+    gather.make_gather_kernel.cache_clear()
+    gather._fma_step.cache_clear()
+    case = bench.default_case()
+    geom = case.geometry()
+    out_spatial = geom.output_spatial(case.spatial)
+    tiling = gather.GatherTiling(4, 2, 2, 16, 128, 128)  # choose_tiling's GPU answer
+    launch = gather.gather_launch(geom, case.batch, case.spatial, out_spatial, "float32", tiling)
+    import numba
+    from numba import float32, float64
+
+    sizes, divs = launch.dims
+    sig = (float32[::1], float32[::1], float64[:, ::1], float32[::1], float32[::1],
+           float64[:, :, ::1], numba.typeof(sizes), numba.typeof(divs))
+    times = {}
+    for mode in modes:
+        kernel = gather.gather_kernel(launch, "float32", mode == "train", mode == "scaled")
+        start = time.perf_counter()
+        if offline:
+            cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+        else:
+            kernel.compile(sig)
+        times[mode] = time.perf_counter() - start
+    return times
+
+
+def first_calls() -> None:
+    """Seconds of a pipeline's first and second call at geometries no kernel was compiled for."""
+    import torch
+
+    from numba_deconv import Pipeline, testing
+
+    cases = [((4, 8, 3, 2, 1), {}, (6, 10, 12)),
+             ((4, 6, (3, 2, 3), (2, 2, 1), (1, 0, 1)),
+              dict(groups=2, dilation=(2, 1, 1), output_padding=(1, 1, 0)), (5, 7, 9))]
+    print(f"{'geometry':9s} {'dtype':8s} {'mode':5s} {'first s':>8s} {'second s':>9s}")
+    for k, (args, kwargs, spatial) in enumerate(cases):
+        geom = testing.ConvGeometry.create(*args, **kwargs)
+        for dtype in (torch.float32, torch.float64):
+            for training in (False, True):
+                case = testing.Case(geom, testing.BatchNormSettings(), 2, spatial, training,
+                                    dtype=dtype)
+                conv, bn = (m.to(dtype) for m in testing.build_modules(case, "cuda"))
+                x = torch.randn(case.input_shape, device="cuda", dtype=dtype)
+                pipe = Pipeline.from_modules(conv, bn).train(training)
+                times = []
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    pipe(x)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                print(f"{k:9d} {str(dtype)[6:]:8s} {'train' if training else 'eval':5s} "
+                      f"{times[0]:8.2f} {times[1]:9.4f}", flush=True)
+
+
+def main() -> None:
+    offline = "--offline" in sys.argv
+    if "--pipeline" in sys.argv:
+        first_calls()
+    modes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["eval", "scaled", "train"]
+    if offline:
+        sys.path.insert(0, "benchmarks")
+        from offline_sass import stand_in_device
+        stand_in_device()
+    nvvm = compile_all(offline, modes)
+    make = gather._fma_step.__wrapped__
+
+    def numba_inlined(*args):
+        fn = make(*args)
+        return cuda.jit(device=True, inline="always")(fn.py_func)
+    gather._fma_step = gather.functools.lru_cache(maxsize=None)(numba_inlined)
+    numba_ir = compile_all(offline, modes)
+    print(f"{'epilogue':8s} {'forceinline s':>13s} {'inline=always s':>15s}")
+    for mode in nvvm:
+        print(f"{mode:8s} {nvvm[mode]:13.2f} {numba_ir[mode]:15.2f}")
+
+
+if __name__ == "__main__":
+    main()
