@@ -104,7 +104,9 @@ C_SAMPLES = 8     # input values whose mean is a channel's shift c
 
 
 def gram_sums_source(consts: dict) -> str:
-    """Python source of the ``gram_sums`` kernel for one plan's compile-time constants.
+    """Python source of the ``gram_sums`` kernel for one plan's compile-time constants, and of
+    ``gram_flush``, the device function that writes a slot's sums (called twice: when a new
+    cell starts and at the end; ``_make_gram_sums`` has NVVM inline it).
 
     Shared memory, per tile: [plane][row][channel quad][column][CB] (``sm``, 16-byte aligned);
     a position's quad is one vector. Offsets into it are counted in vectors and multiplied by
@@ -193,7 +195,10 @@ def gram_sums_source(consts: dict) -> str:
             ]
         return lines
 
-    src = [
+    flush_args = ("partial, apartial, sm, asm, slot, task, t, team, atot, "
+                  + "".join(f"aedge{e}, " for e in range(len(edges))) + ", ".join(acc))
+    src = [f"def gram_flush({flush_args}):"] + flush("    ") + [""]
+    src += [
         "def gram_sums(x, tiles, blocks, partial, apartial, cvals, in_ch, in_d, in_h, in_w):",
         "    # the next kernel (box_sums, or gram_chunk_sums) reads nothing of this one's before",
         "    # it waits: its blocks may take the room this one's leave (``griddep``)",
@@ -269,7 +274,7 @@ def gram_sums_source(consts: dict) -> str:
         "        here = tiles[ti, 6]",
         "        if here != cell:  # block-uniform: a new cell starts a new slot",
     ]
-    src += flush("            ")
+    src += [f"            gram_flush({flush_args})"]
     src += [f"            {v} = acc_t(0.0)" for v in acc]
     src += [f"            aedge{e} = 0.0" for e in range(len(edges))]
     src += [
@@ -394,7 +399,7 @@ def gram_sums_source(consts: dict) -> str:
         src += [f"{ind}    e{j * CB + k} += ea{j} * eb{k}" for j in range(CB) for k in range(CB)]
         src += [f"{ind}sm[{c['ESM'] + (e * CB * CB + k) * c['TP']} + t] += e{k}"
                 for k in range(CB * CB)]
-    src += flush("    ")
+    src += [f"    gram_flush({flush_args})"]
     return "\n".join(src) + "\n"
 
 
@@ -419,6 +424,11 @@ def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
                  "allow_dependents": allow_dependents}
     source = gram_sums_source(dict(consts))
     exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
+    # The flush's ~50-300 statements typed once instead of at both calls (numba's
+    # ``inline="always"`` would copy them): the same SASS, ~45% less compile time
+    # (benchmarks/NOTES.md, session 21). The simulator's jit has no ``forceinline``.
+    namespace["gram_flush"] = cuda.jit(
+        device=True, **({} if is_simulator() else {"forceinline": True}))(namespace["gram_flush"])
     # the simulator's jit takes no register cap (and has no registers)
     options = {"max_registers": max_regs} if max_regs and not is_simulator() else {}
     return cuda.jit(**options)(namespace["gram_sums"])
