@@ -1,7 +1,10 @@
-"""Registers, spills and SASS of the default problem's gather kernel without a GPU (session 20).
+"""Registers, spills and SASS of the default problem's gather kernel without a GPU (session 20),
+and of ``gram_sums`` (session 21: ``gram``, the default problem's or a small one's).
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
     python benchmarks/offline_sass.py [eval|train|scaled] [--out PREFIX]
+    python benchmarks/offline_sass.py gram [--case default|small] [--dtype float32|float64]
+        [--out PREFIX]
 
 numba compiles the kernel to PTX for compute capability 9.0 with a stand-in for the device
 (numba asks the current device's capability when it compiles device functions, and the
@@ -77,13 +80,45 @@ def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
     sizes, divs = launch.dims
     sig = (float32[::1], float32[::1], float64[:, ::1], float32[::1], float32[::1],
            float64[:, :, ::1], numba.typeof(sizes), numba.typeof(divs))
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=CC)
+    return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, tiling.max_regs)
+
+
+# gram_sums' cases: the default problem's (one team per slot) and a small one (four teams)
+GRAM_CASES = {"default": ((16, 32, 3, 2, 1), (16, 32, 32), 16),
+              "small": ((5, 7, 3, 2, 1), (5, 9, 11), 2)}
+
+
+def compile_gram_sums(case: str, dtype: str, prefix: str) -> tuple[str, str]:
+    """PTX, ptxas' report and the SASS of a ``GRAM_CASES`` problem's ``gram_sums`` kernel
+    (planned for 132 SMs, an H100's)."""
+    stand_in_device()
+    import numba
+    from numba import cuda, float64, int64
+
+    from numba_deconv import testing
+    from numba_deconv.gram_plan import gram_plan
+    from numba_deconv.kernels import gram
+
+    args, spatial, batch = GRAM_CASES[case]
+    nt = getattr(numba, dtype)
+    plan = gram_plan(testing.ConvGeometry.create(*args), batch, spatial,
+                     nt.bitwidth // 8, 132, gram.BLOCK)
+    kernel = gram._make_gram_sums(dtype, tuple(sorted(gram.plan_constants(plan, plan.groups)
+                                                      .items())), gram.MAX_REGS)
+    sig = (nt[::1], numba.typeof(plan.tiles), numba.typeof(plan.blocks), nt[:, ::1],
+           float64[:, ::1], nt[::1], int64, int64, int64, int64)
+    return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, gram.MAX_REGS)
+
+
+def assemble(ptx: str, prefix: str, max_regs: int) -> tuple[str, str]:
+    """ptxas' report and the SASS of ``ptx`` (written to PREFIX.ptx / .cubin / .sass)."""
     # NVVM may stamp a PTX version newer than the wheel's ptxas reads; nothing here needs it
     ptx = re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, count=1, flags=re.M)
     Path(prefix + ".ptx").write_text(ptx)
-    report = subprocess.run([tool("ptxas"), f"-arch=sm_{CC[0]}{CC[1]}", "-v",
-                             f"--maxrregcount={tiling.max_regs}", prefix + ".ptx",
-                             "-o", prefix + ".cubin"], capture_output=True, text=True, check=True)
+    cap = [f"--maxrregcount={max_regs}"] if max_regs else []
+    report = subprocess.run([tool("ptxas"), f"-arch=sm_{CC[0]}{CC[1]}", "-v", *cap,
+                             prefix + ".ptx", "-o", prefix + ".cubin"],
+                            capture_output=True, text=True, check=True)
     sass = subprocess.run([tool("nvdisasm"), "-c", prefix + ".cubin"], capture_output=True,
                           text=True, check=True).stdout
     Path(prefix + ".sass").write_text(sass)
@@ -106,11 +141,19 @@ def summary(sass: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", nargs="?", default="eval", choices=("eval", "train", "scaled"))
+    parser.add_argument("mode", nargs="?", default="eval",
+                        choices=("eval", "train", "scaled", "gram"))
+    parser.add_argument("--case", default="default", choices=tuple(GRAM_CASES),
+                        help="gram: which problem's gram_sums")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                        help="gram: the input's dtype")
     parser.add_argument("--out", default="gather_sm90")
     args = parser.parse_args()
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")  # the real compiler, no device needed
-    report, sass = compile_gather(args.mode, args.out)
+    if args.mode == "gram":
+        report, sass = compile_gram_sums(args.case, args.dtype, args.out)
+    else:
+        report, sass = compile_gather(args.mode, args.out)
     print("\n".join(line.strip() for line in report.splitlines()
                     if "Used" in line or "spill" in line))
     print(summary(sass))
