@@ -3,9 +3,11 @@ device function NVVM inlines (``forceinline``, the package's choice) against num
 inlining (``inline="always"``, before), each compiled from scratch for the eval, scaled and
 train epilogues. Runs on the GPU, or without one given ``--offline`` (PTX only, sm_90). With
 ``--pipeline`` (GPU), first the seconds a pipeline's first call takes at new geometries (every
-kernel compiled) against its second call, float32 and float64, both modes.
+kernel compiled) against its second call, float32 and float64, both modes. ``--kernels`` (GPU):
+the seconds each kernel's compile takes in a first training call and a first evaluation call.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_compile.py [--offline] [--pipeline] [eval|scaled|train ...]
+    PYTHONPATH=$PWD python3 benchmarks/probe_compile.py [--offline] [--pipeline] [--kernels]
+        [eval|scaled|train ...]
 """
 from __future__ import annotations
 
@@ -75,8 +77,47 @@ def first_calls() -> None:
                       f"{times[0]:8.2f} {times[1]:9.4f}", flush=True)
 
 
+def kernel_compiles() -> None:
+    """Seconds per kernel compile (numba's dispatcher, device functions inside) in a first
+    training call, then a first evaluation call, at a geometry nothing was compiled for."""
+    import torch
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    from numba_deconv import Pipeline, testing
+
+    seen = []
+    depth = [0]
+    plain = CUDADispatcher.compile
+
+    def timed(self, sig):
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return plain(self, sig)
+        finally:
+            depth[0] -= 1
+            seen.append((depth[0], self.py_func.__name__, time.perf_counter() - start))
+    CUDADispatcher.compile = timed
+    geom = testing.ConvGeometry.create(5, 7, 3, 2, 1)
+    for training in (True, False):
+        case = testing.Case(geom, testing.BatchNormSettings(), 2, (5, 9, 11), training)
+        conv, bn = (m.float() for m in testing.build_modules(case, "cuda"))
+        x = torch.randn(case.input_shape, device="cuda")
+        seen.clear()
+        start = time.perf_counter()
+        Pipeline.from_modules(conv, bn).train(training)(x)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        print(f"first {'training' if training else 'evaluation'} call: {total:.2f} s")
+        for level, name, sec in sorted(seen, key=lambda t: -t[2]):
+            print(f"  {'  ' * level}{name:32s} {sec:7.2f} s")
+    CUDADispatcher.compile = plain
+
+
 def main() -> None:
     offline = "--offline" in sys.argv
+    if "--kernels" in sys.argv:
+        kernel_compiles()
     if "--pipeline" in sys.argv:
         first_calls()
     modes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["eval", "scaled", "train"]
