@@ -5,9 +5,11 @@
 #   bash scripts/gpu_check.sh [tests|bench|notebooks|all]   (logs and results under $OUT or ./out)
 # `notebooks` runs each notebook's paired percent-format source with python3 at full size (the GPU
 # image has no nbclient; CI executes the .ipynb files under the simulator).
-# The gpu profile draws 300 examples per property; each new W-axis tap pattern compiles a gather
-# kernel (~1-2 s on an H100), so the whole profile takes ~15 min: split it with GPU_TEST_ARGS
-# (e.g. '-k "any_geometry and gather"') or lower NUMBA_DECONV_EXAMPLES to fit a device call.
+# The gpu profile draws 300 examples per property, and every drawn geometry compiles its kernels
+# (a first call took ~5-8 s in evaluation and ~50 s in training on an H100's host, session 21),
+# so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call (5 ran
+# tests/test_pipeline_properties.py in ~3 min with GPU_TEST_ARGS='-n 16') or split it with
+# GPU_TEST_ARGS (e.g. '-k "any_geometry and gather"').
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
