@@ -424,9 +424,11 @@ def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
                  "allow_dependents": allow_dependents}
     source = gram_sums_source(dict(consts))
     exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
-    # The flush's ~50-300 statements typed once instead of at both calls (numba's
-    # ``inline="always"`` would copy them): the same SASS, ~45% less compile time
-    # (benchmarks/NOTES.md, session 21). The simulator's jit has no ``forceinline``.
+    # The flush's ~140-330 statements typed once instead of at both calls (numba's
+    # ``inline="always"`` would copy them), NVVM inlining the one copy: the same SASS, and
+    # numba's compile 14.6 -> 9.3 s where four teams share a slot on a 2-core CPU (on the
+    # H100's host 31.5 -> 30.1 s, within its noise: benchmarks/NOTES.md, session 21). The
+    # simulator's jit has no ``forceinline``.
     namespace["gram_flush"] = cuda.jit(
         device=True, **({} if is_simulator() else {"forceinline": True}))(namespace["gram_flush"])
     # the simulator's jit takes no register cap (and has no registers)
