@@ -115,7 +115,7 @@ from . import fastdiv
 from .async_copy import copy1, copy16, wait_all
 from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents, wait_prior_grid
-from .launch import block_size
+from .launch import block_size, nvvm_inlined
 from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
 
@@ -273,18 +273,14 @@ def fma_step_source(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
-    """The device function of ``fma_step_source``, inlined into the kernel by NVVM.
-
-    ``forceinline`` (NVVM inlines it at every call) rather than numba's ``inline="always"``
-    (numba inlines its IR at every call, then types and lowers each copy): the kernel calls it
-    at 8 places, and at the default tile those copies were ~80% of numba's compile time. Same
-    SASS, instruction for instruction; a kernel compiles in ~4 s instead of ~20 on a 2-core
-    CPU (benchmarks/NOTES.md, session 21). The simulator's jit has no such option (and runs
-    device functions as Python calls)."""
+    """The device function of ``fma_step_source``, inlined into the kernel by NVVM
+    (``launch.nvvm_inlined``): the kernel calls it at 8 places, and numba's own inlining of
+    those copies was ~80% of its compile time at the default tile. Same SASS, instruction for
+    instruction; a kernel compiles in ~4 s instead of ~20 on a 2-core CPU (benchmarks/NOTES.md,
+    session 21)."""
     namespace = {"uint64": uint64}
     exec(compile(fma_step_source(nc, mh, qw, hpat, wpat), "<gather.fma_step>", "exec"), namespace)
-    return cuda.jit(device=True, **({} if is_simulator() else {"forceinline": True}))(
-        namespace["fma_step"])
+    return nvvm_inlined(namespace["fma_step"])
 
 
 @functools.lru_cache(maxsize=None)

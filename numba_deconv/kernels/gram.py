@@ -81,7 +81,7 @@ from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
 from .async_copy import copy1, wait_all
 from .griddep import allow_dependents, wait_prior_grid
-from .launch import block_size, launch, pin, tensor_device
+from .launch import block_size, launch, nvvm_inlined, pin, tensor_device
 from .warp import FULL_MASK
 
 _NUMBA_TYPES = {"float32": float32, "float64": float64}
@@ -424,13 +424,11 @@ def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
                  "allow_dependents": allow_dependents}
     source = gram_sums_source(dict(consts))
     exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
-    # The flush's ~140-330 statements typed once instead of at both calls (numba's
-    # ``inline="always"`` would copy them), NVVM inlining the one copy: the same SASS, and
-    # numba's compile 14.6 -> 9.3 s where four teams share a slot on a 2-core CPU (on the
-    # H100's host 31.5 -> 30.1 s, within its noise: benchmarks/NOTES.md, session 21). The
-    # simulator's jit has no ``forceinline``.
-    namespace["gram_flush"] = cuda.jit(
-        device=True, **({} if is_simulator() else {"forceinline": True}))(namespace["gram_flush"])
+    # The flush's ~140-330 statements typed once instead of at both calls, NVVM inlining the
+    # one copy: the same SASS, and numba's compile 14.6 -> 9.3 s where four teams share a slot
+    # on a 2-core CPU (on the H100's host 31.5 -> 30.1 s, within its noise: benchmarks/NOTES.md,
+    # session 21)
+    namespace["gram_flush"] = nvvm_inlined(namespace["gram_flush"])
     # the simulator's jit takes no register cap (and has no registers)
     options = {"max_registers": max_regs} if max_regs and not is_simulator() else {}
     return cuda.jit(**options)(namespace["gram_sums"])

@@ -102,6 +102,18 @@ def block_size(gpu_block: int) -> int:
     return min(gpu_block, SIM_BLOCK) if is_simulator() else gpu_block
 
 
+def nvvm_inlined(fn):
+    """``fn`` as a device function that NVVM inlines at every call (``forceinline``).
+
+    numba's own ``inline="always"`` copies the function's IR into each caller and types and
+    lowers every copy; for generated bodies of hundreds of statements called at several places
+    (the gather's multiply-adds, ``gram_sums``' flush) those copies were most of the compile
+    time, for the same SASS (benchmarks/NOTES.md, session 21). The simulator's jit has no such
+    option, and runs device functions as Python calls.
+    """
+    return cuda.jit(device=True, **({} if is_simulator() else {"forceinline": True}))(fn)
+
+
 def grid_for(work: int, block: int, cap: int = 65535 * 4) -> int:
     """Blocks for ``work`` items at ``block`` threads each, capped (kernels loop grid-stride)."""
     return max(1, min(cap, (work + block - 1) // block))
