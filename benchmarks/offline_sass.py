@@ -62,11 +62,11 @@ def stand_in_device() -> None:
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CC)
 
 
-def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
-    """PTX, ptxas' report and the SASS of the default problem's gather kernel."""
-    stand_in_device()
+def default_gather(mode: str):
+    """(kernel, signature, tiling) of the default problem's gather in ``mode`` (eval, train,
+    scaled), at choose_tiling's GPU answer."""
     import numba
-    from numba import cuda, float32, float64
+    from numba import float32, float64
 
     from numba_deconv import bench
     from numba_deconv.kernels import gather
@@ -80,6 +80,15 @@ def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
     sizes, divs = launch.dims
     sig = (float32[::1], float32[::1], float64[:, ::1], float32[::1], float32[::1],
            float64[:, :, ::1], numba.typeof(sizes), numba.typeof(divs))
+    return kernel, sig, tiling
+
+
+def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
+    """PTX, ptxas' report and the SASS of the default problem's gather kernel."""
+    stand_in_device()
+    from numba import cuda
+
+    kernel, sig, tiling = default_gather(mode)
     return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, tiling.max_regs)
 
 

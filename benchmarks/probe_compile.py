@@ -16,28 +16,19 @@ import time
 
 from numba import cuda
 
-from numba_deconv import bench
 from numba_deconv.kernels import gather
+
+sys.path.insert(0, "benchmarks")
+from offline_sass import default_gather, stand_in_device  # noqa: E402  (same folder)
 
 
 def compile_all(offline: bool, modes) -> dict:
     """Seconds to compile each epilogue's kernel (fresh caches)."""
     gather.make_gather_kernel.cache_clear()
     gather._fma_step.cache_clear()
-    case = bench.default_case()
-    geom = case.geometry()
-    out_spatial = geom.output_spatial(case.spatial)
-    tiling = gather.GatherTiling(4, 2, 2, 16, 128, 128)  # choose_tiling's GPU answer
-    launch = gather.gather_launch(geom, case.batch, case.spatial, out_spatial, "float32", tiling)
-    import numba
-    from numba import float32, float64
-
-    sizes, divs = launch.dims
-    sig = (float32[::1], float32[::1], float64[:, ::1], float32[::1], float32[::1],
-           float64[:, :, ::1], numba.typeof(sizes), numba.typeof(divs))
     times = {}
     for mode in modes:
-        kernel = gather.gather_kernel(launch, "float32", mode == "train", mode == "scaled")
+        kernel, sig, _ = default_gather(mode)
         start = time.perf_counter()
         if offline:
             cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
@@ -122,8 +113,6 @@ def main() -> None:
         first_calls()
     modes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["eval", "scaled", "train"]
     if offline:
-        sys.path.insert(0, "benchmarks")
-        from offline_sass import stand_in_device
         stand_in_device()
     nvvm = compile_all(offline, modes)
     make = gather._fma_step.__wrapped__
