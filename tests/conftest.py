@@ -19,12 +19,27 @@ from numba_deconv.simulator import is_simulator
 
 SIM = is_simulator()
 
+# NUMBA_DECONV_SHARDS=k splits every property that runs kernels (a hypothesis test using the
+# ``device`` fixture) into k test items of ceil(examples / k) examples each, every one drawing
+# its own random examples, so that pytest-xdist's workers share one property's examples (a
+# property with a max_examples of its own is not split). On a GPU a drawn geometry's
+# example is bound by compiling its kernels, on one CPU core per process, and the gpu profile has
+# fewer such properties than the host has cores.
+SHARDS = int(os.environ.get("NUMBA_DECONV_SHARDS", "1"))
+if SHARDS < 1:
+    raise ValueError(f"NUMBA_DECONV_SHARDS must be a positive integer, got {SHARDS}")
+
+
+def _per_shard(examples: int) -> int:
+    return -(-examples // SHARDS)
+
+
 settings.register_profile(
-    "ci", max_examples=12, deadline=None, print_blob=True,
+    "ci", max_examples=_per_shard(12), deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
-    "gpu", max_examples=int(os.environ.get("NUMBA_DECONV_EXAMPLES", "300")), deadline=None,
-    print_blob=True,
+    "gpu", max_examples=_per_shard(int(os.environ.get("NUMBA_DECONV_EXAMPLES", "300"))),
+    deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = os.environ.get("NUMBA_DECONV_PROFILE", "ci" if SIM else "gpu")
 settings.load_profile(PROFILE)
@@ -57,6 +72,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if not SIM and "sim" in item.keywords:
             item.add_marker(skip_sim)
+
+
+def pytest_configure(config):
+    if SHARDS > 1 and config.getoption("hypothesis_seed", None) is not None:
+        raise pytest.UsageError(
+            "NUMBA_DECONV_SHARDS: with --hypothesis-seed every shard would draw the same "
+            "examples; give one or the other")
+
+
+def pytest_generate_tests(metafunc):
+    """The shards of ``NUMBA_DECONV_SHARDS`` (above): one item per shard of each property."""
+    own = getattr(metafunc.function, "_hypothesis_internal_use_settings", None)
+    follows_profile = own is not None and own.max_examples == settings.default.max_examples
+    if SHARDS > 1 and follows_profile and "device" in metafunc.fixturenames:
+        metafunc.parametrize("shard", range(SHARDS), ids=lambda k: f"shard{k}", indirect=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shard(request) -> int:
+    """This item's shard of a property (0 without ``NUMBA_DECONV_SHARDS``): only its test id
+    and its random examples differ."""
+    return getattr(request, "param", 0)
 
 
 @pytest.fixture(scope="session")
