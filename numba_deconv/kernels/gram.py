@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from numba import cuda, float32, float64, int32, uint64
+from numba import cuda, float32, float64, int32, int64, uint64
 
 from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
@@ -268,7 +268,9 @@ def gram_sums_source(consts: dict) -> str:
     src += [
         "    bx = cuda.blockIdx.x",
         "    first = blocks[bx, 0]",
-        "    slot = blocks[bx, 2]",
+        # 64-bit from the start: as an int32 here and an int64 after ``slot += 1`` it made the
+        # two calls of gram_flush two specialisations, each typed and lowered (+1.5 s compile)
+        "    slot = int64(blocks[bx, 2])",
         "    cell = tiles[first, 6]",
         "    for ti in range(first, blocks[bx, 1]):",
         "        here = tiles[ti, 6]",
@@ -420,7 +422,7 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
     namespace = {"cuda": cuda, "acc_t": _NUMBA_TYPES[dtype], "float64": float64, "min": min,
-                 "uint64": uint64, "copy1": copy1, "wait_all": wait_all,
+                 "int64": int64, "uint64": uint64, "copy1": copy1, "wait_all": wait_all,
                  "allow_dependents": allow_dependents}
     source = gram_sums_source(dict(consts))
     exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
