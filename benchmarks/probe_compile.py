@@ -4,10 +4,13 @@ inlining (``inline="always"``, before), each compiled from scratch for the eval,
 train epilogues. Runs on the GPU, or without one given ``--offline`` (PTX only, sm_90). With
 ``--pipeline`` (GPU), first the seconds a pipeline's first call takes at new geometries (every
 kernel compiled) against its second call, float32 and float64, both modes. ``--kernels`` (GPU):
-the seconds each kernel's compile takes in a first training call and a first evaluation call.
+the seconds each kernel's compile takes in a first training call and a first evaluation call;
+with ``--stages`` also how much of it NVVM (LLVM IR -> PTX), the link (ptxas: PTX -> cubin) and
+the module's load took, the rest being numba's front end (typing, lowering); with ``--profile
+FILE`` the first training call under cProfile, its stats written to FILE.
 
     PYTHONPATH=$PWD python3 benchmarks/probe_compile.py [--offline] [--pipeline] [--kernels]
-        [eval|scaled|train ...]
+        [--stages] [--profile FILE] [eval|scaled|train ...]
 """
 from __future__ import annotations
 
@@ -68,7 +71,38 @@ def first_calls() -> None:
                       f"{times[0]:8.2f} {times[1]:9.4f}", flush=True)
 
 
-def kernel_compiles() -> None:
+class _Stages:
+    """Seconds spent in NVVM, the linker and the module load, per top-level kernel compile."""
+
+    def __init__(self):
+        from numba.cuda.cudadrv import driver, nvvm
+
+        self.current = None
+        self.seconds = {}
+        self._undo = []
+        self._wrap(nvvm, "compile_ir", "nvvm")
+        self._wrap(driver._Linker, "complete", "link")
+        self._wrap(driver.Context, "create_module_image", "load")
+
+    def _wrap(self, owner, name, stage):
+        plain = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                key = (self.current, stage)
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, plain))
+
+    def restore(self):
+        for owner, name, plain in self._undo:
+            setattr(owner, name, plain)
+
+
+def kernel_compiles(stages: bool, profile: str | None) -> None:
     """Seconds per kernel compile (numba's dispatcher, device functions inside) in a first
     training call, then a first evaluation call, at a geometry nothing was compiled for."""
     import torch
@@ -79,9 +113,12 @@ def kernel_compiles() -> None:
     seen = []
     depth = [0]
     plain = CUDADispatcher.compile
+    split = _Stages() if stages else None
 
     def timed(self, sig):
         depth[0] += 1
+        if split is not None and depth[0] == 1:
+            split.current = self.py_func.__name__
         start = time.perf_counter()
         try:
             return plain(self, sig)
@@ -94,24 +131,50 @@ def kernel_compiles() -> None:
         case = testing.Case(geom, testing.BatchNormSettings(), 2, (5, 9, 11), training)
         conv, bn = (m.float() for m in testing.build_modules(case, "cuda"))
         x = torch.randn(case.input_shape, device="cuda")
+        pipe = Pipeline.from_modules(conv, bn).train(training)
         seen.clear()
+        profiler = None
+        if profile and training:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         start = time.perf_counter()
-        Pipeline.from_modules(conv, bn).train(training)(x)
+        pipe(x)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
-        print(f"first {'training' if training else 'evaluation'} call: {total:.2f} s")
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
+            import pstats
+
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+        print(f"first {'training' if training else 'evaluation'} call: {total:.2f} s"
+              + (" (under cProfile)" if profiler is not None else ""))
+        head = "  kernel" + " " * 28 + "   total s"
+        print(head + ("   nvvm s   link s   load s  front s" if split else ""))
         for level, name, sec in sorted(seen, key=lambda t: -t[2]):
-            print(f"  {'  ' * level}{name:32s} {sec:7.2f} s")
+            line = f"  {'  ' * level}{name:32s} {sec:9.2f}"
+            if split is not None and level == 0:
+                parts = [split.seconds.pop((name, k), 0.0) for k in ("nvvm", "link", "load")]
+                line += "".join(f" {p:8.2f}" for p in parts) + f" {sec - sum(parts):8.2f}"
+            print(line)
     CUDADispatcher.compile = plain
+    if split is not None:
+        split.restore()
 
 
 def main() -> None:
     offline = "--offline" in sys.argv
-    if "--kernels" in sys.argv:
-        kernel_compiles()
+    profile = sys.argv[sys.argv.index("--profile") + 1] if "--profile" in sys.argv else None
+    if "--kernels" in sys.argv or "--stages" in sys.argv or profile:
+        kernel_compiles("--stages" in sys.argv, profile)
     if "--pipeline" in sys.argv:
         first_calls()
-    modes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["eval", "scaled", "train"]
+    modes = [a for a in sys.argv[1:] if a in ("eval", "scaled", "train")]
+    if not modes and not offline and len(sys.argv) > 1:
+        return  # only the first-call probes were asked for
+    modes = modes or ["eval", "scaled", "train"]
     if offline:
         stand_in_device()
     nvvm = compile_all(offline, modes)
