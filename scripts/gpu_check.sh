@@ -6,10 +6,11 @@
 # `notebooks` runs each notebook's paired percent-format source with python3 at full size (the GPU
 # image has no nbclient; CI executes the .ipynb files under the simulator).
 # The gpu profile draws 300 examples per property, and every drawn geometry compiles its kernels
-# (a first call took ~5-8 s in evaluation and ~50 s in training on an H100's host, session 21),
-# so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call (5 ran
-# tests/test_pipeline_properties.py in ~3 min with GPU_TEST_ARGS='-n 16') or split it with
-# GPU_TEST_ARGS (e.g. '-k "any_geometry and gather"').
+# (~5 s in evaluation, ~20-45 s in training on an H100's host, session 22), ~25 CPU-core-seconds
+# an example, so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call,
+# and spread each property over the cores with NUMBA_DECONV_SHARDS and GPU_TEST_ARGS='-n 16'
+# (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=48 ran tests/test_pipeline_properties.py's ~370
+# examples in 9.5 min on 16 cores), or split it with GPU_TEST_ARGS (e.g. '-k "any_geometry"').
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
