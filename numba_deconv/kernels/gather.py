@@ -190,17 +190,18 @@ def tail_ranks(d_counts: tuple) -> tuple:
 TAIL_HEAVY_FIRST = True
 
 
-def tail_order(batch: int, blocks_per_sample: int, d_counts: tuple) -> tuple[int, int]:
-    """(first block, sample) of the grid's reordered tail: the last sample's blocks in D phase
-    order, most taps first, so the grid ends on its shortest blocks instead of a mix (a block
-    of the default problem's odd D phase does 32 steps, of the even one 16). Elsewhere the
-    phases stay interleaved per row block: blocks that read the same input rows run together
-    (the whole grid phase-major was slower, benchmarks/NOTES.md, session 7). Off (the grid's
-    size) for one sample, phases of equal tap counts, or ``TAIL_HEAVY_FIRST`` False."""
+def tail_order(batch: int, blocks_per_sample: int, d_counts: tuple) -> int:
+    """First block of the grid's reordered tail: the last sample's blocks (the kernel's
+    ``tail_n``, ``batch - 1``) in D phase order, most taps first, so the grid ends on its
+    shortest blocks instead of a mix (a block of the default problem's odd D phase does 32
+    steps, of the even one 16). Elsewhere the phases stay interleaved per row block: blocks
+    that read the same input rows run together (the whole grid phase-major was slower,
+    benchmarks/NOTES.md, session 7). Off (the grid's size) for one sample, phases of equal tap
+    counts, or ``TAIL_HEAVY_FIRST`` False."""
     grid = batch * blocks_per_sample
     if batch < 2 or len(set(d_counts)) < 2 or not TAIL_HEAVY_FIRST:
-        return grid, batch - 1
-    return grid - blocks_per_sample, batch - 1
+        return grid
+    return grid - blocks_per_sample
 
 
 def exact_edges(axis: AxisGeometry, in_size: int) -> bool:
@@ -808,13 +809,13 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd
     grid = batch * slots * ctiles
-    tail_start, tail_n = tail_order(batch, slots * ctiles, d_phases(d_plan.pattern)[1])
+    tail_start = tail_order(batch, slots * ctiles, d_phases(d_plan.pattern)[1])
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
                  ipg=ipg, opg=opg, shift_d=d_plan.shift, shift_h=h_plan.shift,
                  qd_n=qd_n, qw_groups=qw_groups, ci_chunk=ci_chunk,
                  lane_shift=tiling.lanes.bit_length() - 1, rows_per_block=rows_per_block,
-                 row_blocks=row_blocks, ctiles=ctiles, tail_start=tail_start, tail_n=tail_n,
+                 row_blocks=row_blocks, ctiles=ctiles, tail_start=tail_start, tail_n=batch - 1,
                  lane_blocks=lane_blocks,
                  tiles_per_group=tiles_per_group, qh_groups=qh_groups)
     if grid >= fastdiv.LIMIT:
