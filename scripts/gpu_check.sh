@@ -9,8 +9,9 @@
 # (~5 s in evaluation, ~20-45 s in training on an H100's host, session 22), ~25 CPU-core-seconds
 # an example, so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call,
 # and spread each property over the cores with NUMBA_DECONV_SHARDS and GPU_TEST_ARGS='-n 16'
-# (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=48 ran tests/test_pipeline_properties.py's ~370
-# examples in 9.5 min on 16 cores), or split it with GPU_TEST_ARGS (e.g. '-k "any_geometry"').
+# (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=48 ran 260-380 of tests/test_pipeline_properties.py's
+# examples in 9.5 min on 16 cores; NUMBA_DECONV_EXAMPLES=16 ran the whole suite in 6 min), or
+# split it with GPU_TEST_ARGS (e.g. '-k "any_geometry"').
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
