@@ -22,12 +22,13 @@ SIM = is_simulator()
 # NUMBA_DECONV_SHARDS=k splits every property that runs kernels (a hypothesis test using the
 # ``device`` fixture) into k test items of ceil(examples / k) examples each, every one drawing
 # its own random examples, so that pytest-xdist's workers share one property's examples (a
-# property with a max_examples of its own is not split). On a GPU a drawn geometry's
-# example is bound by compiling its kernels, on one CPU core per process, and the gpu profile has
-# fewer such properties than the host has cores.
-SHARDS = int(os.environ.get("NUMBA_DECONV_SHARDS", "1"))
-if SHARDS < 1:
-    raise ValueError(f"NUMBA_DECONV_SHARDS must be a positive integer, got {SHARDS}")
+# property with a max_examples of its own is not split). On a GPU an example is bound by
+# compiling the kernels of its drawn geometry, on one CPU core per process, and the gpu profile
+# has fewer such properties than the host has cores (tests/test_shards.py).
+_SHARDS = os.environ.get("NUMBA_DECONV_SHARDS", "1")
+if not _SHARDS.isdigit() or int(_SHARDS) < 1:
+    raise ValueError(f"NUMBA_DECONV_SHARDS must be a positive integer, got {_SHARDS!r}")
+SHARDS = int(_SHARDS)
 
 
 def _per_shard(examples: int) -> int:
@@ -83,6 +84,7 @@ def pytest_configure(config):
 
 def pytest_generate_tests(metafunc):
     """The shards of ``NUMBA_DECONV_SHARDS`` (above): one item per shard of each property."""
+    # the settings hypothesis attached to the test (no public accessor; without it, no split)
     own = getattr(metafunc.function, "_hypothesis_internal_use_settings", None)
     follows_profile = own is not None and own.max_examples == settings.default.max_examples
     if SHARDS > 1 and follows_profile and "device" in metafunc.fixturenames:
