@@ -22,7 +22,8 @@ SIM = is_simulator()
 # NUMBA_DECONV_SHARDS=k splits every property that runs kernels (a hypothesis test using the
 # ``device`` fixture) into k test items of ceil(examples / k) examples each, every one drawing
 # its own random examples, so that pytest-xdist's workers share one property's examples (a
-# property with a max_examples of its own is not split). On a GPU an example is bound by
+# property with a max_examples of its own is not split, unless that equals the share: the
+# settings hold values, not where they came from). On a GPU an example is bound by
 # compiling the kernels of its drawn geometry, on one CPU core per process, and the gpu profile
 # has fewer such properties than the host has cores (tests/test_shards.py).
 _SHARDS = os.environ.get("NUMBA_DECONV_SHARDS", "1")
