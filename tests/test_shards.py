@@ -33,8 +33,9 @@ def test_no_kernels(v):
 def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
     (folder / "conftest.py").write_text(Path(__file__).with_name("conftest.py").read_text())
     (folder / "test_properties.py").write_text(PROPERTIES)
+    # CI=true: where hypothesis would derandomize (and every shard draw the same examples)
     env = dict(os.environ, NUMBA_DECONV_SHARDS="3", NUMBA_DECONV_PROFILE="ci",
-               NUMBA_DECONV_DEVICE="sim", NUMBA_ENABLE_CUDASIM="1")
+               NUMBA_DECONV_DEVICE="sim", NUMBA_ENABLE_CUDASIM="1", CI="true")
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
                            "no:xdist", "-v", *args], cwd=folder, env=env, capture_output=True,
                           text=True, timeout=300)
