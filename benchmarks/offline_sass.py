@@ -1,10 +1,12 @@
 """Registers, spills and SASS of the default problem's gather kernel without a GPU (session 20),
-and of ``gram_sums`` (session 21: ``gram``, the default problem's or a small one's).
+of ``gram_sums`` (session 21: ``gram``, the default problem's or a small one's) and of
+``box_sums`` (session 22: ``box``, the default problem's).
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
     python benchmarks/offline_sass.py [eval|train|scaled] [--out PREFIX]
     python benchmarks/offline_sass.py gram [--case default|small] [--dtype float32|float64]
         [--out PREFIX]
+    python benchmarks/offline_sass.py box [--dtype float32|float64] [--out PREFIX]
 
 numba compiles the kernel to PTX for compute capability 9.0 with a stand-in for the device
 (numba asks the current device's capability when it compiles device functions, and the
@@ -119,6 +121,34 @@ def compile_gram_sums(case: str, dtype: str, prefix: str) -> tuple[str, str]:
     return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, gram.MAX_REGS)
 
 
+def compile_box_sums(dtype: str, prefix: str) -> tuple[str, str]:
+    """PTX, ptxas' report and the SASS of the default problem's ``box_sums`` (kernel 3x3x3,
+    float32 rows as 16-byte quads; float64 rows value by value), typed as its launch types it."""
+    stand_in_device()
+    import numba
+    import numpy as np
+    from numba import cuda
+
+    from numba_deconv import bench
+    from numba_deconv.kernels import box_sums as bs
+    from numba_deconv.kernels.launch import block_size
+
+    case = bench.default_case()
+    geom = case.geometry()
+    ci = geom.in_channels
+    in_d, in_h, in_w = case.spatial
+    kernel = bs.make_box_sums(*geom.kernel_size, dtype, bs.ROWS, False, dtype == "float32")
+    quads = -(-in_w // bs.QUAD)
+    parts = bs.row_parts(in_d * quads, in_h, block_size(bs.BLOCK))
+    dims = bs._dims(ci // geom.groups, quads, ci, in_d * quads, -(-in_h // parts), parts)
+    arr = lambda dt, nd: numba.types.Array(numba.from_dtype(np.dtype(dt)), nd, "C")  # noqa: E731
+    sig = (arr(dtype, 5), arr(dtype, 1), arr("int32", 2), arr("int32", 2), numba.typeof(dims),
+           arr("float64", 2), arr(dtype, 3), arr("float64", 1), numba.float64, arr("float64", 3),
+           arr("float64", 2), arr("int32", 1))
+    cap = kernel.targetoptions.get("max_registers") or 0
+    return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, cap)
+
+
 def assemble(ptx: str, prefix: str, max_regs: int) -> tuple[str, str]:
     """ptxas' report and the SASS of ``ptx`` (written to PREFIX.ptx / .cubin / .sass)."""
     # NVVM may stamp a PTX version newer than the wheel's ptxas reads; nothing here needs it
@@ -151,16 +181,18 @@ def summary(sass: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", nargs="?", default="eval",
-                        choices=("eval", "train", "scaled", "gram"))
+                        choices=("eval", "train", "scaled", "gram", "box"))
     parser.add_argument("--case", default="default", choices=tuple(GRAM_CASES),
                         help="gram: which problem's gram_sums")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
-                        help="gram: the input's dtype")
+                        help="gram, box: the input's dtype")
     parser.add_argument("--out", default="gather_sm90")
     args = parser.parse_args()
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")  # the real compiler, no device needed
     if args.mode == "gram":
         report, sass = compile_gram_sums(args.case, args.dtype, args.out)
+    elif args.mode == "box":
+        report, sass = compile_box_sums(args.dtype, args.out)
     else:
         report, sass = compile_gather(args.mode, args.out)
     print("\n".join(line.strip() for line in report.splitlines()

@@ -95,6 +95,11 @@ BLOCK = 256
 MAX_BLOCK = 256  # the shared partials hold this many threads' warps
 ROWS = 8  # rows of a quad's loads in flight per thread in box_sums
 SHARE = 8  # threads per output channel in the means' shares and their sums
+# t // SHARE and t % SHARE as a shift and a mask: numba's signed floor division and modulo of
+# the int32 thread index were not reduced to those (offline SASS, float64: 16 bytes of stack)
+SHARE_SHIFT = SHARE.bit_length() - 1
+SHARE_MASK = SHARE - 1
+assert SHARE == 1 << SHARE_SHIFT, "SHARE is a power of two"
 QUAD = 4  # input columns per thread: one 16-byte load per row where the rows are aligned
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
@@ -304,9 +309,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             # t % 8, t % 8 + 8, ...), loaded now so that their round trip passes during the
             # reduction instead of after it.
             wpre = cuda.local.array(n_share, elem)
-            oc_pre = t >> 3
+            oc_pre = t >> SHARE_SHIFT
             for i in range(n_share):
-                k = (t & 7) + SHARE * i
+                k = (t & SHARE_MASK) + SHARE * i
                 if oc_pre < opg and k < n_box:
                     wpre[i] = w[uint32(ci), uint32(oc_pre), uint32(k)]
             # Reduce-scatter over the warp, 32 box sums at a time: at the step of width h each
@@ -341,23 +346,24 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             # every eighth tap, then three shuffles inside each group of eight.
             oc0 = int32(0)
             while oc0 < opg:  # block-uniform trip count
-                oc = oc0 + (t >> 3)
-                oc0 += bs >> 3
+                oc = oc0 + (t >> SHARE_SHIFT)
+                oc0 += bs >> SHARE_SHIFT
                 acc = 0.0
-                if oc < opg and oc0 == bs >> 3:  # the first share: its weights are loaded
+                # the first share: its weights are loaded
+                if oc < opg and oc0 == bs >> SHARE_SHIFT:
                     for i in range(n_share):
-                        k = (t & 7) + SHARE * i
+                        k = (t & SHARE_MASK) + SHARE * i
                         if k < n_box:
                             acc += wpre[i] * btot[k]
                 elif oc < opg:
                     wrow = w[uint32(ci), uint32(oc)]
-                    k = t & 7
+                    k = t & SHARE_MASK
                     while k < n_box:
                         acc += wrow[uint32(k)] * btot[k]
                         k += SHARE
                 for h in (4, 2, 1):
                     acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
-                if (t & 7) == 0 and oc < opg:
+                if (t & SHARE_MASK) == 0 and oc < opg:
                     contrib[n, ci, oc] = acc
             # The block that finishes the last plane of sample n adds the planes' shares:
             # mean[n, co] = sum over the group's ci of contrib / S + bias[co].
@@ -374,13 +380,13 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                 # the end of the kernel, which the gather's epilogue waits for
                 co0 = int32(0)
                 while co0 < out_ch:  # block-uniform trip count
-                    co = co0 + (t >> 3)
-                    co0 += bs >> 3
+                    co = co0 + (t >> SHARE_SHIFT)
+                    co0 += bs >> SHARE_SHIFT
                     acc = 0.0
                     if co < out_ch:
                         g = co // opg
                         oc = co - g * opg
-                        cl = g * ipg + (t & 7)
+                        cl = g * ipg + (t & SHARE_MASK)
                         end = (g + 1) * ipg
                         while cl + SHARE < end:  # two loads in flight, added in order
                             a0 = contrib[n, cl, oc]
@@ -392,7 +398,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                             acc += contrib[n, cl, oc]
                     for h in (4, 2, 1):
                         acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
-                    if (t & 7) == 0 and co < out_ch:
+                    if (t & SHARE_MASK) == 0 and co < out_ch:
                         mean[n, co] = acc * inv_size + bias[co]
                 if t == 0:
                     done[n] = 0  # ready for the next call
