@@ -114,8 +114,7 @@ def compile_gram_sums(case: str, dtype: str, prefix: str) -> tuple[str, str]:
     nt = getattr(numba, dtype)
     plan = gram_plan(testing.ConvGeometry.create(*args), batch, spatial,
                      nt.bitwidth // 8, 132, gram.BLOCK)
-    kernel = gram._make_gram_sums(dtype, tuple(sorted(gram.plan_constants(plan, plan.groups)
-                                                      .items())), gram.MAX_REGS)
+    kernel = gram.make_gram_sums(dtype, plan)
     sig = (nt[::1], numba.typeof(plan.tiles), numba.typeof(plan.blocks), nt[:, ::1],
            float64[:, ::1], nt[::1], int64, int64, int64, int64)
     return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, gram.MAX_REGS)
@@ -136,11 +135,8 @@ def compile_box_sums(dtype: str, prefix: str) -> tuple[str, str]:
     case = bench.default_case()
     geom = case.geometry()
     ci = geom.in_channels
-    in_d, in_h, in_w = case.spatial
     kernel = bs.make_box_sums(*geom.kernel_size, dtype, bs.ROWS, False, dtype == "float32")
-    quads = -(-in_w // bs.QUAD)
-    parts = bs.row_parts(in_d * quads, in_h, block_size(bs.BLOCK))
-    dims = bs._dims(ci // geom.groups, quads, ci, in_d * quads, -(-in_h // parts), parts)
+    dims = bs.launch_dims(ci, ci // geom.groups, case.spatial, block_size(bs.BLOCK))
     arr = lambda dt, nd: numba.types.Array(numba.from_dtype(np.dtype(dt)), nd, "C")  # noqa: E731
     sig = (arr(dtype, 5), arr(dtype, 1), arr("int32", 2), arr("int32", 2), numba.typeof(dims),
            arr("float64", 2), arr(dtype, 3), arr("float64", 1), numba.float64, arr("float64", 3),

@@ -440,12 +440,19 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
                          f"{tuple(x.shape)} has too many")
     kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",
                            rows, needs_wide(x.shape[2:]), vector_rows(x))
-    parts = row_parts(x.shape[2] * quads, x.shape[3], block)
-    dims = _dims(ci // (mean.shape[1] // w.shape[1]), quads, ci, x.shape[2] * quads,
-                 -(-x.shape[3] // parts), parts)
+    dims = launch_dims(ci, ci // (mean.shape[1] // w.shape[1]), x.shape[2:], block)
     launch(kernel, grid_size(n * ci), block,
            (x, x.view(-1), lo, hi, dims, out.view(n, -1), w, bias, float(inv_size), contrib, mean,
             done), after_prior=after_prior)
+
+
+def launch_dims(in_ch: int, ipg: int, in_spatial, block: int) -> tuple:
+    """The kernel's ``dims`` for ``in_ch`` input channels (``ipg`` per group) of ``in_spatial``
+    (D, H, W) at ``block`` threads (the launcher and benchmarks/offline_sass.py)."""
+    in_d, in_h, in_w = in_spatial
+    quads = -(-in_w // QUAD)
+    parts = row_parts(in_d * quads, in_h, block)
+    return _dims(ipg, quads, in_ch, in_d * quads, -(-in_h // parts), parts)
 
 
 def row_parts(quads: int, in_h: int, block: int) -> int:
