@@ -11,7 +11,8 @@
 # and spread each property over the cores with NUMBA_DECONV_SHARDS and GPU_TEST_ARGS='-n 16'
 # (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=48 ran 260-380 of tests/test_pipeline_properties.py's
 # examples in 9.5 min on 16 cores; NUMBA_DECONV_EXAMPLES=16 ran the whole suite in 6 min), or
-# split it with GPU_TEST_ARGS (e.g. '-k "any_geometry"').
+# split it with GPU_TEST_ARGS (e.g. '-k "any_geometry"'); scripts/gpu_profile.sh runs it in
+# time-limited pieces whose counts benchmarks/count_examples.py adds up.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
