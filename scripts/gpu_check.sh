@@ -2,17 +2,27 @@
 # Everything for the lent GPU machine in one call (no network there, no wheels to carry): the `gpu`
 # test profile, then the benchmark. Uses the image's python3 (torch, numba, numba-cuda, numpy 2.5,
 # pytest, hypothesis); numba_deconv.compat makes numba-cuda work on numpy 2.5.
-#   bash scripts/gpu_check.sh [tests|bench|notebooks|all]   (logs and results under $OUT or ./out)
+#   bash scripts/gpu_check.sh [tests|bench|notebooks|all|profile]   (logs under $OUT or ./out)
 # `notebooks` runs each notebook's paired percent-format source with python3 at full size (the GPU
 # image has no nbclient; CI executes the .ipynb files under the simulator).
 # The gpu profile draws 300 examples per property, and every drawn geometry compiles its kernels
 # (~5 s in evaluation, ~20-45 s in training on an H100's host, session 22), ~25 CPU-core-seconds
 # an example, so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call,
 # and spread each property over the cores with NUMBA_DECONV_SHARDS and GPU_TEST_ARGS='-n 16'
-# (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=48 ran 260-380 of tests/test_pipeline_properties.py's
-# examples in 9.5 min on 16 cores; NUMBA_DECONV_EXAMPLES=16 ran the whole suite in 6 min), or
-# split it with GPU_TEST_ARGS (e.g. '-k "any_geometry"'); scripts/gpu_profile.sh runs it in
-# time-limited pieces whose counts benchmarks/count_examples.py adds up.
+# (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=16 ran the whole suite in 6 min), or run it in
+# pieces with `profile`:
+# `profile` runs the profile's properties in one device call of bounded length, to be repeated
+# until each has drawn its 300 examples in all (every piece draws new random examples); then
+#   python benchmarks/count_examples.py <every piece's gpu_props.log and gpu_cheap.log>
+# adds each property's passing and failing examples up. The properties without
+# geometry-dependent kernels (batch statistics, fast division, the Gram plan, launch arguments,
+# geometry) run whole on two cores, at the profile's full count whatever NUMBA_DECONV_EXAMPLES
+# says. The pipeline's properties run on the other cores (WORKERS, 14) in NUMBA_DECONV_SHARDS
+# (16) shards of NUMBA_DECONV_EXAMPLES (80) / shards examples until SECONDS_LIMIT (540), when
+# pytest is interrupted and prints the statistics of the shards that finished (an interrupted
+# shard prints none: its examples are not counted); PROPERTIES (a pytest -k expression) narrows
+# them to those still short of their count. Its exit status is count_examples.py's: 1 when any
+# example failed. Session 23 finished the profile in three such calls (benchmarks/NOTES.md).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -41,5 +51,25 @@ if [ "$WHAT" = notebooks ] || [ "$WHAT" = all ]; then
             echo "notebook $nb: FAILED (see $(basename "$nb" .py).log)"; tail -5 "$OUT/$(basename "$nb" .py).log"; status=1
         fi
     done
+fi
+if [ "$WHAT" = profile ]; then
+    PYTEST=(python3 -m pytest -p no:cacheprovider -p no:benchmark -rfE --hypothesis-show-statistics)
+    sha1sum numba_deconv/*.py numba_deconv/kernels/*.py tests/*.py > "$OUT/sha1sums.txt"
+    CHEAP=(tests/test_batch_stats.py tests/test_fastdiv.py tests/test_launch_args.py
+           tests/test_geometry.py tests/test_gram.py::test_plan_gives_pytorchs_sum_of_squares)
+    ( env -u NUMBA_DECONV_EXAMPLES -u NUMBA_DECONV_SHARDS timeout -s INT "${SECONDS_LIMIT:-540}" \
+          "${PYTEST[@]}" -n 2 "${CHEAP[@]}" > "$OUT/gpu_cheap.log" 2>&1
+      echo "pytest rc $?" >> "$OUT/gpu_cheap.log" ) &
+    NUMBA_DECONV_SHARDS="${NUMBA_DECONV_SHARDS:-16}" \
+        NUMBA_DECONV_EXAMPLES="${NUMBA_DECONV_EXAMPLES:-80}" \
+        timeout -s INT "${SECONDS_LIMIT:-540}" "${PYTEST[@]}" -n "${WORKERS:-14}" \
+        --dist worksteal ${PROPERTIES:+-k "$PROPERTIES"} tests/test_pipeline_properties.py \
+        > "$OUT/gpu_props.log" 2>&1
+    echo "pytest rc $?" >> "$OUT/gpu_props.log"
+    wait
+    head -8 "$OUT/gpu_props.log"
+    tail -n 3 "$OUT/gpu_props.log" "$OUT/gpu_cheap.log"
+    python3 benchmarks/count_examples.py "$OUT/gpu_props.log" "$OUT/gpu_cheap.log"
+    status=$?
 fi
 exit $status
