@@ -248,3 +248,50 @@ def test_a_programmatic_dependent_starts_early_and_waits_for_its_prior():
         if step:
             assert bool(early.all()), f"launch {step}: the dependent did not start early"
     assert [v for k, v in launch._DIRECT.items() if k[0] is consumer and k[5]]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pinned", "pinned2", "fresh", "plain", "twin", "moved"]),
+                          st.sampled_from(["same", "other"]), st.floats(-1e3, 1e3),
+                          st.integers(-2**63, 2**63 - 1)), min_size=1, max_size=8))
+def test_a_launcher_passed_other_arguments_passes_their_parameters(calls):
+    """A direct launcher rewrites only the slots of arguments that are not the same pinned
+    tensor or int tuple as before: whatever sequence of arguments it is handed (the same pinned
+    tensor again, another, a copy of one, a plain tensor where a pinned one was, a fresh pinned
+    tensor each call, a plain tensor moved to new memory in place, the same tuple object or
+    another), every launch passes what a launcher built afresh for those arguments passes (no
+    GPU: the driver is faked)."""
+    import copy
+    import ctypes
+
+    import torch
+    from cuda.bindings import driver
+
+    seen = []
+
+    def fake_launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        pointers = (ctypes.c_void_p * 21).from_address(params)
+        seen.append([ctypes.c_int64.from_address(p).value for p in pointers])
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "is_simulator", lambda: False)
+        mp.setattr(driver, "cuLaunchKernel", fake_launch)
+        pinned = launch.pin(torch.randn(4, 6, dtype=torch.float64))
+        tensors = {"pinned": pinned, "pinned2": launch.pin(torch.randn(4, 6, dtype=torch.float64)),
+                   "plain": torch.randn(4, 6, dtype=torch.float64), "twin": copy.deepcopy(pinned)}
+        tuples = {"same": (3, (4, 5)), "other": None}
+        table = launch.pin(torch.arange(7, dtype=torch.int32))
+        views = [_View(pinned), tuples["same"], 0.5, 1, _View(table)]
+        launcher = launch._direct_launcher(_fake_kernel(3), views, 1, 32, 0)
+        for which, tup, scale, shift in calls:
+            if which == "fresh":
+                t = launch.pin(torch.randn(4, 6, dtype=torch.float64))
+            elif which == "moved":  # the same object as "plain", its memory elsewhere now
+                t = tensors["plain"].set_(torch.randn(4, 6, dtype=torch.float64))
+            else:
+                t = tensors[which]
+            sizes = tuples["same"] if tup == "same" else (int(shift % 97), (2, 3))
+            args = (t, sizes, scale, shift, table)
+            launcher(1, args)
+            launch._direct_launcher(_fake_kernel(3), views, 1, 32, 0)(1, args)
+            assert seen[-2] == seen[-1], (which, tup)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
+import weakref
 
 import torch
 from numba import cuda
@@ -217,9 +218,10 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
 
     Every parameter numba passes is 8 bytes (an array's fields, an int64, a float64), so the
     launcher keeps one buffer of 8-byte slots and an array of pointers to them, built once; a
-    launch writes the slots and hands the pointer array to the driver's ``cuLaunchKernel``
-    (``cuda.bindings``). That costs a few µs, where numba's own path rebuilds ctypes objects
-    for every parameter (tens of µs for a kernel with 40-70 parameters).
+    launch writes the slots of the arguments that changed (a pinned tensor or an int tuple
+    passed again, the same object, keeps its slots) and hands the pointer array to the driver's
+    ``cuLaunchKernel`` (``cuda.bindings``). That costs a few µs, where numba's own path rebuilds
+    ctypes objects for every parameter (tens of µs for a kernel with 40-70 parameters).
 
     ``after_prior``: launch through ``cuLaunchKernelEx`` with programmatic stream serialization,
     so the kernel may start while the previous one in the stream finishes (``griddep``).
@@ -252,7 +254,12 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
         cufunction = cu.CUfunction(function)
     except Exception:  # noqa: BLE001 - any surprise means: use the dispatcher
         return None
-    count = sum(_param_count(v, kind) for v, kind in zip(views, kinds))
+    # per argument: its kind and the slots its parameters fill
+    layout, count = [], 0
+    for v, kind in zip(views, kinds):
+        n = _param_count(v, kind)
+        layout.append((kind, count, count + n))
+        count += n
     slots = (ctypes.c_int64 * max(1, count))()
     as_double = (ctypes.c_double * max(1, count)).from_buffer(slots)
     base = ctypes.addressof(slots)
@@ -260,30 +267,37 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
     params = ctypes.addressof(pointers)
     gx, gy, gz = _dim3(grid)
     bx, by, bz = _dim3(block)
-    floats, slot = [], 0  # (argument, its slot) of every float64 parameter
-    for i, (v, kind) in enumerate(zip(views, kinds)):
-        if kind is float:
-            floats.append((i, slot))
-        slot += _param_count(v, kind)
+    # Per argument, what its slots hold while that cannot change: a weak reference to a pinned
+    # tensor (``pin``: its fields never change) or an int tuple (immutable). Such an argument
+    # passed again, the same object, leaves its slots as they are; the others are written at
+    # every launch. A plan's buffers, tables and weights are most of a launch's arguments.
+    held = [None] * len(layout)
 
     def direct(stream, args):
-        flat = []
-        for arg, kind in zip(args, kinds):
+        for i, arg in enumerate(args):
+            kind, lo, hi = layout[i]
             if kind is None:
+                ref = held[i]
+                if ref is not None and ref() is arg:
+                    continue
+                held[i] = None  # before the slots change: a failed write leaves nothing held
                 pinned = _pinned(arg)
                 if pinned is not None:  # ``pin``: read once
-                    flat += pinned[1]
-                    continue
-                item = arg.element_size()
-                flat += (0, 0, arg.numel(), item, arg.data_ptr(), *arg.shape,
-                         *[s * item for s in arg.stride()])
+                    slots[lo:hi] = pinned[1]
+                    held[i] = weakref.ref(arg)
+                else:
+                    item = arg.element_size()
+                    slots[lo:hi] = (0, 0, arg.numel(), item, arg.data_ptr(), *arg.shape,
+                                    *[s * item for s in arg.stride()])
             elif kind is tuple:
-                flat += _int_tuple(arg)[1]
+                if held[i] is not arg:
+                    held[i] = None
+                    slots[lo:hi] = _int_tuple(arg)[1]
+                    held[i] = arg
+            elif kind is float:  # a float64 parameter: its slot holds the double's bits
+                as_double[lo] = arg
             else:
-                flat.append(arg if kind is int else 0)
-        slots[:count] = flat
-        for i, slot in floats:  # a float64 parameter: its slot holds the double's bits
-            as_double[slot] = args[i]
+                slots[lo] = arg
         if config is None:
             err, = launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
         else:
