@@ -4,7 +4,7 @@ The gpu profile runs in several sharded device calls (`NUMBA_DECONV_SHARDS`, tes
 each call's log holds one `--hypothesis-show-statistics` block per shard. This adds the blocks
 up per property (the shard dropped from the test id), over every log given:
 
-    python benchmarks/count_examples.py benchmarks/results/s22_call*/gpu_props.log
+    python benchmarks/count_examples.py benchmarks/results/s2[23]_call*/*.log
 
 Exits with status 1 when any example failed.
 """
