@@ -1,80 +1,390 @@
 """Command line: ``python -m numba_deconv [run|bench|explain] ...`` (``run`` when none is given).
 
-``run``      the default problem (KernelBench level 2 #15) on ``ModelNew`` in train then eval
-             mode: shapes, error against PyTorch in float64, running statistics, a timing.
-             Under the CUDA simulator a reduced shape is used and said so. Exit 0 only when
-             every relative error is within 1e-4.
+``run``      check the operator against PyTorch in float64, in train then eval mode (output and
+             running statistics), and time it. Without geometry options it checks ``ModelNew``
+             on the default problem (KernelBench level 2 #15), reduced under the CUDA simulator
+             and said so; with any geometry option it checks ``Pipeline.from_modules(conv, bn)``
+             on exactly the problem asked for. Exit 0 only when every relative error is within
+             1e-4.
 ``bench``    the benchmark of :mod:`numba_deconv.bench` (needs a GPU; exits 2 without one).
-``explain``  the pipeline's report for the default problem (``Pipeline.explain``).
+``explain``  the pipeline's report (``Pipeline.explain``) for the default problem or the one given.
+
+Every option is checked by argparse: a bad value, a geometry PyTorch refuses or an unknown
+command is a usage error (exit 2, one message naming the problem), never a traceback. The help
+texts below are plain text; this docstring is for readers of the source.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
+import textwrap
 import time
+from dataclasses import dataclass
+
+from torch import nn
 
 import numba_deconv  # noqa: F401  (selects GPU or simulator before numba/torch-cuda work)
-from numba_deconv import reference
+from numba_deconv import folding, reference
+from numba_deconv.geometry import ConvGeometry
 from numba_deconv.simulator import is_simulator
 
 COMMANDS = ("run", "bench", "explain")
+DTYPES = ("float32", "float64")
 RUN_RTOL = 1e-4
 RUN_REPS = 20
 #: Reduced problem under the simulator (same kernel, stride and padding as the default).
 SIM_BATCH, SIM_IN, SIM_OUT, SIM_SPATIAL = 2, 4, 8, (3, 5, 4)
+#: The options that set the problem's sizes; giving any of them makes ``run`` check exactly the
+#: problem asked for (the others keep the default problem's values), even under the simulator.
+GEOMETRY_OPTIONS = ("in_channels", "out_channels", "kernel", "stride", "padding", "output_padding",
+                    "dilation", "groups", "input", "batch")
+
+DESCRIPTION = "ConvTranspose3d -> BatchNorm3d -> subtract the spatial mean, as Numba CUDA kernels."
+EPILOG = f"""\
+commands:
+  run       check the operator against PyTorch in float64, in train then eval mode,
+            and time it; exit status 0 only when every relative error is within
+            {RUN_RTOL:.0e}, else 1 (the command used when none is given)
+  bench     benchmark against PyTorch and write tables and plots (needs a GPU;
+            exit status 2 without one)
+  explain   print the pipeline's plan: stages, kernels, launch shapes, resources
+            and performance floors
+
+Without a command, run is used: "python -m numba_deconv --reps 5" is
+"python -m numba_deconv run --reps 5". "python -m numba_deconv COMMAND --help"
+lists a command's options.
+"""
+DEFAULT_PROBLEM = (f"batch {reference.batch_size}, {reference.in_channels}->"
+                   f"{reference.out_channels} channels, input {reference.depth}x{reference.height}"
+                   f"x{reference.width}, kernel {reference.kernel_size}, stride {reference.stride}, "
+                   f"padding {reference.padding}")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m numba_deconv", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", metavar="{run,bench,explain}")
-    run = sub.add_parser("run", help="check and time ModelNew on the default problem")
-    run.add_argument("--reps", type=int, default=RUN_REPS, help="timed calls on a GPU (median)")
-    b = sub.add_parser("bench", help="benchmark against PyTorch (GPU only)")
-    b.add_argument("--out", default="benchmarks/results", help="output directory")
+def _paragraphs(*paragraphs: str, width: int = 79) -> str:
+    """Plain text for a help screen: each paragraph filled to ``width`` columns."""
+    return "\n\n".join(textwrap.fill(p, width) for p in paragraphs)
+
+
+RUN_DESCRIPTION = _paragraphs(
+    "Check the operator against PyTorch in float64, in train then eval mode (the output, then "
+    "the running statistics and the batch counter), and time it.",
+    f"Without geometry options it checks ModelNew on the default problem ({DEFAULT_PROBLEM}); "
+    f"under the CUDA simulator (no GPU) on a reduced problem instead (batch {SIM_BATCH}, "
+    f"{SIM_IN}->{SIM_OUT} channels, input {'x'.join(map(str, SIM_SPATIAL))}, the same kernel, "
+    "stride and padding), and it says so. With any geometry option it checks "
+    "Pipeline.from_modules(conv, bn) on exactly the problem asked for, the options not given "
+    "keeping the default problem's values; under the simulator a large problem takes long.",
+    f"Exit status: 0 when every relative error is within {RUN_RTOL:.0e}, 1 otherwise, 2 for a "
+    "usage error.")
+BENCH_DESCRIPTION = _paragraphs(
+    "Benchmark the Numba pipeline against PyTorch (eager, and compiled where available) on the "
+    "default problem, in train and eval mode, and write a table, CSV and JSON to the output "
+    "directory. Needs a GPU: under the CUDA simulator it prints one line and exits with "
+    "status 2.")
+EXPLAIN_DESCRIPTION = _paragraphs(
+    "Print the pipeline's plan for one input shape: its stages, the kernel of each, launch "
+    "shapes, the work and bytes of each stage and the floors they imply; on a GPU also each "
+    "kernel's registers, shared memory and occupancy, and with --measure the measured times.",
+    f"The problem is the default one ({DEFAULT_PROBLEM}) unless geometry options say otherwise.")
+PROBLEM_DESCRIPTION = _paragraphs(
+    "K, S, P, OP and DIL take one integer or three comma-separated ones (depth,height,width), "
+    "e.g. --kernel 3 or --kernel 1,4,1. The defaults are the default problem's.", width=77)
+
+
+# ---- argument types -----------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    return _int_at_least(text, 1)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(
+            f"must be {'a positive integer' if minimum == 1 else f'an integer >= {minimum}'}, "
+            f"got {text!r}")
+    return value
+
+
+def int_or_triple(minimum: int):
+    """Argparse type: one integer or three comma-separated integers, each >= ``minimum``;
+    returns an int or a tuple of three ints."""
+
+    def parse(text: str) -> int | tuple[int, int, int]:
+        parts = text.split(",")
+        if len(parts) not in (1, 3):
+            raise argparse.ArgumentTypeError(
+                f"expected one integer or three comma-separated integers (like 3 or 1,4,1), "
+                f"got {text!r}")
+        try:
+            values = [_int_at_least(part, minimum) for part in parts]
+        except argparse.ArgumentTypeError as err:
+            raise argparse.ArgumentTypeError(f"{err} in {text!r}" if len(parts) == 3 else str(err))
+        return values[0] if len(values) == 1 else tuple(values)
+
+    parse.__name__ = f"int_or_triple_{minimum}"
+    return parse
+
+
+def spatial_size(text: str) -> tuple[int, int, int]:
+    """Argparse type: the input's spatial size, D,H,W (or one integer for a cube), each >= 1."""
+    value = int_or_triple(1)(text)
+    return (value,) * 3 if isinstance(value, int) else value
+
+
+# ---- parser -------------------------------------------------------------------------------------
+def package_version() -> str:
+    """The installed distribution's version, else the package's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("numba_deconv")
+    except PackageNotFoundError:
+        return getattr(numba_deconv, "__version__", "unknown")
+
+
+def _problem_options() -> argparse.ArgumentParser:
+    """The options of ``run`` and ``explain`` that set the problem (a parent parser)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    g = parent.add_argument_group("problem", PROBLEM_DESCRIPTION)
+    g.add_argument("--in-channels", type=positive_int, metavar="N",
+                   help=f"input channels (default {reference.in_channels})")
+    g.add_argument("--out-channels", type=positive_int, metavar="N",
+                   help=f"output channels (default {reference.out_channels})")
+    g.add_argument("--kernel", type=int_or_triple(1), metavar="K",
+                   help=f"kernel size (default {reference.kernel_size})")
+    g.add_argument("--stride", type=int_or_triple(1), metavar="S",
+                   help=f"stride (default {reference.stride})")
+    g.add_argument("--padding", type=int_or_triple(0), metavar="P",
+                   help=f"padding (default {reference.padding})")
+    g.add_argument("--output-padding", type=int_or_triple(0), metavar="OP",
+                   help="output padding, smaller than the stride or the dilation (default 0)")
+    g.add_argument("--dilation", type=int_or_triple(1), metavar="DIL",
+                   help="dilation (default 1)")
+    g.add_argument("--groups", type=positive_int, metavar="G",
+                   help="groups, dividing both channel counts (default 1)")
+    g.add_argument("--input", type=spatial_size, metavar="D,H,W",
+                   help=f"the input's spatial size (default {reference.depth},{reference.height},"
+                        f"{reference.width})")
+    g.add_argument("--batch", type=positive_int, metavar="N",
+                   help=f"batch size (default {reference.batch_size})")
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
+                   help="whether the convolution has a bias (default: it has)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the input's and parameters' dtype (default float32)")
+    return parent
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each command's parser."""
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m numba_deconv", description=DESCRIPTION,
+                                epilog=EPILOG, formatter_class=raw)
+    p.add_argument("--version", action="version", version=f"numba_deconv {package_version()}")
+    sub = p.add_subparsers(dest="command", metavar="{run,bench,explain}",
+                           help="the command (run when none is given), described below")
+    problem = _problem_options()
+
+    run = sub.add_parser("run", parents=[problem], formatter_class=raw,
+                         description=RUN_DESCRIPTION)
+    run.add_argument("--reps", type=positive_int, default=RUN_REPS,
+                     help="timed calls on a GPU, of which the median is reported (default "
+                          "%(default)s)")
+
+    b = sub.add_parser("bench", formatter_class=raw, description=BENCH_DESCRIPTION)
+    b.add_argument("--out", default="benchmarks/results",
+                   help="output directory (default %(default)s)")
     b.add_argument("--tiny", action="store_true", help="add a 1x4x4x4x4 latency case")
     b.add_argument("--geometry", action="store_true",
                    help="add a non-cubic, strided, grouped, dilated case")
     b.add_argument("--sweep", action="store_true", help="sweep batch and input size, plot")
-    b.add_argument("--reps", type=int, default=100, help="timed calls per main-table row")
-    e = sub.add_parser("explain", help="print the pipeline's plan for the default problem")
-    e.add_argument("--batch", type=int, default=reference.batch_size)
-    e.add_argument("--mode", choices=("train", "eval"), default="train")
+    b.add_argument("--suite", action="store_true",
+                   help="time the shape suite: several geometries, both modes, back to back "
+                        "and synchronized after every call")
+    b.add_argument("--reps", type=positive_int, default=100,
+                   help="timed calls per main-table row (default %(default)s)")
+
+    e = sub.add_parser("explain", parents=[problem], formatter_class=raw,
+                       description=EXPLAIN_DESCRIPTION)
+    e.add_argument("--mode", choices=("train", "eval"), default="train",
+                   help="the mode to plan for (default %(default)s)")
     e.add_argument("--measure", action="store_true",
                    help="also time the whole call and every launch (GPU only)")
     e.add_argument("--variance", choices=("auto", "epilogue", "gram"), default="auto",
                    help="training's variance: the Gram sums where they fit (auto, the default), "
                         "the gather's epilogue, or the Gram sums")
-    return p
+    return p, {"run": run, "bench": b, "explain": e}
 
 
+def _parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _is_run_option(run_parser: argparse.ArgumentParser, word: str) -> bool:
+    """Whether ``word`` starts an option of ``run`` (exactly, as ``--opt=value``, or as an
+    unambiguous-or-not prefix of a long option, as argparse accepts); ``-h`` belongs to the
+    top level."""
+    if not word.startswith("-") or word in ("-h", "--help", "--version"):
+        return False
+    name = word.split("=", 1)[0]
+    options = run_parser._option_string_actions  # argparse's table of option strings
+    if name in options:
+        return True
+    return name.startswith("--") and any(o.startswith(name) for o in options if o.startswith("--"))
+
+
+# ---- the problem --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    """What ``run`` and ``explain`` work on: a validated geometry, an input shape, a dtype."""
+
+    geometry: ConvGeometry
+    input_shape: tuple[int, int, int, int, int]
+    dtype: str = "float32"
+    #: True when geometry options were given: ``run`` then checks ``Pipeline.from_modules``;
+    #: otherwise the default problem (or the simulator's reduced one) on ``ModelNew``.
+    custom: bool = False
+    reduced: bool = False  # the simulator's reduced problem
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def describe(self) -> str:
+        g = self.geometry
+
+        def axes(v):
+            return str(v[0]) if len(set(v)) == 1 else ",".join(map(str, v))
+
+        parts = [f"input {self.input_shape}", f"in->out channels {g.in_channels}->{g.out_channels}",
+                 f"kernel {axes(g.kernel_size)} stride {axes(g.stride)} padding {axes(g.padding)}"]
+        if any(g.output_padding):
+            parts.append(f"output padding {axes(g.output_padding)}")
+        if any(d != 1 for d in g.dilation):
+            parts.append(f"dilation {axes(g.dilation)}")
+        if g.groups != 1:
+            parts.append(f"groups {g.groups}")
+        parts.append("bias" if g.bias else "no bias")
+        parts.append(self.dtype)
+        return ", ".join(parts)
+
+
+def default_problem(sim: bool, *, bias: bool = True, dtype: str = "float32") -> Problem:
+    """The default problem, or under the simulator the reduced one ``run`` checks."""
+    cin, cout, k, s, p = reference.get_init_inputs()
+    if sim:
+        cin, cout, batch, spatial = SIM_IN, SIM_OUT, SIM_BATCH, SIM_SPATIAL
+    else:
+        batch, spatial = reference.batch_size, (reference.depth, reference.height, reference.width)
+    geom = ConvGeometry.create(cin, cout, k, s, p, bias=bias)
+    return Problem(geom, (batch, cin, *spatial), dtype, custom=False, reduced=sim)
+
+
+def problem_from_args(args: argparse.Namespace, *, reduce: bool, training: bool) -> Problem:
+    """The problem the options describe; ``ValueError`` naming the parameter for one PyTorch
+    refuses (or, when ``training``, a batch with one value per channel). With no geometry
+    option and ``reduce``, the simulator's reduced problem."""
+    given = {name: getattr(args, name) for name in GEOMETRY_OPTIONS
+             if getattr(args, name, None) is not None}
+    if not given:
+        problem = default_problem(reduce, bias=args.bias, dtype=args.dtype)
+    else:
+        v = dict(in_channels=reference.in_channels, out_channels=reference.out_channels,
+                 kernel=reference.kernel_size, stride=reference.stride, padding=reference.padding,
+                 output_padding=0, dilation=1, groups=1,
+                 input=(reference.depth, reference.height, reference.width),
+                 batch=reference.batch_size)
+        v.update(given)
+        geom = ConvGeometry.create(v["in_channels"], v["out_channels"], v["kernel"], v["stride"],
+                                   v["padding"], v["output_padding"], v["groups"], args.bias,
+                                   v["dilation"])
+        problem = Problem(geom, (v["batch"], v["in_channels"], *v["input"]), args.dtype,
+                          custom=True)
+    batch, out_spatial = problem.geometry.check_input_shape(problem.input_shape)
+    if training:
+        folding.check_batch_size(batch, math.prod(out_spatial), problem.geometry.out_channels)
+    return problem
+
+
+class ReferenceModel(nn.Module):
+    """``reference.Model`` for any geometry: ConvTranspose3d -> BatchNorm3d -> subtract the
+    per-(sample, channel) spatial mean, with the same state-dict keys."""
+
+    def __init__(self, geom: ConvGeometry):
+        super().__init__()
+        self.conv_transpose = nn.ConvTranspose3d(
+            geom.in_channels, geom.out_channels, geom.kernel_size, stride=geom.stride,
+            padding=geom.padding, output_padding=geom.output_padding, groups=geom.groups,
+            bias=geom.bias, dilation=geom.dilation)
+        self.batch_norm = nn.BatchNorm3d(geom.out_channels)
+
+    def forward(self, x):
+        x = self.batch_norm(self.conv_transpose(x))
+        return x - x.mean(dim=(2, 3, 4), keepdim=True)
+
+
+class PipelineModel(ReferenceModel):
+    """The same modules run by ``Pipeline.from_modules(conv, bn)``: ``ModelNew`` for any geometry."""
+
+    def __init__(self, geom: ConvGeometry):
+        super().__init__(geom)
+        from numba_deconv import Pipeline
+
+        # The pipeline holds references to the two modules, never copies of them.
+        self.pipeline = Pipeline.from_modules(self.conv_transpose, self.batch_norm)
+
+    def forward(self, x):
+        return self.pipeline.train(self.training)(x)
+
+
+# ---- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+    parser, commands = _parsers()
+    if not argv or _is_run_option(commands["run"], argv[0]):
         argv = ["run", *argv]
-    args = _parser().parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("no command given")
     if args.command == "bench":
         from numba_deconv import bench
 
+        # ``suite`` is passed only when asked for, so bench.main without it still works.
+        extra = {"suite": True} if args.suite else {}
         return bench.main(args.out, tiny=args.tiny, geometry=args.geometry, sweep=args.sweep,
-                          reps=args.reps)
-    if args.command == "explain":
-        return explain(args.batch, args.mode, measure=args.measure, variance=args.variance)
-    return run(args.reps)
+                          reps=args.reps, **extra)
+
+    command = commands[args.command]
+    explaining = args.command == "explain"
+    try:
+        problem = problem_from_args(args, reduce=not explaining and is_simulator(),
+                                    training=not explaining or args.mode == "train")
+    except (ValueError, TypeError) as err:
+        command.error(str(err))
+    if explaining:
+        if args.variance == "gram":
+            from numba_deconv.gram_plan import gram_fits
+
+            itemsize = 4 if problem.dtype == "float32" else 8
+            if not gram_fits(problem.geometry, itemsize):
+                command.error("--variance gram: this geometry's Gram tiles do not fit shared "
+                              "memory (too many input channels for its offsets)")
+        return explain(problem, args.mode, measure=args.measure, variance=args.variance)
+    return run(args.reps, problem)
 
 
 # ---- run --------------------------------------------------------------------------------------
-def _problem(sim: bool):
-    """(constructor args, input shape) of the problem ``run`` checks."""
-    cin, cout, k, s, p = reference.get_init_inputs()
-    if sim:
-        return (SIM_IN, SIM_OUT, k, s, p), (SIM_BATCH, SIM_IN, *SIM_SPATIAL)
-    return (cin, cout, k, s, p), (reference.batch_size, cin, reference.depth, reference.height,
-                                  reference.width)
-
-
-def run(reps: int = RUN_REPS) -> int:
+def run(reps: int = RUN_REPS, problem: Problem | None = None) -> int:
+    """Check ``problem`` (default: the default problem, reduced under the simulator) in train
+    then eval mode against PyTorch in float64 and time it; 0 only when every relative error is
+    within ``RUN_RTOL``."""
     import torch
 
     from numba_deconv import ModelNew
@@ -84,25 +394,48 @@ def run(reps: int = RUN_REPS) -> int:
 
     sim = is_simulator()
     device = tensor_device()
-    init, shape = _problem(sim)
+    problem = problem or default_problem(sim)
+    geom, shape, dtype = problem.geometry, problem.input_shape, problem.torch_dtype()
     if sim:
-        print(f"CUDA simulator (no GPU): reduced problem, input {shape}, in->out channels "
-              f"{init[0]}->{init[1]}, kernel {init[2]} stride {init[3]} padding {init[4]}; "
+        what = ("reduced problem" if problem.reduced
+                else "the problem as given (large shapes take long)")
+        print(f"CUDA simulator (no GPU): {what}, {problem.describe()}; "
               f"timings are CPU wall clock of the simulator.")
     else:
         print(f"GPU: {torch.cuda.get_device_name()}")
+        print(f"problem: {problem.describe()}")
+    if problem.custom:
+        label = "Pipeline"
+        print("checking Pipeline.from_modules(conv, bn) against PyTorch")
+
+        def make_base():
+            return ReferenceModel(geom)
+
+        def make_new():
+            return PipelineModel(geom)
+    else:
+        label = "ModelNew"
+        print("checking ModelNew against PyTorch")
+        init = (geom.in_channels, geom.out_channels, geom.kernel_size, geom.stride, geom.padding)
+
+        def make_base():
+            return reference.Model(*init, bias=geom.bias)
+
+        def make_new():
+            return ModelNew(*init, bias=geom.bias)
+
     torch.manual_seed(0)
-    base = reference.Model(*init)
+    base = make_base()
     randomize_batch_norm(base.batch_norm)  # so eval mode exercises gamma, beta, running stats
-    base = base.to(device)
-    x = torch.randn(shape, device=device)
+    base = base.to(device=device, dtype=dtype)
+    x = torch.randn(shape, device=device, dtype=dtype)
     failures = []
 
     for mode in ("train", "eval"):
         training = mode == "train"
         ref = copy.deepcopy(base).train(training)
         ref64 = copy.deepcopy(base).double().train(training)
-        new = ModelNew(*init).to(device)
+        new = make_new().to(device=device, dtype=dtype)
         new.load_state_dict(base.state_dict())
         new.train(training)
         with torch.no_grad():
@@ -136,15 +469,16 @@ def run(reps: int = RUN_REPS) -> int:
                 t0 = time.perf_counter()
                 ref(x)
                 t_ref = time.perf_counter() - t0
-                print(f"[{mode}] time (simulator, CPU wall clock, 1 call): ModelNew "
+                print(f"[{mode}] time (simulator, CPU wall clock, 1 call): {label} "
                       f"{t_new:.3f} s, PyTorch eager (CPU) {t_ref * 1e3:.3f} ms")
             else:
                 torch.backends.cudnn.allow_tf32 = True  # PyTorch's default, made explicit
                 t_new = time_gpu(lambda: new(x), warmup=5, reps=reps)
                 t_ref = time_gpu(lambda: ref(x), warmup=5, reps=reps)
-                print(f"[{mode}] time (median of {reps} CUDA-event timings): ModelNew "
+                conv_kind = "TF32 conv" if dtype == torch.float32 else "float64"
+                print(f"[{mode}] time (median of {reps} CUDA-event timings): {label} "
                       f"{t_new.median_ms:.3f} ms ({t_new.p10_ms:.3f}-{t_new.p90_ms:.3f}), "
-                      f"PyTorch eager (TF32 conv) {t_ref.median_ms:.3f} ms "
+                      f"PyTorch eager ({conv_kind}) {t_ref.median_ms:.3f} ms "
                       f"({t_ref.p10_ms:.3f}-{t_ref.p90_ms:.3f}): "
                       f"{t_ref.median_ms / t_new.median_ms:.2f}x")
         del out, expected
@@ -158,20 +492,18 @@ def run(reps: int = RUN_REPS) -> int:
 
 
 # ---- explain ------------------------------------------------------------------------------------
-def explain(batch: int, mode: str, measure: bool = False, variance: str = "auto") -> int:
-    import torch
-
+def explain(problem: Problem | None = None, mode: str = "train", *, measure: bool = False,
+            variance: str = "auto") -> int:
+    """Print ``Pipeline.explain`` for ``problem`` (default: the default problem) in ``mode``."""
     from numba_deconv import Pipeline
     from numba_deconv.kernels.launch import tensor_device
 
-    model = reference.Model(*reference.get_init_inputs()).to(tensor_device())
-    model.train(mode == "train")
-    pipe = Pipeline.from_torch(model, variance=variance)
-    if not hasattr(pipe, "explain"):
-        print("explain: this version of Pipeline has no explain() yet")
-        return 1
-    shape = (batch, reference.in_channels, reference.depth, reference.height, reference.width)
-    print(pipe.explain(shape, dtype=torch.float32, measure=measure))
+    problem = problem or default_problem(False)
+    dtype = problem.torch_dtype()
+    model = ReferenceModel(problem.geometry).to(device=tensor_device(), dtype=dtype)
+    pipe = Pipeline.from_modules(model.conv_transpose, model.batch_norm, variance=variance)
+    pipe.train(mode == "train")
+    print(pipe.explain(problem.input_shape, dtype=dtype, measure=measure))
     return 0
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import math
 
 import pytest
 import torch
 
+import numba_deconv
 import numba_deconv.__main__ as cli
 from numba_deconv import bench, testing
 from numba_deconv.simulator import is_simulator
@@ -48,25 +50,189 @@ def test_bench_needs_a_gpu(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, expected", [([], "run"), (["--reps", "3"], "run"),
-                                            (["run"], "run"), (["explain"], "explain")])
+                                            (["--reps=3"], "run"), (["--rep", "3"], "run"),
+                                            (["--kernel", "1,4,1"], "run"),
+                                            (["--no-bias"], "run"), (["run"], "run"),
+                                            (["explain"], "explain")])
 def test_default_subcommand_is_run(monkeypatch, argv, expected):
     called = []
-    monkeypatch.setattr(cli, "run", lambda reps=cli.RUN_REPS: called.append(("run", reps)) or 0)
+    monkeypatch.setattr(cli, "run", lambda reps=cli.RUN_REPS, problem=None:
+                        called.append(("run", reps, problem)) or 0)
     monkeypatch.setattr(cli, "explain",
-                        lambda batch, mode, **kw: called.append(("explain", mode)) or 0)
+                        lambda problem, mode, **kw: called.append(("explain", mode, problem)) or 0)
     assert cli.main(argv) == 0
     assert called[0][0] == expected
-    if argv[:1] == ["--reps"]:
+    if argv[:1] in (["--reps"], ["--rep"], ["--reps=3"]):
         assert called[0][1] == 3
+    problem = called[0][2]
+    assert problem.custom == ("--kernel" in argv)
+    assert problem.geometry.bias == ("--no-bias" not in argv)
 
 
-def test_explain_prints_a_report_or_says_it_is_missing(capsys):
-    rc = cli.main(["explain", "--batch", "2", "--mode", "eval"])
+def test_explain_prints_a_report_for_the_default_problem(capsys):
+    assert cli.main(["explain", "--batch", "2", "--mode", "eval"]) == 0
     out = capsys.readouterr().out
-    assert out.strip()
-    assert rc in (0, 1)
-    if rc == 1:
-        assert len(out.strip().splitlines()) == 1
+    assert "(2, 16, 16, 32, 32)" in out and "eval mode" in out
+
+
+# ---- the command line's edges -------------------------------------------------------------------
+def _usage_error(argv, capsys) -> str:
+    """Run ``argv``, expect argparse's usage error (exit 2), return its stderr."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "usage:" in captured.err and "Traceback" not in captured.err + captured.out
+    return captured.err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code in (0, None)
+    try:
+        expected = importlib.metadata.version("numba_deconv")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+        expected = numba_deconv.__version__
+    assert capsys.readouterr().out.strip() == f"numba_deconv {expected}"
+
+
+@pytest.mark.parametrize("argv", [["frobnicate"], ["frobnicate", "--reps", "3"], ["Run"]])
+def test_unknown_command_is_an_invalid_choice(capsys, argv):
+    err = _usage_error(argv, capsys)
+    assert "invalid choice" in err and repr(argv[0]) in err
+    assert "unrecognized arguments" not in err
+
+
+def test_unknown_option_is_not_given_to_run(capsys):
+    err = _usage_error(["--frobnicate"], capsys)
+    assert "unrecognized arguments: --frobnicate" in err
+    assert "numba_deconv run" not in err  # the top level's usage, not run's
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--kernel", "0"], ["--kernel", "positive"]),
+    (["run", "--kernel", "1,0,1"], ["--kernel", "positive"]),
+    (["explain", "--kernel", "1,2"], ["--kernel", "three comma-separated"]),
+    (["--stride", "a"], ["--stride", "integer"]),
+    (["--padding", "-1"], ["--padding", ">= 0"]),
+    (["--batch", "0"], ["--batch", "positive"]),
+    (["explain", "--batch", "-2"], ["--batch", "positive"]),
+    (["--input", "4,4"], ["--input"]),
+    (["--groups", "3"], ["divisible by groups"]),
+    (["explain", "--groups", "4", "--in-channels", "8", "--out-channels", "6"],
+     ["out_channels must be divisible by groups"]),
+    (["--output-padding", "2"], ["output_padding must be smaller"]),
+    (["explain", "--padding", "40"], ["output size is too small"]),
+    (["--in-channels", "2", "--out-channels", "2", "--kernel", "1", "--stride", "1",
+      "--padding", "0", "--input", "1", "--batch", "1"], ["more than 1 value per channel"]),
+    (["--dtype", "float16"], ["--dtype", "invalid choice"]),
+    (["explain", "--mode", "test"], ["--mode", "invalid choice"]),
+    (["--reps", "0"], ["--reps", "positive"]),
+    (["bench", "--reps", "0"], ["--reps", "positive"]),
+])
+def test_bad_values_are_usage_errors(capsys, monkeypatch, argv, words):
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("run must not start"))
+    monkeypatch.setattr(cli, "explain", lambda *a, **k: pytest.fail("explain must not start"))
+    err = _usage_error(argv, capsys)
+    for word in words:
+        assert word in err, err
+    assert "unrecognized arguments" not in err
+
+
+def test_eval_allows_one_value_per_channel(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "explain", lambda problem, mode, **kw: seen.append(problem) or 0)
+    argv = ["explain", "--mode", "eval", "--in-channels", "2", "--out-channels", "2",
+            "--kernel", "1", "--stride", "1", "--padding", "0", "--input", "1", "--batch", "1"]
+    assert cli.main(argv) == 0 and seen[0].input_shape == (1, 2, 1, 1, 1)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["run", "--help"], ["bench", "--help"],
+                                  ["explain", "--help"]])
+def test_help_is_plain_text(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m numba_deconv")
+    for markup in ("``", ":class:", ":mod:", ":meth:", ".. "):
+        assert markup not in out, markup
+    if argv in (["--help"], ["-h"]):
+        for command in cli.COMMANDS:
+            assert f"\n  {command} " in out  # the epilog's list of commands
+
+
+def test_geometry_options_reach_the_problem(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "explain", lambda problem, mode, **kw: seen.append(problem) or 0)
+    argv = ["explain", "--in-channels", "4", "--out-channels", "6", "--kernel", "1,4,1",
+            "--stride", "2,1,3", "--padding", "0,1,0", "--output-padding", "1,0,1",
+            "--dilation", "1,2,1", "--groups", "2", "--input", "2,3,4", "--batch", "3",
+            "--no-bias", "--dtype", "float64"]
+    assert cli.main(argv) == 0
+    (p,) = seen
+    g = p.geometry
+    assert (g.in_channels, g.out_channels, g.groups, g.bias) == (4, 6, 2, False)
+    assert g.kernel_size == (1, 4, 1) and g.stride == (2, 1, 3) and g.padding == (0, 1, 0)
+    assert g.output_padding == (1, 0, 1) and g.dilation == (1, 2, 1)
+    assert p.input_shape == (3, 4, 2, 3, 4) and p.dtype == "float64" and p.custom
+    # options not given keep the default problem's values
+    assert cli.main(["explain", "--batch", "2"]) == 0
+    d = seen[1]
+    assert d.input_shape == (2, 16, 16, 32, 32) and d.geometry.kernel_size == (3, 3, 3)
+    assert d.geometry.stride == (2, 2, 2) and d.geometry.padding == (1, 1, 1)
+
+
+def test_run_without_geometry_options_is_the_default_or_reduced_problem(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "run", lambda reps=cli.RUN_REPS, problem=None: seen.append(problem) or 0)
+    assert cli.main(["run", "--dtype", "float64"]) == 0
+    (p,) = seen
+    assert not p.custom and p.reduced == SIM and p.dtype == "float64"
+    if SIM:
+        assert p.input_shape == (cli.SIM_BATCH, cli.SIM_IN, *cli.SIM_SPATIAL)
+    else:
+        assert p.input_shape == (16, 16, 16, 32, 32)
+
+
+@pytest.mark.parametrize("suite", [False, True])
+def test_bench_passes_suite_only_when_asked(monkeypatch, suite):
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda out, **kw: seen.append((out, kw)) or 0)
+    assert cli.main(["bench", "--out", "x", "--tiny", *(["--suite"] if suite else [])]) == 0
+    out, kw = seen[0]
+    assert out == "x" and kw["tiny"] and not kw["geometry"] and not kw["sweep"]
+    assert kw["reps"] == 100
+    assert ("suite" in kw) == suite and kw.get("suite", True)
+
+
+TINY = ["--in-channels", "2", "--out-channels", "3", "--kernel", "2", "--stride", "2",
+        "--input", "2,3,2", "--batch", "1", "--padding", "0"]
+
+
+def test_explain_a_custom_geometry(capsys):
+    assert cli.main(["explain", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "input (1, 2, 2, 3, 2) -> output (1, 3, 4, 6, 4)" in out
+    for stage in ("box_sums", "conv_transpose3d_gather", "batch_statistics"):
+        assert stage in out
+    assert cli.main(["explain", *TINY, "--mode", "eval", "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert "eval mode" in out and "float64" in out and "conv_transpose3d_gather" in out
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-bias", "--dtype", "float64", "--kernel", "2,1,3",
+                                        "--dilation", "1,2,1", "--output-padding", "1,1,0",
+                                        "--out-channels", "4", "--groups", "2"]])
+def test_run_a_custom_geometry(capsys, extra):
+    assert cli.main(["run", *TINY, *extra, "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Pipeline.from_modules(conv, bn)" in out and "OK:" in out
+    for mode in ("train", "eval"):
+        assert f"[{mode}] output vs PyTorch float64" in out
+    if SIM:
+        assert "the problem as given" in out and "reduced" not in out
 
 
 # ---- pure timing statistics -------------------------------------------------------------------
@@ -176,7 +342,7 @@ def test_sweep_plot_from_made_up_rows(tmp_path):
 
 def test_explain_flags_reach_the_report(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "explain", lambda batch, mode, **kw: seen.append(kw) or 0)
+    monkeypatch.setattr(cli, "explain", lambda problem, mode, **kw: seen.append(kw) or 0)
     assert cli.main(["explain", "--measure"]) == 0 and cli.main(["explain"]) == 0
     assert cli.main(["explain", "--variance", "gram"]) == 0
     assert [k["measure"] for k in seen] == [True, False, False]
