@@ -27,6 +27,7 @@ from numba_deconv.explain import DEVICE_PEAKS
 from numba_deconv.kernels.launch import tensor_device
 from numba_deconv.simulator import is_simulator
 
+torch.set_grad_enabled(False)  # the operator is forward-only (it has no backward)
 SIM = is_simulator()
 device = tensor_device()
 DEFAULT_SHAPE = (16, 16, 16, 32, 32)
@@ -122,6 +123,10 @@ print(f"floor (gather, eval): {floor_us:.0f} us = max(arithmetic {r.arithmetic_f
 print(f"training adds the scale pass: sum of stage floors {sum(x.floor_us for x in reports['gather', 'train'].rows):.0f} us")
 print(f"scatter (eval) moves {reports['scatter', 'eval'].total_bytes / 1e6:.0f} MB vs gather "
       f"{reports['gather', 'eval'].total_bytes / 1e6:.0f} MB")
+scale_mb = reports["gather", "train"].row("scale").bytes / 1e6
+scatter_ratio = reports["scatter", "eval"].total_bytes / r.compulsory_bytes
+print(f"training's scale pass: {scale_mb:.0f} MB; scatter moves {scatter_ratio:.1f}x the compulsory bytes")
+assert abs(scale_mb - 504) < 1 and 5 < scatter_ratio < 7
 for label, flops, nbytes, seconds in measured:
     if label.startswith(("numba_", "torch_")):
         print(f"{label:32s} {seconds * 1e6:9.1f} us = {seconds * 1e6 / floor_us:5.1f}x the floor")
@@ -132,6 +137,7 @@ if not measured:
 # **Interpretation.** Every kernel except the convolution is memory-bound by construction (a few
 # FLOPs per byte), so they should run at bandwidth; the whole-operator floor is the convolution's
 # arithmetic (~0.1 ms on an H100). Evaluation with gather moves little more than the compulsory
-# bytes; training adds a 504 MB scale pass; scatter moves ~6x the compulsory bytes *and* issues one
-# atomic per multiply-add. DESIGN.md 6 records why measured gather times are still several times the
-# floor: instruction overhead (index arithmetic, shared loads per FMA), not memory or FLOPs.
+# bytes; training adds a 504 MB scale pass; scatter moves ~6x the compulsory bytes *and* issues
+# one atomic per multiply-add. `docs/design.md` §6 explains why measured gather times are still
+# several times the floor: instruction overhead (index arithmetic, shared loads per FMA), not
+# memory or FLOPs.

@@ -1,0 +1,85 @@
+"""Gather transposed convolution in its simplest form: the teaching oracle.
+
+One thread owns one output element y[n, co, od, oh, ow]. It starts from the bias, then for every
+input channel of co's group and *every* tap (kd, kh, kw) keeps the tap when, on each axis,
+i = (o + p - d*k) / s is a whole number inside the input, and adds x[n, ci, i] * w[ci, oc, k]. It
+writes its output once: no atomics, no zero fill, no shared memory. Geometry is passed at run
+time: any kernel size, stride, padding, dilation, groups; output_padding through y's shape.
+
+Cost: 2 * ConvGeometry.macs FLOPs, but each thread tests all Cin/groups * KD*KH*KW taps, with
+an integer division per axis, and keeps about 1/(sd*sh*sw) of them (1/8 at stride 2). Bytes:
+x, w and y once each from DRAM; each kept tap loads one x and one w value (cached, neighbours
+share them): about 0.25 FLOP per loaded byte. Slow, but short enough to check by eye against
+the definition, hence the oracle of notebook 02 and the tests. The fast path (``gather``)
+visits only the taps of each output's phase; ``scatter`` loops over inputs and needs atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import cuda
+
+from ..geometry import ConvGeometry
+from .launch import block_size, grid_for, launch
+
+BLOCK = 128
+
+
+@cuda.jit
+def gather_simple_kernel(x, w, b, y, s, p, d):
+    # x: (N, CI, ID, IH, IW); w: (CI, OPG, KD, KH, KW); b: (CO,); y: (N, CO, OD, OH, OW)
+    # s, p, d: stride, padding, dilation, each a (depth, height, width) tuple
+    t = cuda.grid(1)
+    if t >= y.size:
+        return
+    _, out_ch, out_d, out_h, out_w = y.shape
+    ow, oh, od = t % out_w, t // out_w % out_h, t // (out_w * out_h) % out_d
+    co, n = t // (out_w * out_h * out_d) % out_ch, t // (out_w * out_h * out_d * out_ch)
+    opg = w.shape[1]  # output channels per group
+    ipg = x.shape[1] // (out_ch // opg)  # input channels per group
+    acc = b[co]
+    for ci in range(co // opg * ipg, (co // opg + 1) * ipg):  # the input channels of co's group
+        for kd in range(w.shape[2]):
+            jd = od + p[0] - d[0] * kd  # = s * i_d when input i_d's tap kd lands on od
+            if jd < 0 or jd % s[0] != 0 or jd // s[0] >= x.shape[2]:
+                continue
+            for kh in range(w.shape[3]):
+                jh = oh + p[1] - d[1] * kh
+                if jh < 0 or jh % s[1] != 0 or jh // s[1] >= x.shape[3]:
+                    continue
+                for kw in range(w.shape[4]):
+                    jw = ow + p[2] - d[2] * kw
+                    if jw < 0 or jw % s[2] != 0 or jw // s[2] >= x.shape[4]:
+                        continue
+                    acc += x[n, ci, jd // s[0], jh // s[1], jw // s[2]] * w[ci, co % opg, kd, kh, kw]
+    y[n, co, od, oh, ow] = acc
+
+
+def conv_transpose3d_gather_simple(x: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None, stride=1, padding=0, dilation=1,
+                                   groups: int = 1, output_padding=0, *,
+                                   block: int | None = None) -> torch.Tensor:
+    """``torch.nn.functional.conv_transpose3d(x, weight, bias, stride, padding, output_padding,
+    groups, dilation)`` by :func:`gather_simple_kernel`: a new tensor of x's dtype, no batch norm.
+
+    ``x``, ``weight`` and ``bias`` (or None) share one dtype (float32 or float64) and live where
+    the kernels run (``launch.tensor_device()``: the CPU under the simulator). ``stride``,
+    ``padding``, ``dilation`` and ``output_padding`` are ints or (depth, height, width) triples.
+    """
+    geom = ConvGeometry.create(x.shape[1], weight.shape[1] * groups, tuple(weight.shape[2:]),
+                               stride, padding, output_padding, groups, bias is not None,
+                               dilation)
+    if tuple(weight.shape) != geom.weight_shape():
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {geom.weight_shape()}")
+    batch, out_spatial = geom.check_input_shape(x.shape)
+    y = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
+    if bias is None:
+        bias = torch.zeros(geom.out_channels, dtype=x.dtype, device=x.device)
+    if not (weight.dtype == bias.dtype == x.dtype):
+        raise TypeError(f"x, weight and bias must share one dtype, got {x.dtype}, "
+                        f"{weight.dtype}, {bias.dtype}")
+    block = block_size(BLOCK) if block is None else block
+    launch(gather_simple_kernel, grid_for(y.numel(), block, cap=2**31 - 1), block,
+           (x.contiguous(), weight.contiguous(), bias.contiguous(), y,
+            geom.stride, geom.padding, geom.dilation))
+    return y
