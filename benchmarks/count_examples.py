@@ -1,12 +1,13 @@
 """Sum hypothesis' passing and failing examples per property from pytest logs.
 
-The gpu profile runs in several sharded device calls (`NUMBA_DECONV_SHARDS`, tests/conftest.py);
-each call's log holds one `--hypothesis-show-statistics` block per shard. This adds the blocks
-up per property (the shard dropped from the test id), over every log given:
+Answers: has every property of the gpu test profile drawn its examples, and did any fail? The
+profile runs in pieces (`scripts/gpu_check.sh profile`, sharded by `NUMBA_DECONV_SHARDS`,
+tests/conftest.py); each piece's log holds one `--hypothesis-show-statistics` block per shard.
+This adds the blocks up per property (the shard dropped from the test id), over every log given:
 
-    python benchmarks/count_examples.py benchmarks/results/s2[23]_call*/*.log
+    python benchmarks/count_examples.py out*/gpu_props.log out*/gpu_cheap.log
 
-Exits with status 1 when any example failed.
+Needs no GPU. Exits with status 1 when any example failed.
 """
 import argparse
 import collections

@@ -1,6 +1,10 @@
-"""Registers, spills and SASS of the default problem's gather kernel without a GPU (session 20),
-of ``gram_sums`` (session 21: ``gram``, the default problem's or a small one's) and of
-``box_sums`` (session 22: ``box``, the default problem's).
+"""Registers, spills and SASS of a kernel for sm_90 without a GPU.
+
+Answers: does a kernel change keep the register cap without spilling, and what does it do to
+the instruction mix? Covers the default problem's gather kernel (``eval``, ``train``: the
+centred-square epilogue, ``scaled``: the Gram path's scaled epilogue), ``gram_sums`` (``gram``,
+the default problem's or a small one's with four teams per slot) and ``box_sums`` (``box``, the
+default problem's).
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
     python benchmarks/offline_sass.py [eval|train|scaled] [--out PREFIX]
@@ -15,9 +19,9 @@ package asks it to decide whether to emit ``cp.async`` and ``griddepcontrol``); 
 registers, stack and spills; nvdisasm lists the SASS. Prints the instruction mix, the spill
 instructions inside the multiply-add span (the main loop, up to ``griddepcontrol.wait``:
 ``ACQBULK`` in SASS) and the epilogue's size (what follows that wait), and writes
-PREFIX.ptx / .cubin / .sass. The GPU's own ptxas may differ by a few instructions; register
-counts and stack sizes matched it for every kernel compared in session 20 (128 registers, 48 B
-of stack for the eval kernel).
+PREFIX.ptx / .cubin / .sass. The GPU's own ptxas may differ by a few instructions; its register
+counts and stack sizes agree with this one's for the kernels compared (the eval gather: 128
+registers, 48 B of stack). Compare two trees by running it in each.
 """
 from __future__ import annotations
 

@@ -1,27 +1,39 @@
-"""Compile time of the default problem's gather kernel (session 21): the multiply-adds as a
-device function NVVM inlines (``forceinline``, the package's choice) against numba's IR
-inlining (``inline="always"``, before), each compiled from scratch for the eval, scaled and
-train epilogues. Runs on the GPU, or without one given ``--offline`` (PTX only, sm_90). With
-``--pipeline`` (GPU), first the seconds a pipeline's first call takes at new geometries (every
-kernel compiled) against its second call, float32 and float64, both modes. ``--kernels`` (GPU):
-the seconds each kernel's compile takes in a first training call and a first evaluation call;
-with ``--stages`` also how much of it NVVM (LLVM IR -> PTX), the link (ptxas: PTX -> cubin) and
-the module's load took, the rest being numba's front end (typing, lowering); with ``--profile
-FILE`` the first training call under cProfile, its stats written to FILE.
+"""Compile time: how long a first call at a new geometry waits for its kernels, and where.
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_compile.py [--offline] [--pipeline] [--kernels]
-        [--stages] [--profile FILE] [eval|scaled|train ...]
+Answers three questions, each by a flag:
+
+* ``--pipeline`` (GPU): the seconds a pipeline's first call takes at geometries nothing was
+  compiled for (every kernel compiled), against its second call; float32 and float64, both modes.
+* ``--kernels`` (GPU): the seconds each kernel's compile takes in a first training call and a
+  first evaluation call (numba's dispatcher timed per kernel, device functions nested under it);
+  with ``--stages`` also how much of each went to NVVM (LLVM IR -> PTX), the link (ptxas: PTX ->
+  cubin) and the module's load, the rest being numba's front end (typing, lowering); with
+  ``--profile FILE`` the first training call under cProfile, its stats written to FILE.
+* the gather's epilogues (``eval``, ``scaled``, ``train``; all three by default) compiled from
+  scratch with the multiply-adds as a device function NVVM inlines (``forceinline``, the
+  package's choice) and with numba's IR inlining (``inline="always"``), which types and lowers
+  every copy again. On the GPU, or without one given ``--offline`` (PTX for sm_90 only).
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_compile.py --pipeline --kernels --stages
+    PYTHONPATH=$PWD python3 benchmarks/probe_compile.py --offline [eval|scaled|train ...]
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
-from numba import cuda
+if "--offline" in sys.argv:  # the real compiler without a device, not the simulator
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 
-from numba_deconv.kernels import gather
+import numba_deconv  # noqa: E402,F401  (compat + backend before numba.cuda loads)
+from numba import cuda  # noqa: E402
 
-sys.path.insert(0, "benchmarks")
+from numba_deconv.kernels import gather  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_sass import default_gather, stand_in_device  # noqa: E402  (same folder)
 
 
@@ -165,14 +177,26 @@ def kernel_compiles(stages: bool, profile: str | None) -> None:
 
 
 def main() -> None:
-    offline = "--offline" in sys.argv
-    profile = sys.argv[sys.argv.index("--profile") + 1] if "--profile" in sys.argv else None
-    if "--kernels" in sys.argv or "--stages" in sys.argv or profile:
-        kernel_compiles("--stages" in sys.argv, profile)
-    if "--pipeline" in sys.argv:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modes", nargs="*", metavar="eval|scaled|train",
+                        help="gather epilogues to compile both ways (default: all three, unless "
+                             "only --pipeline / --kernels was asked for)")
+    parser.add_argument("--offline", action="store_true", help="PTX for sm_90, no GPU")
+    parser.add_argument("--pipeline", action="store_true", help="first against second calls")
+    parser.add_argument("--kernels", action="store_true", help="seconds per kernel compile")
+    parser.add_argument("--stages", action="store_true", help="with --kernels: NVVM, link, load")
+    parser.add_argument("--profile", metavar="FILE", help="cProfile of a first training call")
+    args = parser.parse_args()
+    if set(args.modes) - {"eval", "scaled", "train"}:
+        parser.error(f"epilogues are eval, scaled, train; got {args.modes}")
+    offline = args.offline
+    if args.kernels or args.stages or args.profile:
+        kernel_compiles(args.stages, args.profile)
+    if args.pipeline:
         first_calls()
-    modes = [a for a in sys.argv[1:] if a in ("eval", "scaled", "train")]
-    if not modes and not offline and len(sys.argv) > 1:
+    modes = args.modes
+    if not modes and not offline and (args.kernels or args.stages or args.profile
+                                      or args.pipeline):
         return  # only the first-call probes were asked for
     modes = modes or ["eval", "scaled", "train"]
     if offline:

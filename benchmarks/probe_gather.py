@@ -1,37 +1,57 @@
-"""GPU probe of the gather kernel's tilings on the default problem (GPU only).
+"""The gather kernel alone at the default problem, per register tiling and epilogue (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings nc,mh,qw,block,max_regs ...] [--host]
-        [--trace] [--rounds R]
+Answers: how long does the convolution kernel take by itself (no box_sums, no statistics, no
+host), and with how many registers, how much local memory (spills) and which SASS instruction
+mix, for the tiling ``gather.choose_tiling`` picks and for any other tiling given?
 
-For each tiling: the whole pipeline's output against float64 PyTorch (both modes), the kernel
-alone timed with CUDA events (median of 50; ``--rounds R`` goes through the list R times, so
-that tilings alternate), its registers, local memory, shared memory and a static count of its
-SASS opcodes. ``--host`` adds a cProfile of 200 calls per mode (host time).
+    PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings NC,MH,QW[,BLOCK[,MAX_REGS]] ...]
+        [--only] [--modes eval,scaled,train] [--rounds R] [--sass FILE]
+
+Epilogues (``--modes``): ``eval`` (evaluation), ``scaled`` (training on the Gram path: the
+scale applied in the epilogue), ``train`` (training on the epilogue path: the centred sums of
+squares written beside the output). Each kernel is launched with zero means and unit scales, so
+its output is the bias-free transposed convolution, checked against float64 PyTorch first. Then
+``CALLS`` launches are captured in one CUDA graph and the replay timed with CUDA events (median
+of 30 replays, per launch): GPU time only. ``--rounds R`` goes through the tilings R times so
+that they alternate (a machine drifts by ~1% within a run). ``--sass FILE`` appends
+every kernel's SASS to FILE. ``benchmarks/offline_sass.py`` answers the register and SASS
+questions without a GPU.
 """
-
 from __future__ import annotations
 
 import argparse
-import contextlib
-import cProfile
-import pstats
 import sys
-from unittest import mock
+from pathlib import Path
 
 import torch
 
-import numba_deconv as nd
+import numba_deconv  # noqa: F401  (compat + backend before numba.cuda compiles)
 from numba_deconv import bench, testing
 from numba_deconv.kernels import gather
-from numba_deconv.reference import Model, get_init_inputs, get_inputs
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_sass import op_counts  # noqa: E402  (the SASS listing's opcode counts)
 
+CALLS = 20
+MODES = {"eval": (False, False), "scaled": (False, True), "train": (True, False)}
+OPS = ("FFMA", "LDG", "LDGSTS", "LDS", "STG", "LDL", "STL", "BAR", "BRA", "ISETP")
 
-def resources(kernel):
+
+def parse_tiling(spec: str, qw_n: int) -> gather.GatherTiling:
+    """``NC,MH,QW[,BLOCK[,MAX_REGS]]`` as a tiling, W lanes chosen as ``choose_tiling`` does."""
+    values = [int(v) for v in spec.split(",")]
+    nc, mh, qw = values[:3]
+    block = values[3] if len(values) > 3 else 128
+    max_regs = values[4] if len(values) > 4 else 128
+    lanes = 1
+    while lanes < min(-(-qw_n // qw), 32):
+        lanes *= 2
+    return gather.GatherTiling(nc, mh, qw, lanes, block, max_regs)
+
+
+def resources(kernel) -> dict:
     out = {}
-    for what in ("get_regs_per_thread", "get_local_mem_per_thread", "get_shared_mem_per_block"):
+    for what in ("get_regs_per_thread", "get_local_mem_per_thread"):
         try:
             out[what[4:]] = list(getattr(kernel, what)().values())[0]
         except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
@@ -39,143 +59,89 @@ def resources(kernel):
     return out
 
 
-def sass_mix(kernel) -> dict:
+def sass_of(kernel) -> str:
     try:
-        sass = list(kernel.inspect_sass().values())[0]
+        return list(kernel.inspect_sass().values())[0]
     except Exception as exc:  # noqa: BLE001
-        return {"error": repr(exc)[:60]}
-    ops = op_counts(sass)
-    total = sum(ops.values())
-    keys = ("FFMA", "LDG", "LDGSTS", "LDS", "STS", "STG", "LDL", "STL", "BAR", "BRA", "IMAD",
-            "IADD3", "ISETP", "SEL", "LEA", "MOV")
-    mix = {k: ops.get(k, 0) for k in keys}
-    mix["total"] = total
-    return mix
+        return f"(no SASS: {exc!r})"
 
 
-def model_like(ref, mode, x=None, warmup=0):
-    """A ModelNew with ``ref``'s parameters and buffers in ``mode``, called ``warmup`` times."""
-    new = nd.ModelNew(*get_init_inputs()).cuda()
-    new.load_state_dict(ref.state_dict())
-    new.train(mode == "train")
-    with torch.no_grad():
-        for _ in range(warmup):
-            new(x)
+def run(tiling, mode: str, problem: dict) -> dict:
+    """One kernel: its error against float64 PyTorch, GPU µs per launch, resources, SASS."""
+    geom, case, x, weight, ref = (problem[k] for k in ("geom", "case", "x", "weight", "ref"))
+    train, scaled = MODES[mode]
+    launch = gather.gather_launch(geom, case.batch, case.spatial, tuple(ref.shape[2:]),
+                                  "float32", tiling)
+    wph = gather.arrange_weights(weight, gather.phase_weight_index(geom, launch.tiling))
+    dev = x.device
+    mean = torch.zeros((case.batch, geom.out_channels), dtype=torch.float64, device=dev)
+    ss = torch.zeros((case.batch, geom.out_channels, launch.slots), dtype=torch.float64,
+                     device=dev)
+    scale = torch.ones(geom.out_channels, dtype=torch.float32, device=dev) if scaled else None
+    out = torch.empty(ref.shape, dtype=torch.float32, device=dev)
+
+    def call():
+        gather.launch_gather(launch, "float32", train, x.view(-1), wph, mean, out.view(-1), ss,
+                             scale=scale)
+
+    for _ in range(2):  # compile, then the launcher's direct path
+        call()
     torch.cuda.synchronize()
-    return new
+    err = testing.relative_error(out, ref)
+    us = bench.graph_time_us(call, calls=CALLS, reps=30)
+    kernel = gather.gather_kernel(launch, "float32", train, scaled)
+    sass = sass_of(kernel)
+    return dict(mode=mode, tiling=launch.tiling, grid=launch.grid, err=err, us=us,
+                **resources(kernel), ops=op_counts(sass), sass=sass)
 
 
-def run_tiling(tiling, x, ref, ref64, mode):
-    forced = mock.patch.object(gather, "choose_tiling", lambda *a, **k: tiling)
-    with forced if tiling is not None else contextlib.nullcontext():
-        new = model_like(ref, mode)
-        ref64.load_state_dict(ref.state_dict())  # a train-mode call moved its running stats
-        ref64.train(mode == "train")
-        with torch.no_grad():
-            y = new(x)
-            err = testing.relative_error(y, ref64(x.double()))
-    pipe = new.pipeline
-    plan = next(iter(pipe._plans.values()))
-    launch = plan.gather
-    wph = pipe._weights["gather_wph_" + ("train" if mode == "train" else "eval")][1]
-    out = torch.empty_like(y)
-    args = (x.view(-1), wph, plan.means, out.view(-1), plan.ss)
-    train = mode == "train"
-    t_kernel = bench.time_gpu(lambda: gather.launch_gather(launch, "float32", train, *args),
-                              warmup=5, reps=50).median_ms
-    with torch.no_grad():
-        t_pipe = bench.time_gpu(lambda: new(x), warmup=5, reps=50).median_ms
-    kernel = gather.gather_kernel(launch, "float32", train)
-    return dict(mode=mode, tiling=launch.tiling, grid=launch.grid, smem=launch.smem, err=err,
-                kernel_ms=t_kernel, pipe_ms=t_pipe, **resources(kernel), sass=sass_mix(kernel),
-                kernel=kernel)
-
-
-def host_profile(x, ref):
-    """cProfile of 200 calls per mode: where the host time of a call goes."""
-    for mode in ("eval", "train"):
-        new = model_like(ref, mode, x, warmup=5)
-        prof = cProfile.Profile()
-        with torch.no_grad():
-            prof.enable()
-            for _ in range(200):
-                new(x)
-            prof.disable()
-        torch.cuda.synchronize()
-        print(f"---- host profile, {mode}, 200 calls")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
-
-
-def gpu_trace(x, ref):
-    """Per-kernel GPU time of 20 calls per mode (torch.profiler), to split host from GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for mode in ("eval", "train"):
-        new = model_like(ref, mode, x, warmup=5)
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU,
-                                                  ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                new(x)
-            torch.cuda.synchronize()
-        print(f"---- GPU trace, {mode}, 20 calls")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
-                                        max_name_column_width=48))
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tilings", nargs="*", default=[])
-    parser.add_argument("--host", action="store_true")
-    parser.add_argument("--trace", action="store_true")
-    parser.add_argument("--modes", default="eval,train")
-    parser.add_argument("--only", action="store_true", help="skip the default tiling")
-    parser.add_argument("--sass", help="write every kernel's SASS to this file")
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tilings", nargs="*", default=[], metavar="NC,MH,QW[,BLOCK[,CAP]]")
+    parser.add_argument("--only", action="store_true", help="skip choose_tiling's tiling")
+    parser.add_argument("--modes", default="eval,scaled,train")
     parser.add_argument("--rounds", type=int, default=1, help="times through the tilings")
+    parser.add_argument("--sass", metavar="FILE", help="append every kernel's SASS to FILE")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    ref = Model(*get_init_inputs()).cuda()
-    ref64 = Model(*get_init_inputs()).cuda().double()
-    ref64.load_state_dict(ref.state_dict())
-    x = get_inputs("cuda")[0]
-    tilings = [] if args.only else [None]
-    for spec in args.tilings:
-        nc, mh, qw, block, max_regs = (int(v) for v in spec.split(","))
-        qw_groups = -(-32 // qw)
-        lanes = 1
-        while lanes < min(qw_groups, 32):
-            lanes *= 2
-        tilings.append(gather.GatherTiling(nc, mh, qw, lanes, block, max_regs))
+    if not torch.cuda.is_available() or bench.is_simulator():
+        sys.exit("probe_gather: needs a GPU")
+    case = bench.default_case()
+    model, x = case.build("cuda")
+    conv = model.conv_transpose
+    geom = case.geometry()
+    weight = conv.weight.detach()
+    ref = torch.nn.functional.conv_transpose3d(
+        x.double(), weight.double(), None, stride=conv.stride, padding=conv.padding,
+        output_padding=conv.output_padding, groups=conv.groups, dilation=conv.dilation)
+    problem = dict(geom=geom, case=case, x=x, weight=weight, ref=ref)
+    qw_n = -(-ref.shape[-1] // geom.stride[2])
+    tilings = ([] if args.only else [None]) + [parse_tiling(s, qw_n) for s in args.tilings]
+    print(f"{torch.cuda.get_device_name()}: default problem, input {tuple(x.shape)} -> output "
+          f"{tuple(ref.shape)}")
     rows = []
     for tiling in tilings * args.rounds:
         for mode in args.modes.split(","):
             try:
-                r = run_tiling(tiling, x, ref, ref64, mode)
-            except Exception as exc:  # noqa: BLE001
+                row = run(tiling, mode, problem)
+            except Exception as exc:  # noqa: BLE001 - an invalid tiling is reported, not fatal
                 print("FAILED", tiling, mode, repr(exc)[:300], flush=True)
                 continue
-            print({k: v for k, v in r.items() if k != "kernel"}, flush=True)
-            rows.append(r)
+            t = row["tiling"]
+            print(f"{mode} {t}: {row['us']:.1f} us, error {row['err']:.1e}", flush=True)
             if args.sass:
                 with open(args.sass, "a") as f:
-                    f.write(f"\n######## {mode} {r['tiling']}\n")
-                    f.write(list(r.pop("kernel").inspect_sass().values())[0])
-            r.pop("kernel", None)
-    if args.host:
-        host_profile(x, ref)
-    if args.trace:
-        gpu_trace(x, ref)
-    print(f"{'mode':5} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'cap':>4} {'regs':>4} {'lmem':>4} "
-          f"{'kernel':>7} {'pipe':>7} {'err':>8} {'FFMA%':>5} {'LDG':>4} {'LDS':>4} {'STG':>4} "
-          f"{'LDL':>4} {'STL':>4} {'total':>5}")
+                    f.write(f"\n######## {mode} {t}\n{row['sass']}")
+            rows.append(row)
+    print(f"{'mode':6} {'nc':>2} {'mh':>2} {'qw':>2} {'blk':>4} {'cap':>4} {'regs':>4} "
+          f"{'lmem':>4} {'us':>7} {'err':>8} {'FFMA%':>5} "
+          + " ".join(f"{op:>6}" for op in OPS[1:]) + f" {'total':>6}")
     for r in rows:
-        t, s = r["tiling"], r["sass"]
-        ffma = 100 * s.get("FFMA", 0) / max(1, s.get("total", 1))
-        print(f"{r['mode']:5} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {t.max_regs:4} "
-              f"{r['regs_per_thread']!s:>4} "
-              f"{r['local_mem_per_thread']!s:>4} {r['kernel_ms']:7.3f} {r['pipe_ms']:7.3f} "
-              f"{r['err']:8.1e} {ffma:5.1f} {s.get('LDG', 0):4} {s.get('LDS', 0):4} "
-              f"{s.get('STG', 0):4} {s.get('LDL', 0):4} {s.get('STL', 0):4} "
-              f"{s.get('total', 0):5}")
+        t, ops = r["tiling"], r["ops"]
+        total = sum(ops.values())
+        print(f"{r['mode']:6} {t.nc:2} {t.mh:2} {t.qw:2} {t.block:4} {t.max_regs:4} "
+              f"{r['regs_per_thread']!s:>4} {r['local_mem_per_thread']!s:>4} {r['us']:7.1f} "
+              f"{r['err']:8.1e} {100 * ops.get('FFMA', 0) / max(1, total):5.1f} "
+              + " ".join(f"{ops.get(op, 0):6d}" for op in OPS[1:]) + f" {total:6d}")
 
 
 if __name__ == "__main__":

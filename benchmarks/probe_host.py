@@ -1,90 +1,164 @@
-"""GPU probe of a call's host time: where it goes, and what one launch costs (GPU only).
+"""A call's host time, and what it adds to timings that synchronize after every call (GPU only).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--profile]
+Answers: how long does the host take to issue one call, how much of that is kernel launches, and
+how far does a call timed KernelBench-style (CUDA events around the call, a synchronize after
+every call) sit above the back-to-back GPU time that ``results/bench.md`` records (events around
+each call, one synchronize at the end)?
 
-For the tiny, geometry (and, with ``--cases default``, the default) problems in both modes: host µs per call (no sync, 2000 calls) and
-wall µs per call (sync at the end), torch eager beside them; how many launches took numba's
-direct path. ``--profile`` adds a cProfile of 500 calls per case. Run it under two checkouts
-(``PYTHONPATH``) in turn to compare host paths in one session.
+    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--cases tiny,default] [--modes eval,train]
+        [--providers numba_gather,numba_gather_eager,torch_eager] [--profile]
+
+Per case (``tiny``, ``geometry``, ``default``, or ``batch=N``: the default problem at batch N),
+mode and provider (``bench.make_provider``'s names), under ``torch.no_grad()``:
+
+* ``b2b ms``: ``bench.time_gpu``, the bench's timing (median of 100 back-to-back calls);
+* ``sync ms``: the same events with ``torch.cuda.synchronize()`` after every call (median of
+  100): the GPU idles while the host issues the next call, so the host's time shows;
+* ``gpu us``: the call's launches captured ``bench.graph_time_us``-style in one CUDA graph and
+  replayed: GPU time alone;
+* ``host us``: the host's time to issue one call without waiting (``bench.host_time_us``,
+  after a synchronize, so no back-pressure from earlier calls);
+* for numba providers, ``launch us`` / ``launches``: how much of ``host us`` is spent inside
+  ``kernels.launch.launch`` and how many launches a call makes (0 where a call replays a
+  captured graph), and ``rest us``: the host time with every launch a no-op (the pipeline's own
+  Python and torch calls).
+
+``--profile`` adds a cProfile of 300 calls per numba provider. Host times differ by up to 2x
+between machines and within a run: compare settings within one run.
 """
-
 from __future__ import annotations
 
 import argparse
 import copy
 import cProfile
 import pstats
+import sys
+import time
 
 import torch
 
+import numba_deconv  # noqa: F401  (compat + backend before numba.cuda compiles)
 from numba_deconv import bench
 from numba_deconv.kernels import launch
 
-CALLS = 2000
+REPS = 100
+CALLS = 500
+REAL = launch.launch
+spent = {"ns": 0, "n": 0}
 
 
-def launch_paths():
-    """(kernel name, whether its launches take the direct path) for every launch shape so far."""
-    return [(getattr(key[0], "__name__", str(key[0]))[:34], bool(direct))
-            for key, direct in list(launch._DIRECT.items())]
+def _timed(*args, **kwargs):
+    t0 = time.perf_counter_ns()
+    REAL(*args, **kwargs)
+    spent["ns"] += time.perf_counter_ns() - t0
+    spent["n"] += 1
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--cases", default="tiny,geometry")
+def _noop(*args, **kwargs):
+    spent["n"] += 1
+
+
+def install(fn) -> None:
+    """Make every package module that imported ``launch.launch`` (under any name) call ``fn``."""
+    for module in list(sys.modules.values()):
+        if module is launch or not getattr(module, "__name__", "").startswith("numba_deconv."):
+            continue
+        for name, value in list(vars(module).items()):
+            if value is REAL or value is _timed or value is _noop:
+                setattr(module, name, fn)
+
+
+def host_us(call, calls: int = CALLS) -> tuple[float, float, float]:
+    """(host µs per call issued without waiting, µs of it in launch.launch, launches a call)."""
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    spent.update(ns=0, n=0)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host, spent["ns"] / calls / 1e3, spent["n"] / calls
+
+
+def synchronized_ms(call, reps: int = REPS, warmup: int = 10) -> float:
+    """Median ms of ``call`` with CUDA events around it and a synchronize after every call."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return bench.summarize(times).median_ms
+
+
+def make_case(name: str) -> bench.Case:
+    if name.startswith("batch="):
+        return bench.default_case(int(name.split("=")[1]), name=name)
+    return {"tiny": bench.tiny_case, "geometry": bench.geometry_case,
+            "default": bench.default_case}[name]()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="tiny,default")
     parser.add_argument("--modes", default="eval,train")
-    parser.add_argument("--providers", default="numba_gather,torch_eager",
-                        help="bench providers, e.g. numba_gram (training's Gram path)")
-    parser.add_argument("--calls", type=int, default=CALLS)
-    parser.add_argument("--profile-calls", type=int, default=300)
-    parser.add_argument("--trace", action="store_true", help="torch.profiler of 20 calls")
+    parser.add_argument("--providers", default="numba_gather,numba_gather_eager,torch_eager")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    if not torch.cuda.is_available() or bench.is_simulator():
+        raise SystemExit("probe_host: needs a GPU")
     torch.backends.cudnn.benchmark = False
     print(f"device: {torch.cuda.get_device_name()}")
-    table = []
-    cases = {"tiny": bench.tiny_case, "geometry": bench.geometry_case,
-             "default": bench.default_case}
-    for case in (cases[name]() for name in args.cases.split(",")):
-        base, x = case.build("cuda")
-        for mode in args.modes.split(","):
-            for name in args.providers.split(","):
-                model = bench.make_provider(name, copy.deepcopy(base), mode)
-                call = lambda: model(x)  # noqa: E731
-                with torch.no_grad():
-                    host = bench.host_time_us(call, args.calls, warmup=50)
-                    wall = bench.wall_per_call_us(call, args.calls, warmup=50)
-                table.append((case.name, mode, name, host, wall))
-                if args.trace and name.startswith("numba"):
-                    from torch.profiler import ProfilerActivity, profile
-
-                    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU,
-                                                              ProfilerActivity.CUDA]) as prof:
-                        for _ in range(20):
-                            call()
+    rows = []
+    with torch.no_grad():
+        for case in map(make_case, args.cases.split(",")):
+            base, x = case.build("cuda")
+            for mode in args.modes.split(","):
+                for name in args.providers.split(","):
+                    model = bench.make_provider(name, copy.deepcopy(base), mode)
+                    call = bench.call_with_settings(name, model, x)
+                    call()  # compile
+                    b2b = bench.time_gpu(call).median_ms
+                    sync = synchronized_ms(call)
+                    try:
+                        gpu = bench.graph_time_us(call)
+                    except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
+                        print(f"{case.name} {mode} {name}: no graph capture ({exc!r:.80})")
+                        gpu = float("nan")
+                    numba = name.startswith("numba")
+                    install(_timed if numba else REAL)
+                    host, inside, launches = host_us(call)
+                    rest = float("nan")
+                    if numba:
+                        install(_noop)
+                        rest = host_us(call)[0]
+                    install(REAL)
+                    rows.append((case.name, mode, name, b2b, sync, gpu, host, inside, launches,
+                                 rest))
+                    print(rows[-1], flush=True)
+                    if args.profile and numba:
+                        prof = cProfile.Profile()
                         torch.cuda.synchronize()
-                    print(f"---- trace, {case.name} {mode}, 20 calls")
-                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
-                                                    max_name_column_width=40))
-                if args.profile and name.startswith("numba"):
-                    prof = cProfile.Profile()
-                    torch.cuda.synchronize()  # no back-pressure from earlier calls
-                    with torch.no_grad():
                         prof.enable()
-                        for _ in range(args.profile_calls):
+                        for _ in range(300):
                             call()
                         prof.disable()
-                    torch.cuda.synchronize()
-                    print(f"---- host profile, {case.name} {mode} {name}, "
-                          f"{args.profile_calls} calls")
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    print("---- launch paths (kernel, direct?)")
-    for name, ok in launch_paths():
-        print(f"  {name:36s} {ok}")
-    print("---- host per call (µs)")
-    print(f"{'case':10s} {'mode':6s} {'provider':14s} {'host':>8s} {'wall':>8s}")
-    for case, mode, name, host, wall in table:
-        print(f"{case:10s} {mode:6s} {name:14s} {host:8.1f} {wall:8.1f}")
+                        torch.cuda.synchronize()
+                        print(f"---- host profile, {case.name} {mode} {name}, 300 calls")
+                        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    print(f"{'case':10s} {'mode':5s} {'provider':20s} {'b2b ms':>7s} {'sync ms':>7s} "
+          f"{'gpu us':>7s} {'host us':>7s} {'launch us':>9s} {'launches':>8s} {'rest us':>7s}")
+    for case, mode, name, b2b, sync, gpu, host, inside, launches, rest in rows:
+        print(f"{case:10s} {mode:5s} {name:20s} {b2b:7.3f} {sync:7.3f} {gpu:7.1f} {host:7.1f} "
+              f"{inside:9.1f} {launches:8.1f} {rest:7.1f}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Everything for the lent GPU machine in one call (no network there, no wheels to carry): the `gpu`
-# test profile, then the benchmark. Uses the image's python3 (torch, numba, numba-cuda, numpy 2.5,
-# pytest, hypothesis); numba_deconv.compat makes numba-cuda work on numpy 2.5.
+# Everything for a GPU machine without network in one call: the `gpu` test profile, then the
+# benchmark. Uses the machine's python3 (torch, numba, numba-cuda, numpy, pytest, hypothesis);
+# numba_deconv.compat makes numba-cuda work on numpy 2.5.
 #   bash scripts/gpu_check.sh [tests|bench|notebooks|all|profile]   (logs under $OUT or ./out)
 # `notebooks` runs each notebook's paired percent-format source with python3 at full size (the GPU
 # image has no nbclient; CI executes the .ipynb files under the simulator).
 # The gpu profile draws 300 examples per property, and every drawn geometry compiles its kernels
-# (~5 s in evaluation, ~20-45 s in training on an H100's host, session 22), ~25 CPU-core-seconds
-# an example, so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call,
-# and spread each property over the cores with NUMBA_DECONV_SHARDS and GPU_TEST_ARGS='-n 16'
-# (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=16 ran the whole suite in 6 min), or run it in
-# pieces with `profile`:
+# (~5 s in evaluation, ~20-45 s in training on an H100's host), ~25 CPU-core-seconds an example,
+# so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call, and spread
+# each property over the cores with NUMBA_DECONV_SHARDS and GPU_TEST_ARGS='-n 16'
+# (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=16 runs the whole suite in 4-6 min on 16 cores),
+# or run it in pieces with `profile`:
 # `profile` runs the profile's properties in one device call of bounded length, to be repeated
 # until each has drawn its 300 examples in all (every piece draws new random examples); then
 #   python benchmarks/count_examples.py <every piece's gpu_props.log and gpu_cheap.log>
@@ -22,7 +22,8 @@
 # pytest is interrupted and prints the statistics of the shards that finished (an interrupted
 # shard prints none: its examples are not counted); PROPERTIES (a pytest -k expression) narrows
 # them to those still short of their count. Its exit status is count_examples.py's: 1 when any
-# example failed. Session 23 finished the profile in three such calls (benchmarks/NOTES.md).
+# example failed. One call draws ~30-50 examples of each pipeline property on an H100 machine's
+# 16 cores.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
