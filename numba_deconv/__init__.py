@@ -24,8 +24,10 @@ if simulator.is_simulator():
 
 from . import folding, geometry, reference  # noqa: E402
 from .geometry import ConvGeometry  # noqa: E402
+from .kernels.launch import tensor_device  # noqa: E402
 from .module import ModelNew  # noqa: E402
 from .pipeline import Pipeline  # noqa: E402
 
-__all__ = ["BACKEND", "ConvGeometry", "ModelNew", "Pipeline", "folding", "geometry", "reference"]
+__all__ = ["BACKEND", "ConvGeometry", "ModelNew", "Pipeline", "folding", "geometry", "reference",
+           "tensor_device"]
 __version__ = "0.1.0"

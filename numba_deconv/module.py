@@ -5,8 +5,10 @@ Same constructor signature, parameters, buffers and ``state_dict`` keys (``conv_
 
     new = ModelNew(*get_init_inputs()); new.load_state_dict(Model(*get_init_inputs()).state_dict())
 
-works, and ``.train()`` / ``.eval()`` / ``.to(device)`` behave as on the reference. The forward is
-inference-only: no autograd graph is recorded through the kernels.
+works, and ``.train()`` / ``.eval()`` / ``.to(device)`` behave as on the reference. The forward
+records no autograd graph: an input that requires grad is refused under grad mode, and the
+first call whose parameters require grad (any module's, outside ``torch.no_grad()``) warns once
+that no gradient reaches them (``pipeline.NoGradientWarning``).
 """
 
 from __future__ import annotations

@@ -2,35 +2,34 @@
 
 The pipeline only orchestrates: it validates inputs, picks the kernels, owns the buffers and the
 launch configurations (cached per input shape), and hands the small per-channel algebra to
-``folding``. Two strategies, selected with ``conv=``:
+``folding``. Two strategies, selected with ``conv_impl=``:
 
-``"gather"`` (default, the fast path; DESIGN.md 2.3, 2.4, 2.6)
+``"gather"`` (default, the fast path; docs/design.md sections 2 and 3)
     box_sums (box sums and, in its last block per sample, the means) ->
     conv_transpose3d_gather with the fused epilogue.
     Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
-    convolution, so the output is written once, final. Training, two ways (``variance=``; the
-    default ``"auto"`` takes ``"gram"`` wherever the geometry's Gram tiles fit, ``"epilogue"``
-    elsewhere):
+    convolution, so the output is written once, final. Training, two ways (``variance=``):
 
-    ``"epilogue"``: the gather's epilogue writes ``y - mean`` and per-block centred
-    sums of squares; ``batch_statistics`` turns those into the variance, the scale and the
-    running-statistics update, and one in-place per-channel multiply
+    ``"epilogue"`` (what ``"auto"``, the default, takes): the gather's epilogue writes
+    ``y - mean`` and per-block centred sums of squares; ``batch_statistics`` turns those into the
+    variance, the scale and the running-statistics update, and one in-place per-channel multiply
     (``epilogue.scale_rows``) scales the output: a second pass over the output.
-    ``"gram"``: the batch variance is known before the convolution too (``gram_plan``): the
-    input's Gram sums (``gram_sums``, with box_sums in its tail, then ``gram_reduce``, which
-    also contracts them with the weights), then ``gram_statistics`` (variance, scale, running
-    statistics, the means times the scale), then the evaluation kernel, on the unscaled weights
-    with the scale in its epilogue, writes the final output once; one chain of programmatic
-    dependents, so the gather's first blocks run while the statistics finish. At the default
-    problem 0.394-0.395 ms a training call against the epilogue path's 0.428 (H100,
-    benchmarks/NOTES.md session 18), hence the default where it fits.
+    ``"gram"`` (on request): the batch variance is known before the convolution too
+    (``gram_plan``): the input's Gram sums in float64 (``gram_sums``, with box_sums in its tail,
+    then ``gram_reduce``, which also contracts them with the weights), then ``gram_statistics``
+    (variance, scale, running statistics, the means times the scale), then the evaluation
+    kernel, on the unscaled weights with the scale in its epilogue, writes the final output
+    once; one chain of programmatic dependents, so the gather's first blocks run while the
+    statistics finish.
 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
 
 Inputs: torch tensors (zero copy, launches on torch's current stream), numba device arrays and
 numpy arrays; the output is of the same kind. Under the CUDA simulator "device" tensors are CPU
-tensors. The input is never modified.
+tensors. The input is never modified. An empty batch gives an empty output (and, in training,
+counts a batch as PyTorch does). The operator has no backward: an input that requires grad
+under grad mode is refused, and parameters that require grad get a one-time warning.
 
 Small calls are host-bound (each launch costs the host several µs, the GPU work is a few µs), so
 with ``graphs="auto"`` (the default) a call of the default path whose output has at most
@@ -41,6 +40,7 @@ made while the caller captures a graph of its own launches its kernels into that
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +53,15 @@ from torch import nn
 from . import folding
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
-from .kernels import (batch_stats, box_sums, epilogue, gather, gram, griddep, scatter,
-                      spatial_reduce)
+from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
 from .kernels.launch import block_size, pin, tensor_device
 from .simulator import is_simulator
+
+
+
+class NoGradientWarning(UserWarning):
+    """Parameters that require grad meet an operator without a backward: no gradient flows."""
+
 
 CONV_STRATEGIES = ("gather", "scatter")
 VARIANCE_STRATEGIES = ("auto", "epilogue", "gram")
@@ -64,13 +69,13 @@ VARIANCE_STRATEGIES = ("auto", "epilogue", "gram")
 # recently used first out: a long fuzzing session does not hold every shape's buffers.
 PLAN_CACHE = 16
 #: ``graphs="auto"``: calls whose output has at most this many elements replay a CUDA graph.
-#: Below it the host's launches cost more than the graph's copy in and clone out (H100: batch 1-2
-#: of the default problem and the tiny problem ran 2-5x faster replayed, sessions 6 and 8; in
-#: session 10's bench and sweep the geometry problem, 15 M output elements, and batch 4 of the
-#: default problem, 15.7 M, ran 10-30% faster replayed, batch 8, 31.5 M, as fast or slower;
-#: benchmarks/NOTES.md).
+#: Below it the host's launches cost more than the graph's copy in and clone out; above it the
+#: copy in and the clone out cost more than the launches they save (docs/performance.md).
 AUTO_GRAPH_MAX_OUTPUT = 1 << 24
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
+#: The Gram path sums products of the input in float64 whatever the input's dtype: a float32
+#: product is exact there, so its variance loses only float64's digits to the cancellation.
+GRAM_ITEMSIZE = 8
 
 
 @dataclass
@@ -101,7 +106,7 @@ class _ShapePlan:
 
 
 class Pipeline:
-    """The whole operator of DESIGN.md section 1 on Numba CUDA kernels.
+    """The whole operator (docs/design.md, the problem) on Numba CUDA kernels.
 
     ``Pipeline.from_torch(model)`` or ``Pipeline.from_modules(conv, bn)``; then ``pipe(x)``.
     Parameters and buffers are read from the torch modules at every call, so training them (or
@@ -127,7 +132,6 @@ class Pipeline:
         self.bn = bn
         self.conv_impl = conv_impl
         self.variance = variance
-        self._paths: dict[int, tuple] = {}  # itemsize -> variance_path() under "auto"
         if variance == "gram" and conv_impl == "gather" and not self.gram_tiles_fit():
             raise ValueError("variance='gram': this geometry's Gram tiles do not fit "
                              "shared memory (too many input channels for its offsets)")
@@ -137,6 +141,7 @@ class Pipeline:
         self.graphs = graphs  # replay a captured CUDA graph of the whole call (GPU only)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._capturing = False
+        self._warned_no_grad = False
         self.training = bn.training
         self._plans: OrderedDict[tuple, _ShapePlan] = OrderedDict()
         self._shapes: OrderedDict[tuple, tuple] = OrderedDict()  # shape -> (batch, out spatial)
@@ -171,78 +176,76 @@ class Pipeline:
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
         tensor, restore = self._accept(x)
+        self._refuse_grad_input(tensor)
+        out = restore(self._run(tensor))
+        if not self._warned_no_grad and torch.is_grad_enabled():
+            self._warn_no_gradient()
+        return out
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         if is_simulator():
-            return restore(self._forward(tensor, record=None))
+            return self._forward(x, record=None)
         if torch.cuda.is_current_stream_capturing():
             # Inside the caller's own graph capture the launches are captured with it, and so
             # is the derivation of folded weights (as in ``_replay``): a replay sees parameters
             # changed in place, and nothing computed only at replay time enters the cache.
             self._capturing = True
             try:
-                return restore(self._forward(tensor, record=None))
+                return self._forward(x, record=None)
             finally:
                 self._capturing = False
-        if self.graph_wanted(tuple(tensor.shape)):
-            return restore(self._replay(tensor))
-        return restore(self._forward(tensor, record=None))
+        if self.graph_wanted(tuple(x.shape)):
+            return self._replay(x)
+        return self._forward(x, record=None)
 
     @property
     def uses_gram(self) -> bool:
         """Whether training takes its variance from the Gram sums (the Gram path).
 
-        The Gram path replaces the gather's training finish; the scatter path has its own.
-        ``variance="auto"``: the Gram path wherever the geometry's tiles fit for the parameters'
-        current dtype (a module moved to float64 after the pipeline was built may no longer
-        fit) and programmatic dependent launch runs (Hopper and later, and the simulator, so
-        that its tests cover the default): 0.394-0.397 against 0.429-0.431 ms a training call
-        at the default problem on an H100 (benchmarks/NOTES.md, session 19), a gain that leans
-        on the chain of dependents; the epilogue path otherwise (``variance_path`` says which
-        and why, and ``explain`` prints it).
+        Only on request (``variance="gram"``); ``variance_path`` says why.
         """
         return self.variance_path()[0]
 
     def variance_path(self) -> tuple[bool, str]:
         """``(uses_gram, why)``: whether training takes the Gram path, and the reason in words
-        (``explain`` prints it). Decided once per parameter dtype under ``variance="auto"``."""
+        (``explain`` prints it).
+
+        ``variance="auto"`` takes the epilogue path: its variance is a sum of squares of the
+        centred output itself, as accurate as the convolution on every input. The Gram path's
+        variance is a difference of second moments, ``E[y^2] - E[y]^2`` (docs/design.md), which
+        cancels where a channel's mean dwarfs its spread, and its cost grows with
+        ``in_channels^2`` times the tap offsets; it accumulates in float64 to stay accurate,
+        so it runs only where asked for.
+        """
         if self.conv_impl != "gather":
             return False, "the scatter path has its own finish"
         if self.variance != "auto":
             return self.variance == "gram", f"variance={self.variance!r}"
-        item = self.conv.weight.element_size()
-        path = self._paths.get(item)
-        if path is None:  # a device query costs host time: asked once
-            if not self.gram_tiles_fit():
-                path = (False, "variance='auto': this geometry's Gram tiles do not fit shared "
-                               "memory, so the epilogue path")
-            elif not (is_simulator() or griddep.supported()):
-                path = (False, "variance='auto': this GPU has no programmatic dependent launch "
-                               "(before Hopper), which the Gram path's gain leans on, so the "
-                               "epilogue path")
-            else:
-                path = (True, "variance='auto': the Gram tiles of this geometry fit")
-            self._paths[item] = path
-        return path
+        return False, ("variance='auto': the epilogue path (centred sums of squares of the "
+                       "output: accurate on every input; the Gram path only on request)")
 
     def gram_tiles_fit(self) -> bool:
-        """Whether the Gram path runs this geometry in the parameters' current dtype (asked at
-        construction and by ``variance_path``, which keeps its answer)."""
-        return gram_fits(self.geometry, self.conv.weight.element_size())
+        """Whether the Gram path runs this geometry: its float64 tiles fit shared memory."""
+        return gram_fits(self.geometry, GRAM_ITEMSIZE)
 
     def graph_wanted(self, input_shape) -> bool:
         """Whether calls with inputs of ``input_shape`` replay a captured CUDA graph on a GPU.
 
         ``graphs="auto"``: the gather path (either variance) when the output has at most
-        ``AUTO_GRAPH_MAX_OUTPUT`` elements. Raises like a call for a bad shape.
+        ``AUTO_GRAPH_MAX_OUTPUT`` elements. An empty batch launches nothing, so never.
+        Raises like a call for a bad shape.
         """
+        batch, out_spatial = self._checked_shape(tuple(input_shape))
+        if batch == 0:
+            return False
         if self.graphs is True or self.graphs is False:
             return self.graphs
         if self.conv_impl != "gather":
             return False
-        batch, out_spatial = self._checked_shape(tuple(input_shape))
         volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
         return batch * self.geometry.out_channels * volume <= AUTO_GRAPH_MAX_OUTPUT
 
-    # ---- CUDA graphs: the whole call as one replay (host cost of a few µs instead of ~0.13-0.2 ms)
+    # ---- CUDA graphs: the whole call as one replay (a few µs of host time instead of every launch)
     def _graph_key(self, x: torch.Tensor) -> tuple:
         """What a captured graph depends on: shapes, mode, and where every parameter lives.
 
@@ -303,6 +306,7 @@ class Pipeline:
         notebook between real steps.
         """
         tensor, _ = self._accept(x)
+        self._refuse_grad_input(tensor)
         record: dict[str, torch.Tensor] = {"input": tensor.detach().clone()}
         record["output"] = self._forward(tensor, record=record)
         return record
@@ -351,10 +355,32 @@ class Pipeline:
             "input must be a torch.Tensor, a numpy.ndarray or a numba device array, "
             f"got {type(x).__name__}")
 
+    @staticmethod
+    def _refuse_grad_input(x: torch.Tensor) -> None:
+        """The operator has no backward: an input that would need one is refused."""
+        if x.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "numba_deconv has no backward: the input requires grad, but no gradient would "
+                "flow through this operator; call it under torch.no_grad() or pass x.detach()")
+
+    def _warn_no_gradient(self) -> None:
+        """Once per pipeline: parameters that require grad get none through this operator
+        (forward-only use outside ``no_grad`` keeps working)."""
+        if any(p is not None and p.requires_grad
+               for p in (self.conv.weight, self.conv.bias, self.bn.weight, self.bn.bias)):
+            self._warned_no_grad = True
+            warnings.warn(
+                "numba_deconv has no backward: the convolution's and batch norm's parameters "
+                "require grad, but no gradient flows to them through this operator (the output "
+                "does not require grad); call it under torch.no_grad() for forward-only use",
+                NoGradientWarning, stacklevel=3)
+
     def _check(self, x: torch.Tensor):
         weight = self.conv.weight
         if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"input dtype must be torch.float32 or torch.float64, got {x.dtype}")
+            raise TypeError(f"input dtype must be torch.float32 or torch.float64, got {x.dtype}"
+                            + (" (half precision is not supported yet)"
+                               if x.dtype in (torch.float16, torch.bfloat16) else ""))
         if weight.dtype != x.dtype:
             raise TypeError(
                 f"input dtype {x.dtype} does not match the parameters' dtype {weight.dtype}")
@@ -428,17 +454,17 @@ class Pipeline:
         return plan
 
     def _gram_plan(self, plan: _ShapePlan, x: torch.Tensor) -> gram.GramLaunch:
-        """The Gram path's tables and buffers, built at the first training call of a shape."""
+        """The Gram path's tables and buffers (float64 sums), built at the first training call
+        of a shape."""
         if plan.gram is None:
             geom, dev = self.geometry, x.device
-            layout = gram.plan_for(geom, plan.batch, x.shape[2:], x.element_size())
-            if layout is None:  # "auto" checks gram_fits for the parameters' dtype (= x's) at
-                # every call; "gram" only when the pipeline was built
+            layout = gram.plan_for(geom, plan.batch, x.shape[2:], GRAM_ITEMSIZE)
+            if layout is None:  # the constructor checked gram_fits, which holds for any size
                 raise RuntimeError(f"variance='gram': this geometry's Gram tiles do not fit "
-                                   f"shared memory in {x.dtype} (input {tuple(x.shape)})")
+                                   f"shared memory (input {tuple(x.shape)})")
             plan.means_scaled = pin(torch.empty((plan.batch, geom.out_channels),
                                                 dtype=torch.float64, device=dev))
-            plan.gram = gram.gram_launch(layout, geom.out_per_group, dev, x.dtype)
+            plan.gram = gram.gram_launch(layout, geom.out_per_group, dev, torch.float64)
         return plan.gram
 
     def _plan_key(self, x: torch.Tensor) -> tuple:
@@ -469,6 +495,8 @@ class Pipeline:
     def _forward(self, x: torch.Tensor, record: dict | None) -> torch.Tensor:
         batch, out_spatial = self._check(x)
         bn, geom = self.bn, self.geometry
+        if batch == 0:
+            return self._empty_batch(x, out_spatial, record)
         batch_stats = folding.uses_batch_statistics(bn, self.training)
         volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
         if batch_stats:
@@ -486,6 +514,14 @@ class Pipeline:
         else:
             self._gather(x, out, plan, batch_stats, record)
         return out
+
+    def _empty_batch(self, x: torch.Tensor, out_spatial, record) -> torch.Tensor:
+        """An empty batch, as PyTorch treats it: an empty output, the running statistics kept,
+        and in training the batch counted in ``num_batches_tracked``."""
+        if self._updates(record) and self.bn.num_batches_tracked is not None:
+            self.bn.num_batches_tracked.add_(1)
+        return torch.empty((0, self.geometry.out_channels, *out_spatial), dtype=x.dtype,
+                           device=x.device)
 
     def _eval_scale(self) -> torch.Tensor:
         bn = self.bn
@@ -596,7 +632,7 @@ class Pipeline:
             record["conv_transpose3d_gather"] = out.clone()
         scale = self._finish_batch_stats(plan, plan.means, plan.ss, record)
         # The output is already centred: what is left is one per-channel multiply, in place
-        # (epilogue.scale_rows: 2.86 TB/s, torch's broadcast mul_ 2.35 TB/s; benchmarks/NOTES.md).
+        # (epilogue.scale_rows runs at the copy rate, faster than torch's broadcast mul_).
         epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)
 
     def _box_sums(self, x, plan: _ShapePlan, flat_w, record, after_prior: bool = False,
@@ -628,9 +664,11 @@ class Pipeline:
         # box_sums waits for gram_sums only at its end, so it is chained only to gram_sums
         # (which has nothing to launch when no two taps meet), never to a trace's copy
         chained = record is None
+        # float64 sums of float32 products are exact products added with float64's rounding
+        x_sums = x if x.dtype == torch.float64 else x.to(torch.float64)
         if not gram.BOX_SUMS_IN_TAIL:
             self._box_sums(x, plan, flat_w, record)
-        gram.launch_gram_sums(gl, dtype, x)
+        gram.launch_gram_sums(gl, "float64", x_sums)
         if record is not None:
             record["gram_sums"] = gl.partial.clone()
         if gram.BOX_SUMS_IN_TAIL:

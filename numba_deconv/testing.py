@@ -10,17 +10,27 @@ The project's own property tests are built from these, and so can yours: fuzz a 
     def test_my_variant(case):
         testing.check_case(case, make=lambda conv, bn: MyPipeline(conv, bn))
 
-A ``Case`` is one complete problem: geometry, batch-norm settings, batch, input size, mode and
-dtype. ``check_case`` builds random (never zero) parameters and running statistics, runs the
-candidate on a float32/float64 copy and PyTorch's own modules in float64 on the same values,
-poisons nothing it does not own, and compares output *and* running statistics by relative error
-(norm of the difference over norm of the reference; NaN never passes).
+A ``Case`` is one complete problem: geometry, batch-norm settings, batch, input size, mode,
+dtype and the kind of input values (``InputStyle``: magnitudes from 1e-3 to 1e4, per-channel
+offsets up to 10^3 times the spread, near-constant channels). ``check_case`` builds random
+(never zero) parameters and running statistics, runs the candidate on a float32/float64 copy and
+PyTorch's own modules in float64 on the same values, poisons nothing it does not own, and
+compares output *and* running statistics by relative error (norm of the difference over norm of
+the reference; NaN never passes).
+
+Tolerance (``tolerance``): float64 within 1e-10; float32 within ``max(1e-5, 3 x PyTorch's own
+strict-fp32 error on the same input)``. Where a channel's mean dwarfs its spread no float32
+convolution, PyTorch's included, reaches 1e-5; the bar is to lose no more than PyTorch does.
+
+Each example compiles kernels for its drawn geometry (seconds on a GPU's host, more under the
+simulator): give your own properties ``deadline=None``.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -64,6 +74,18 @@ class BatchNormSettings:
 
 
 @dataclass(frozen=True)
+class InputStyle:
+    """What the input's values look like: ``scale * (spread_c * z + offset * sign_c * u_c)``
+    with z standard normal, ``u_c`` in [0.5, 1) and a random sign per channel; ``spread_c`` is 1,
+    or 1e-3 on every other channel when ``flat_channels`` (near-constant channels, whose
+    outputs' batch variance is tiny next to their mean)."""
+
+    scale: float = 2.0
+    offset: float = 0.25
+    flat_channels: bool = False
+
+
+@dataclass(frozen=True)
 class Case:
     geometry: ConvGeometry
     bn: BatchNormSettings
@@ -72,6 +94,7 @@ class Case:
     training: bool
     dtype: torch.dtype = torch.float32
     seed: int = field(default=0, compare=False)
+    inputs: InputStyle = InputStyle()
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -106,11 +129,23 @@ def batch_norm_settings() -> st.SearchStrategy[BatchNormSettings]:
     )
 
 
+def input_styles() -> st.SearchStrategy[InputStyle]:
+    """Ordinary inputs, and hard ones: magnitudes from 1e-3 to 1e4, per-channel offsets up to
+    10^3 times the spread, near-constant channels."""
+    hard = st.builds(InputStyle, scale=st.sampled_from([1e-3, 0.1, 1.0, 1e2, 1e4]),
+                     offset=st.sampled_from([0.0, 1.0, 30.0, 1e3]),
+                     flat_channels=st.booleans())
+    return st.one_of(st.just(InputStyle()), hard)
+
+
 @st.composite
 def cases(draw, limits: Limits = CI_LIMITS, dtypes=(torch.float32,),
           training: bool | None = None) -> Case:
-    """Complete problems whose output is non-empty and at most ``limits.max_output_voxels``."""
+    """Complete problems whose output is non-empty and at most ``limits.max_output_voxels``
+    (one in five at most 8 voxels per channel: statistics of a few values)."""
     geom = draw(geometries(limits))
+    if draw(st.integers(0, 4)) == 0:
+        limits = replace(limits, max_output_voxels=min(8, limits.max_output_voxels))
     axes = geom.axes()
     spatial = []
     for axis in axes:
@@ -134,7 +169,8 @@ def cases(draw, limits: Limits = CI_LIMITS, dtypes=(torch.float32,),
     if (mode or not settings.track_running_stats) and batch * volume < 2:
         batch = 2  # PyTorch refuses one value per channel with batch statistics (tested apart)
     return Case(geom, settings, batch, tuple(spatial), mode,
-                draw(st.sampled_from(dtypes)), draw(st.integers(0, 2**31 - 1)))
+                draw(st.sampled_from(dtypes)), draw(st.integers(0, 2**31 - 1)),
+                draw(input_styles()))
 
 
 def build_modules(case: Case, device: torch.device | str = "cpu"):
@@ -159,6 +195,22 @@ def build_modules(case: Case, device: torch.device | str = "cpu"):
     conv.train(case.training)
     bn.train(case.training)
     return conv.to(device), bn.to(device)
+
+
+def make_input(case: Case, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A random input for ``case`` in float64 (``case.inputs`` says what its values look like)."""
+    style = case.inputs
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    channels = case.geometry.in_channels
+    z = torch.randn(case.input_shape, generator=gen, dtype=torch.float64)
+    u = torch.rand(channels, generator=gen, dtype=torch.float64) * 0.5 + 0.5
+    sign = torch.randint(0, 2, (channels,), generator=gen).to(torch.float64) * 2 - 1
+    spread = torch.ones(channels, dtype=torch.float64)
+    if style.flat_channels:
+        spread[::2] = 1e-3
+    shape = (1, channels, 1, 1, 1)
+    x = spread.view(shape) * z + style.offset * (sign * u).view(shape)
+    return (style.scale * x).to(device)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -191,10 +243,44 @@ def assert_close(actual, expected, rtol: float, what: str = "output", atol: floa
 
 
 def reference(conv: nn.Module, bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """DESIGN.md section 1 with PyTorch's own modules (float64 in, float64 out)."""
+    """The operator with PyTorch's own modules (float64 in, float64 out)."""
     with torch.no_grad():
         y = bn(conv(x))
         return y - y.mean(dim=(2, 3, 4), keepdim=True)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Relative tolerances of one case: the output, the running mean, the running variance."""
+
+    output: float
+    running_mean: float
+    running_var: float
+
+
+def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor) -> Tolerance:
+    """What ``check_case`` allows on this input: ``RTOL`` for float64; for float32, ``RTOL`` or
+    three times PyTorch's own error in strict fp32 (on the CPU, which has no TF32) against
+    float64, whichever is larger, per compared quantity.
+
+    ``conv64`` and ``bn64`` are the float64 modules *before* the reference ran (copied here, so
+    their running statistics are untouched)."""
+    floor = RTOL[case.dtype]
+    if case.dtype == torch.float64:
+        return Tolerance(floor, floor, floor)
+    conv_ref, bn_ref = (copy.deepcopy(m).cpu() for m in (conv64, bn64))
+    conv32, bn32 = (copy.deepcopy(m).to(case.dtype) for m in (conv_ref, bn_ref))
+    x64 = x.detach().to("cpu", torch.float64)
+    errors = [relative_error(reference(conv32, bn32, x64.to(case.dtype)),
+                             reference(conv_ref, bn_ref, x64))]
+    if case.bn.track_running_stats:
+        errors += [relative_error(bn32.running_mean, bn_ref.running_mean),
+                   relative_error(bn32.running_var, bn_ref.running_var)]
+    else:
+        errors += [0.0, 0.0]
+    # PyTorch's float32 overflowing where float64 does not gives no scale to hold us to
+    margins = [max(floor, 3 * e) if math.isfinite(e) else floor for e in errors]
+    return Tolerance(*margins)
 
 
 def check_case(case: Case, make: Callable, device: torch.device | str = "cpu",
@@ -202,25 +288,27 @@ def check_case(case: Case, make: Callable, device: torch.device | str = "cpu",
     """Run ``make(conv, bn)(x)`` against the float64 reference on the same parameters.
 
     ``make`` receives modules in ``case.dtype`` on ``device`` and returns a callable. Checks the
-    output, that ``x`` was not modified, and the running statistics (mean, var, batches seen).
+    output, that ``x`` was not modified, and the running statistics (mean, var, batches seen),
+    each within ``tolerance`` (or ``rtol`` where given).
     """
-    rtol = RTOL[case.dtype] if rtol is None else rtol
     conv64, bn64 = build_modules(case, device)
     conv = copy.deepcopy(conv64).to(case.dtype)
     bn = copy.deepcopy(bn64).to(case.dtype)
     if x is None:
-        gen = torch.Generator().manual_seed(case.seed + 1)
-        x = (torch.randn(case.input_shape, generator=gen, dtype=torch.float64) * 2 + 0.5)
-        x = x.to(device=device, dtype=case.dtype)
+        x = make_input(case, device).to(case.dtype)
+    tol = tolerance(case, conv64, bn64, x) if rtol is None else Tolerance(rtol, rtol, rtol)
     x_before = x.clone()
     candidate = make(conv, bn)
-    out = candidate(x)
+    with torch.no_grad():  # a forward check: the parameters' gradients are not asked for
+        out = candidate(x)
     expected = reference(conv64, bn64, x.to(torch.float64))
     assert torch.equal(x, x_before), "the input was modified"
-    assert_close(out, expected, rtol, atol=ATOL[case.dtype])
+    # the absolute floor follows the values' magnitude: small inputs give small outputs
+    atol = ATOL[case.dtype] * min(1.0, case.inputs.scale)
+    assert_close(out, expected, tol.output, atol=atol)
     if case.bn.track_running_stats:
         # atol: a channel with no taps is constant, so its batch variance is 0 up to rounding
-        assert_close(bn.running_mean, bn64.running_mean, rtol, "running_mean",
-                     atol=ATOL[case.dtype])
-        assert_close(bn.running_var, bn64.running_var, rtol, "running_var", atol=ATOL[case.dtype])
+        assert_close(bn.running_mean, bn64.running_mean, tol.running_mean, "running_mean",
+                     atol=atol)
+        assert_close(bn.running_var, bn64.running_var, tol.running_var, "running_var", atol=atol)
         assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"

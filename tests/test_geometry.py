@@ -332,10 +332,15 @@ def test_check_input_shape_channels(geom):
         geom.check_input_shape((1, 5, 4, 4, 4))
 
 
-@pytest.mark.parametrize("shape", [(0, 3, 4, 4, 4), (1, 3, 0, 4, 4), (2, 3, 4, 4, 0)])
+@pytest.mark.parametrize("shape", [(1, 3, 0, 4, 4), (2, 3, 4, 4, 0), (0, 3, 4, 0, 4)])
 def test_check_input_shape_empty(geom, shape):
     with pytest.raises(ValueError, match="empty input"):
         geom.check_input_shape(shape)
+
+
+def test_check_input_shape_empty_batch(geom):
+    """An empty batch is valid, as in PyTorch: an empty output of the right size."""
+    assert geom.check_input_shape((0, 3, 4, 4, 4)) == (0, geom.output_spatial((4, 4, 4)))
 
 
 @pytest.mark.parametrize(("kernel", "out"), [(1, -1), (2, 0)])

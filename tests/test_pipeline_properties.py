@@ -1,4 +1,5 @@
-"""The whole operator against PyTorch in float64, property by property (DESIGN.md section 4)."""
+"""The whole operator against PyTorch in float64, property by property, on hard inputs too
+(``testing.cases``: magnitudes, per-channel offsets, near-constant channels, few voxels)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from numba_deconv import Pipeline, testing
+from numba_deconv.gram_plan import gram_fits
 from numba_deconv.kernels import gram
+from numba_deconv.pipeline import GRAM_ITEMSIZE
 from numba_deconv.simulator import is_simulator
 
 SIM = is_simulator()
@@ -28,8 +31,8 @@ def _pipeline(impl, variance="auto"):
                                            ("scatter", "auto")])
 @given(data=st.data())
 def test_matches_pytorch_any_geometry(impl, variance, data, limits, device):
-    """Any geometry, both modes: the default path (training's variance from the Gram sums where
-    its tiles fit), the epilogue path forced, and the scatter path."""
+    """Any geometry, both modes: the default path, the epilogue path named, and the scatter
+    path."""
     if impl == "scatter" and limits == testing.CI_LIMITS:
         # simulated atomics take a global lock each: keep the teaching path's volumes small
         limits = dataclasses.replace(limits, max_output_voxels=150, max_channels_per_group=2)
@@ -48,9 +51,11 @@ def test_float64_matches_pytorch(training, data, limits, device):
 @settings(max_examples=min(6, settings().max_examples) if SIM else settings().max_examples)
 @given(data=st.data())
 def test_gram_variance_matches_pytorch(dtype, data, limits, device):
-    """Training with the variance from the input's Gram sums (``variance="gram"``)."""
+    """Training with the variance from the input's Gram sums (``variance="gram"``), held to the
+    same tolerance as the other paths, wherever its tiles fit."""
     limits = dataclasses.replace(limits, max_channels_per_group=min(3, limits.max_channels_per_group))
     case = data.draw(testing.cases(limits, dtypes=(dtype,), training=True))
+    assume(gram_fits(case.geometry, GRAM_ITEMSIZE))
     testing.check_case(case, _pipeline("gather", "gram"), device)
 
 
@@ -79,6 +84,7 @@ def test_default_like_problem(impl, training, device):
 def test_repeated_training_steps_track_running_stats(variance, data, limits, device):
     """Several steps in a row: running statistics accumulate exactly as PyTorch's."""
     case = data.draw(testing.cases(limits, training=True))
+    assume(variance != "gram" or gram_fits(case.geometry, GRAM_ITEMSIZE))
     conv64, bn64 = testing.build_modules(case, device)
     conv, bn = (copy.deepcopy(m).to(case.dtype) for m in (conv64, bn64))
     pipe = Pipeline.from_modules(conv, bn, variance=variance, poison=True)

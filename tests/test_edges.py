@@ -1,0 +1,197 @@
+"""Edge inputs side by side with PyTorch.
+
+=========================================  =========================================================
+input                                      behaviour (PyTorch's unless said)
+=========================================  =========================================================
+empty batch, evaluation or training        empty output of the right shape; training counts the
+                                           batch in ``num_batches_tracked``, running statistics kept
++inf / -inf / NaN in the input             the same NaN, +inf and -inf elements as PyTorch's float64
+                                           output, the finite ones within tolerance; no warnings
+subnormal values (float32)                 within the tolerance of ``testing.tolerance``
+very large values (1e15)                   within that tolerance
+very large values (1e19, float32)          *deliberate difference*: PyTorch's float32 batch
+                                           variance overflows (inf, then a zero scale); ours sums in
+                                           float64 and matches the float64 reference
+input that requires grad, grad mode        ``NotImplementedError`` (no backward yet); under
+                                           ``torch.no_grad()`` it runs
+parameters that require grad, grad mode    one ``NoGradientWarning`` per pipeline; the call runs
+float16 / bfloat16 input                   ``TypeError`` naming half precision (not supported yet)
+one value per channel in training          ``ValueError``, as PyTorch (tests/test_bad_input.py)
+a tensor on another CUDA device            runs there if it is the current device, else a clear
+                                           ``ValueError`` (GPU machines with two devices)
+=========================================  =========================================================
+
+Every rejected input leaves the input and the module's buffers untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from numba_deconv import Pipeline, testing
+from numba_deconv.pipeline import NoGradientWarning
+from numba_deconv.reference import Model
+
+IMPLS = [("gather", "auto"), ("gather", "gram"), ("scatter", "auto")]
+SHAPE = (2, 3, 2, 3, 3)  # a few voxels per channel keep the simulator quick
+
+
+def _skip_same_path(variance: str, training: bool) -> None:
+    if variance == "gram" and not training:
+        pytest.skip("evaluation has no variance to take: the same path as variance='auto'")
+
+
+def _models(device, training: bool, dtype=torch.float32):
+    """A float64 reference model and ours (``dtype``) with the same random parameters and
+    running statistics."""
+    torch.manual_seed(3)
+    ref = Model(3, 4, 3, 2, 1).double()
+    with torch.no_grad():
+        ref.batch_norm.running_mean.uniform_(-1, 1)
+        ref.batch_norm.running_var.uniform_(0.5, 1.5)
+        ref.batch_norm.weight.uniform_(0.5, 1.5)
+        ref.batch_norm.bias.uniform_(-1, 1)
+    ours = copy.deepcopy(ref).to(dtype)
+    return ref.to(device).train(training), ours.to(device).train(training)
+
+
+def _buffers(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("impl,variance", IMPLS)
+@pytest.mark.parametrize("training", [False, True])
+def test_empty_batch(device, impl, variance, training):
+    ref, ours = _models(device, training)
+    before = _buffers(ours)
+    x = torch.randn(0, 3, 3, 4, 5, device=device)
+    with torch.no_grad():
+        expected = ref(x.double())
+        got = Pipeline.from_torch(ours, conv_impl=impl, variance=variance)(x)
+    assert got.shape == expected.shape == (0, 4, 5, 7, 9)
+    assert got.dtype == x.dtype
+    for name, buf in ours.state_dict().items():
+        if name.endswith("num_batches_tracked"):
+            assert int(buf) == int(ref.state_dict()[name]) == int(before[name]) + training
+        else:
+            assert torch.equal(buf, before[name]), name
+
+
+def _patterns(t: torch.Tensor) -> tuple:
+    t = t.detach().cpu()
+    return torch.isnan(t), torch.isposinf(t), torch.isneginf(t)
+
+
+@pytest.mark.parametrize("impl,variance", IMPLS)
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_input_like_pytorch(device, impl, variance, training, value):
+    _skip_same_path(variance, training)
+    ref, ours = _models(device, training)
+    x = torch.randn(SHAPE, dtype=torch.float64, device=device)
+    x[1, 2, 1, 2, 1] = value
+    with torch.no_grad():
+        expected = ref(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning floods, not even under the simulator
+        with torch.no_grad():
+            got = Pipeline.from_torch(ours, conv_impl=impl, variance=variance,
+                                      poison=True)(x.float())
+    for mine, theirs, what in zip(_patterns(got), _patterns(expected), ("NaN", "+inf", "-inf")):
+        assert torch.equal(mine, theirs), what
+    assert not torch.isfinite(got).all()
+    finite = torch.isfinite(expected.cpu())
+    if finite.any():
+        testing.assert_close(got.cpu()[finite], expected.cpu()[finite], 1e-5)
+    if training:  # the running statistics of the channels the value reached are NaN or inf
+        for name in ("running_mean", "running_var"):
+            mine = getattr(ours.batch_norm, name)
+            theirs = getattr(ref.batch_norm, name)
+            assert torch.equal(torch.isfinite(mine.cpu()), torch.isfinite(theirs.cpu())), name
+
+
+@pytest.mark.parametrize("impl,variance", IMPLS)
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("scale", [1e-40, 1e15])
+def test_extreme_magnitudes(device, impl, variance, training, scale):
+    """Subnormal float32 inputs and very large ones, against float64 within the tolerance that
+    PyTorch's own strict fp32 sets on the same input."""
+    _skip_same_path(variance, training)
+    ref, ours = _models(device, training)
+    x = (torch.randn(SHAPE, dtype=torch.float64) * scale).float().to(device)
+    tol = testing.tolerance(
+        testing.Case(testing.ConvGeometry.create(3, 4, 3, 2, 1), testing.BatchNormSettings(),
+                     SHAPE[0], SHAPE[2:], training), ref.conv_transpose, ref.batch_norm, x)
+    with torch.no_grad():
+        got = Pipeline.from_torch(ours, conv_impl=impl, variance=variance, poison=True)(x)
+        expected = ref(x.double())
+    testing.assert_close(got, expected, tol.output)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_values_that_overflow_pytorchs_float32_variance(device, training):
+    """The deliberate difference: at 1e19 PyTorch's float32 batch variance overflows; ours
+    accumulates in float64 and stays with the float64 reference."""
+    ref, ours = _models(device, training)
+    x = (torch.randn(SHAPE, dtype=torch.float64) * 1e19).float().to(device)
+    with torch.no_grad():
+        got = Pipeline.from_torch(ours, poison=True)(x)
+        expected = ref(x.double())
+    testing.assert_close(got, expected, 1e-5)
+
+
+def test_input_requiring_grad_is_refused(device):
+    _, ours = _models(device, True)
+    before = _buffers(ours)
+    x = torch.randn(SHAPE, device=device, requires_grad=True)
+    pipe = Pipeline.from_torch(ours)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        pipe(x)
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+    with torch.no_grad():
+        assert pipe(x).shape == (2, 4, 3, 5, 5)
+
+
+def test_parameters_requiring_grad_warn_once(device):
+    _, ours = _models(device, False)
+    pipe = Pipeline.from_torch(ours)
+    x = torch.randn(1, 3, 2, 3, 3, device=device)
+    with pytest.warns(NoGradientWarning, match="no gradient flows"):
+        out = pipe(x)
+    assert not out.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x)  # once per pipeline
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            Pipeline.from_torch(ours)(x)  # forward-only use says so: no warning
+        ours.requires_grad_(False)
+        Pipeline.from_torch(ours)(x)  # nothing requires grad: no warning
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_refused(device, dtype):
+    _, ours = _models(device, True)
+    before = _buffers(ours)
+    x = torch.randn(2, 3, 3, 4, 5, device=device).to(dtype)
+    x_before = x.clone()
+    with pytest.raises(TypeError, match="half precision"):
+        Pipeline.from_torch(ours)(x)
+    assert torch.equal(x, x_before)
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+
+
+@pytest.mark.gpu
+def test_tensor_on_another_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    _, ours = _models("cuda:0", False)
+    x = torch.randn(2, 3, 3, 4, 5, device="cuda:1")
+    with pytest.raises(ValueError, match="cuda:1"):
+        with torch.no_grad():
+            Pipeline.from_torch(ours)(x)
