@@ -1,71 +1,19 @@
 """``gram_sums``: the input's Gram sums that give training's batch variance before the convolution.
 
-The algebra and the bookkeeping (cells, terms, tiles, slots) are in ``numba_deconv/gram_plan.py``;
-this file holds the kernels and their launchers. The pipeline runs them in training wherever
-the geometry's tiles fit (``variance="auto"``, the default, or ``"gram"``): faster than the
-epilogue path's second pass over the output since session 18 (below).
+Runs on request (``variance="gram"``), in float64 whatever the input's dtype (a variance taken as
+``Q/M - mean^2`` cancels where a channel's mean dwarfs its spread). The algebra and the
+bookkeeping (cells, terms, tiles, slots) are in ``numba_deconv/gram_plan.py``.
 
-``gram_sums`` (one launch): what one thread owns is a *task*: a quad of CB "a" channels, a
-quad of CB "b" channels, one D offset, one H offset and a window of WW W offsets, ``CB*CB*WW``
-float32 accumulators of
-
-    G'_cell(delta)[ci, ci'] = sum_{n, i in cell} x[n, ci, i] * (x[n, ci', i + delta] - c_ci')
-
-A block holds every task of a task group, in ``teams`` copies that split a tile's rows (at the
-default problem 96 tasks, one team: four blocks per SM). A block walks its run of tiles. Per
-tile a warp per (D plane, row) stages the tile and the halo its offsets reach in shared memory,
-laid out [plane][row][channel quad][column][CB], by asynchronous copies (``async_copy``) all in
-flight, lanes over (channel of a quad, column) so that a warp's stores fill 32 banks; outside
-the input it stages each channel's shift c (below), so that ``x_b - c`` is zero there. A lane's
-columns are tested with one unsigned comparison each against the tile's span of columns inside
-the input (the row's and the channel's tests hoisted out of the column loop; the per-column
-signed 64-bit tests were ~55 instructions per staged warp-row: 27% of the kernel's, ncu,
-session 17). Then
-each thread walks its rows along W, keeping the W window in registers and loading per column
-only the "b" quad entering it and its "a" quad: two 16-byte loads per 48 FMAs at the default
-problem. The quad stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a
-warp reads at one column in different banks. The window rotates through WW register sets (the
-step unrolled WW times, in generated source as in ``gather.fma_step_source``), so no value moves
-between registers; shared-memory offsets are counted in vectors and unsigned, so that the
-compiler sees aligned vectors and emits no negative-index check.
-
-Whole rows (``gram_plan.column_entries``): where few columns need correcting, a tile spans
-whole rows (no cells along W) and sums every column, ``x_b - c`` being zero outside the input;
-after the walk, team 0 adds each *column entry* (a column a term leaves out, at one W offset)
-apart, per tile, into sums that live in shared memory until the slot's flush, and the channel
-sums keep the *edge* columns apart. The reduction subtracts what each term leaves out. At the
-default problem: two entries (the first and the last column at W offset 0), 7 tiles per
-(sample, D plane) where cells along W made 12, 8 of them one row or one column wide.
-
-Precision: the variance is ``Q/M - mean^2``, a difference of two large numbers when
-|mean| >> std, so the sums must not lose Q's low digits. The "b" side is shifted by c (the mean
-of a few values of sample 0, any c is exact; one per staged channel, in shared memory): the
-products stay ~|mean| * std instead of mean^2, and float32 sums over a block's run stay at
-float32's relative error of the *variance* times ~|mean|/std. Threads of each staged channel
-also add its raw values per cell (and per edge column), in float64; the reduction puts the
-shift back exactly: ``G = G' + c_ci' * sum_cell x_ci``.
-
-``gram_chunk_sums`` then ``gram_reduce``: a thread per (chunk, column) adds a run of at most
-SLOT_CHUNK slots of one cell (the sums in the input's dtype, the channel sums in float64),
-then REDUCE_LANES threads per (group, term, ci, ci') add the chunks of the term's cells, each
-chunk less the term's column entries and edges (all of a chunk's loads at once), and shuffle
-their shares together, each in a fixed order (deterministic), into the term sums; each block
-then contracts its term sums with the weights into its share of every output channel's Q_c,
-so that ``batch_stats.gram_statistics`` only adds the blocks' shares. Both are programmatic
-dependents (``griddep``) of the kernel before them, and let the next start at once.
-
-Cost at the default problem: 1.21 G FMAs (the minimum with G(d) = G(-d)^T is 0.91 G; the tasks
-compute both signs of the H and W offsets for D offset 0), against the convolution's 3.33 G.
-Measured (H100, benchmarks/NOTES.md sessions 7, 14, 15, 17): this kernel 119 us at the default
-problem with the staging above (126 us before it, in the same run; 127 in session 15, 0.205 ms
-with cells along W and two teams of 96 threads, 0.173 ms with whole rows and two teams) and
-16 us at the geometry problem. Without cells at all
-(``benchmarks/probe_gram_v3.py``: every position, tiles of 8 whole rows, no shift) the same loop
-takes 78 us. Training on this path took 0.427 and 0.535 ms in two bench runs (the epilogue
-path 0.430 / 0.429); as one chain of programmatic dependents (session 16) 0.411-0.416 ms where
-the host issues a call in ~0.3 ms, host-bound where it needs ~0.4 ms; with the contraction in
-``gram_reduce`` (session 18) 0.394-0.395 ms, the statistics ending 11 us after the reduction
-instead of 27.
+``gram_sums``: a thread owns a *task*: a quad of CB "a" channels, a quad of CB "b" channels, one
+D offset, one H offset and a window of WW W offsets, ``CB*CB*WW`` accumulators of
+``G'_cell(delta)[ci, ci'] = sum_{n, i in cell} x[n, ci, i] * (x[n, ci', i + delta] - c_ci')``.
+A block holds a task group's tasks in ``teams`` copies that split a tile's rows, and walks its
+run of tiles: warps stage a tile and its halo in shared memory by asynchronous copies, then each
+thread walks its rows along W with the window in registers (two 16-byte loads per 48 FMAs at the
+default problem). ``gram_chunk_sums`` then ``gram_reduce`` add the slots in a fixed order
+(deterministic) and contract the term sums with the weights into each block's share of Q_c.
+Cost at the default problem: 1.21 G FMAs (the convolution: 3.33 G), against 0.91 G with
+G(d) = G(-d)^T; the input read once per task group.
 """
 
 from __future__ import annotations
@@ -91,11 +39,10 @@ REDUCE_BLOCK = 128
 REDUCE_LANES = 1 if is_simulator() else 8
 QCHUNK = 32  # gram_reduce contracts its term sums with the weights this many channels at a time
 # where the Gram path runs box_sums: after gram_sums as its programmatic dependent, in its tail
-# (True: 0.411-0.416 ms a call against 0.417-0.422, H100), or before it (``Pipeline._gram_train``;
-# benchmarks/NOTES.md session 16)
+# (True: its blocks fill the SMs gram_sums' last blocks leave idle), or before it
+# (``Pipeline._gram_train``)
 BOX_SUMS_IN_TAIL = True
 # box_sums' threads per block there: in gram_sums' tail its blocks of 128 fit where 256 wait
-# (train 0.3936-0.3938 ms against 0.3966-0.3975 with 256, eval's size; H100, session 19)
 BOX_SUMS_BLOCK = 128
 MAX_REGS = 0  # register cap of gram_sums (0: none)
 
@@ -111,7 +58,25 @@ def gram_sums_source(consts: dict) -> str:
     Shared memory, per tile: [plane][row][channel quad][column][CB] (``sm``, 16-byte aligned);
     a position's quad is one vector. Offsets into it are counted in vectors and multiplied by
     CB where an element is read, so the compiler sees every vector start aligned and loads a
-    quad at once (counted in elements, each element was a load of its own: session 14).
+    quad at once (counted in elements, each element becomes a load of its own). The quad
+    stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a warp reads at
+    one column in different banks; the window rotates through WW register sets (the step
+    unrolled WW times), so no value moves between registers.
+
+    Staging: a warp per (D plane, row), lanes over (channel of a quad, column), so that a warp's
+    stores fill 32 banks; a lane's columns are tested with one unsigned comparison each against
+    the tile's span inside the input. Outside the input it stages each channel's shift c, so
+    that ``x_b - c`` is zero there.
+
+    Whole rows (``gram_plan.column_entries``): where few columns need correcting, a tile spans
+    whole rows and sums every column; team 0 adds each *column entry* (a column a term leaves
+    out, at one W offset) apart, and the channel sums keep the *edge* columns apart, so that the
+    reduction subtracts what each term leaves out.
+
+    Precision: the "b" side is shifted by c (the mean of a few values of sample 0; any c is
+    exact), so the products stay ~|mean| * std instead of mean^2; threads of each staged
+    channel also add its raw values per cell in float64, and the reduction puts the shift back
+    exactly: ``G = G' + c_ci' * sum_cell x_ci``.
     """
     c = consts
     ww, sw = c["WW"], c["SW"]
@@ -297,8 +262,8 @@ def gram_sums_source(consts: dict) -> str:
         "        cuda.syncthreads()  # every thread is done reading the previous tile",
         # staging: a warp per (plane, row), lanes (channel of a quad, column), eight columns
         # per pass, quad after quad; asynchronous copies all in flight (zeros outside the
-        # input). No division: a warp per (plane, row, quad) decoded with two run-time
-        # divisions was half of all instructions (ncu, session 14)
+        # input). No division: decoding a warp per (plane, row, quad) with two run-time
+        # divisions would cost more instructions than the copies themselves
         f"        wz0 = w0 - {c['HL']}",
         "        nbase = n * in_ch * cstride",
         # a lane's staged columns are lcol, lcol + 8, ...: niter of them; those inside the
@@ -427,9 +392,7 @@ def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
     source = gram_sums_source(dict(consts))
     exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
     # The flush's ~140-330 statements typed once instead of at both calls, NVVM inlining the
-    # one copy: the same SASS, and numba's compile 14.6 -> 9.3 s where four teams share a slot
-    # on a 2-core CPU (on the H100's host 31.5 -> 30.1 s, within its noise: benchmarks/NOTES.md,
-    # session 21)
+    # one copy: the same SASS for less of numba's compile time
     namespace["gram_flush"] = nvvm_inlined(namespace["gram_flush"])
     # the simulator's jit takes no register cap (and has no registers)
     options = {"max_registers": max_regs} if max_regs and not is_simulator() else {}
@@ -541,10 +504,10 @@ def make_gram_reduce(corr_width: int, edge_width: int, lanes: int):
         # of a sum takes every lanes-th channel), and one thread per channel adds the block's
         # products in order (deterministic):
         #     qpart[g, oc, block] = sum_{its sums} coef * w[ci, oc, a] * G(ci, ci') * w[ci', oc, b]
-        # so that ``batch_stats.gram_statistics`` only adds BPG numbers per channel (it
-        # contracted the 16 K term sums per channel itself, one block per channel, and took
-        # 27 us after this kernel's end: session 18). The first chunk's weight products are
-        # loaded before the wait (nothing before this kernel in the chain writes the weights).
+        # so that ``batch_stats.gram_statistics`` only adds BPG numbers per channel (one block
+        # per channel contracting every term sum would end long after this kernel). The first
+        # chunk's weight products are loaded before the wait (nothing before this kernel in
+        # the chain writes the weights).
         # Launched as gram_chunk_sums' programmatic dependent (``griddep``), and lets the next
         # one start at once.
         cg, nb, gstride, win, cols, cgp, ncorr, bpg = dims
@@ -659,8 +622,7 @@ class GramLaunch:
     sums: torch.Tensor
     qpart: torch.Tensor   # (G, OPG, BPG) f64: gram_reduce's blocks' shares of Q_c
     # What a call's launches need, worked out once in ``gram_launch`` (a plan's properties are
-    # computed, and its constants build the kernel's cache key: ~60 µs of host time per call
-    # when the launchers derived them, session 17).
+    # computed, and its constants build the kernel's cache key: too slow for every call).
     sums_grid: tuple = ()
     block: int = 0
     chunk_grid: int = 0
