@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from . import folding
+from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
 from .kernels import box_sums, epilogue, gather, gram, scatter, spatial_reduce
@@ -63,8 +64,8 @@ DEFAULT_DEVICE = "H100"
 # a stage whose work runs inside another stage's launch (no kernel, no launch shape of its own)
 FUSED_MEANS = "fused: box_sums, last block per sample"
 FUSED_SCALE = "fused: the gather's epilogue, by gram_statistics' scale"
-
-GPU_COLUMNS = ("regs", "shared_bytes", "local_bytes", "occupancy", "measured_us")
+# the Gram path's sums, whatever the input's dtype (the pipeline's ``GRAM_ITEMSIZE``)
+GRAM_DTYPE = "float64"
 
 
 @dataclass
@@ -253,7 +254,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         planes = batch * geom.in_channels
         kd, kh, kw = geom.kernel_size
         boxes = planes * kd * kh * kw * 8
-        name = "float32" if dtype == torch.float32 else "float64"
+        name = name_of(dtype)
         # the kernel of an aligned input (whole quads of float32 read by 16-byte loads)
         vec = box_sums.whole_quads(dtype, in_spatial[2])
         box_rows = [("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name, vec=vec),
@@ -305,10 +306,14 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
 
 
 def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
-    """The Gram path's rows: gram_sums, gram_reduce and gram_statistics (``pipe.uses_gram``)."""
+    """The Gram path's rows: gram_sums, gram_reduce and gram_statistics (``pipe.uses_gram``).
+
+    The Gram path sums in float64 whatever the input's dtype (``Pipeline._gram_train``: a
+    float32 input is converted first, which the gram_sums row's bytes include)."""
     geom = pipe.geometry
-    e = torch.empty((), dtype=dtype).element_size()
-    name = "float32" if dtype == torch.float32 else "float64"
+    e = ITEMSIZE[GRAM_DTYPE]
+    x64_bytes = x_bytes * e // torch.empty((), dtype=dtype).element_size()
+    convert_bytes = 0 if dtype == torch.float64 else x_bytes + x64_bytes
     layout = gram.plan_for(geom, batch, in_spatial, e)
     width = layout.partial_width
     slot_bytes = layout.slots * (layout.sums_width * e + layout.channel_width * 8)
@@ -317,8 +322,8 @@ def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
     stat_block = block_size(batch_stats_kernels.GRAM_BLOCK)
     return [
         ("gram_sums", f"gram_sums[quads={CB}x{CB},w_window={layout.ww},teams={layout.teams}]",
-         gram.make_gram_sums(name, layout), gram.sums_grid(layout),
-         layout.block, 2 * layout.fma, x_bytes + slot_bytes, layout.smem * e),
+         gram.make_gram_sums(GRAM_DTYPE, layout), gram.sums_grid(layout),
+         layout.block, 2 * layout.fma, convert_bytes + x64_bytes + slot_bytes, layout.smem * e),
         ("gram_reduce", "gram_chunk_sums + gram_reduce", gram.reduce_kernel(layout),
          (gram.reduce_grid(layout),), gram.REDUCE_BLOCK,
          layout.slots * width + terms * (1 + 4 * geom.out_per_group),
@@ -566,7 +571,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             row.measured_us = stages.get(row.stage)
         report.notes.append(f"measured: median of {repeats} CUDA-event timings; per-stage events "
                             "bracket single launches, so they include numba's launch overhead "
-                            "(~20-100 us) whenever the GPU waits on the host; host stages untimed")
+                            "(tens of us) whenever the GPU waits on the host; host stages untimed")
     return report
 
 

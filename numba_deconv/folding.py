@@ -1,4 +1,7 @@
-"""Host-side batch-norm algebra (DESIGN.md 2.1, 2.2, 2.4, 2.5): small tensors, torch ops, no kernels.
+"""Host-side batch-norm algebra: small tensors, torch ops, no kernels.
+
+The identities are those of docs/design.md §2.1 (shifts cancel), §2.2 (folding), §2.4 (the
+training variance) and §2.5 (running statistics).
 
 Everything here works on per-channel or per-(n, c) tensors (size O(N*C)) or on the weights
 (size O(Cin*Cout*k^3)), in float64, on whatever device they live on. The pipeline uses the
@@ -38,7 +41,7 @@ def batch_statistics(means: torch.Tensor, css: torch.Tensor, volume: int):
     """Per-channel batch mean and biased variance from per-(n, c) statistics.
 
     ``means`` (N, C): spatial means m[n, c]; ``css`` (N, C): sum_o (y - m[n, c])^2;
-    ``volume``: S, the output voxels per (n, c). Law of total variance (DESIGN.md 2.4):
+    ``volume``: S, the output voxels per (n, c). Law of total variance (docs/design.md §2.4):
 
         mu_c  = mean_n m[n, c]
         var_c = sum_n css[n, c] / (N*S) + mean_n (m[n, c] - mu_c)^2
@@ -71,7 +74,7 @@ def uses_batch_statistics(bn: nn.BatchNorm3d, training: bool) -> bool:
 @torch.no_grad()
 def update_running_stats(bn: nn.BatchNorm3d, mu: torch.Tensor, var: torch.Tensor,
                          count: int) -> None:
-    """PyTorch's update (DESIGN.md 2.5), in place on ``bn``'s buffers.
+    """PyTorch's update (docs/design.md §2.5), in place on ``bn``'s buffers.
 
     num_batches_tracked += 1; factor = momentum, or 1/num_batches_tracked when momentum is None;
     running_mean <- (1-f) running_mean + f mu; running_var <- (1-f) running_var + f var*M/(M-1).

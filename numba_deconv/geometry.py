@@ -15,7 +15,7 @@ and tap ``k`` of input voxel ``i`` lands on output ``o = s*i - p + d*k`` when ``
 ``(r + p - d*k)`` is divisible by ``s``, and then always from ``i = q + delta`` with
 ``delta = (r + p - d*k) // s``. Every output of one phase therefore has the same tap list
 (:meth:`AxisGeometry.phase_taps`), and the transposed convolution splits into ``s**3`` dense
-gather-style sub-convolutions with no wasted multiply-adds and no atomics (DESIGN.md 2.6).
+gather-style sub-convolutions with no wasted multiply-adds and no atomics (docs/design.md §2.6).
 A phase can have no taps at all when ``d > 1``; its outputs are the bias alone.
 
 **Validation.** :class:`ConvGeometry` accepts exactly what PyTorch's ``ConvTranspose3d``
@@ -140,7 +140,7 @@ class AxisGeometry:
 
         Solves ``0 <= s*i - p + d*k <= O - 1`` for ``i`` and intersects with
         ``[0, input_size - 1]``; ``lo > hi`` means no input does. Summing the input over these
-        boxes gives the output's spatial mean before any convolution is run (DESIGN.md 2.3).
+        boxes gives the output's spatial mean before any convolution is run (docs/design.md §2.3).
         """
         out = self.output_size(input_size)
         offset = self.padding - self.dilation * k
@@ -272,8 +272,8 @@ class ConvGeometry:
     def check_input_shape(self, shape: Sequence[int]) -> tuple[int, Triple]:
         """Validate the shape of an input ``x`` and return ``(batch, output_spatial)``.
 
-        Stricter than PyTorch on purpose: a 4-D (unbatched) input and an empty batch are
-        refused, because the pipeline's reductions are defined per batch element.
+        A 4-D (unbatched) input is refused, as BatchNorm3d refuses it; an empty batch is
+        valid (batch 0), as in PyTorch; an empty spatial size is refused.
         """
         shape = tuple(shape)
         if len(shape) != 5:
@@ -282,8 +282,8 @@ class ConvGeometry:
         if channels != self.in_channels:
             raise ValueError(f"input has {channels} channels but the convolution expects "
                              f"in_channels={self.in_channels} (shape {shape})")
-        if batch < 1 or min(spatial) < 1:
-            raise ValueError(f"empty input: batch and every spatial size must be >= 1, got shape {shape}")
+        if batch < 0 or min(spatial) < 1:
+            raise ValueError(f"empty input: every spatial size must be >= 1, got shape {shape}")
         return batch, self.output_spatial(tuple(spatial))  # type: ignore[arg-type]
 
     def weight_shape(self) -> tuple[int, int, int, int, int]:

@@ -1,14 +1,14 @@
 """Training's batch variance before the convolution: the bookkeeping of the Gram path (host only).
 
 Training needs, per output channel c, ``Q_c = sum_{n,o} y[n, c, o]^2`` of the bias-free
-convolution y; with the mean (known from the box sums) it gives the batch variance. Computing it
-from y costs a second pass over the output (``epilogue.scale_rows``, 0.18 ms at the default
-problem). Computing it from the input costs a third of the convolution's multiply-adds and
-lets the evaluation kernel write the final output once (benchmarks/NOTES.md, sessions 6-7); the
-kernels that do it (``kernels/gram.py``) beat the second pass since session 18, so training
-takes this path by default where its tiles fit.
+convolution y; with the mean (known from the box sums) it gives the batch variance
+(docs/design.md §2.7). Computing it from y costs a second pass over the output
+(``epilogue.scale_rows``). Computing it from the input costs a third of the convolution's
+multiply-adds and lets the evaluation kernel write the final output once; the kernels that do
+it (``kernels/gram.py``) run on request (``variance="gram"``), in float64.
 
-**The algebra** (checked in float64 against PyTorch by ``benchmarks/probe_gram_variance.py``).
+**The algebra** (checked against PyTorch in float64 by ``tests/test_gram.py`` and
+``tests/test_pipeline_properties.py``).
 Per axis, tap ``a`` of input ``i`` lands on output ``s*i - p + d*a``. Two taps ``a, b`` reach the
 same output from inputs ``i`` and ``i + delta`` with ``delta = d*(a - b)/s`` when that is a whole
 number (the pair *meets*), and the inputs ``i`` of tap ``a`` that do so form one interval
@@ -43,9 +43,10 @@ rows, a run of W columns of at most one warp with the halo, all inside one cell;
 get more rows); each block takes a contiguous run of tiles of about equal work, staging each
 tile (with the halo its offsets reach) in shared memory, channel quads innermost so that a
 thread loads a quad as one vector, and writes one partial per (block, cell) it touched: a
-*slot* (its sums in the input's dtype, its channel sums in float64). The reduction, in a fixed
-order (deterministic), first adds runs of at most SLOT_CHUNK slots of one cell (*chunks*, many
-sums in parallel), then the chunks of each term's cells (less its column entries and edges).
+*slot* (its sums in the kernel's dtype, float64 on the pipeline's path; its channel sums in
+float64). The reduction, in a fixed order (deterministic), first adds runs of at most SLOT_CHUNK
+slots of one cell (*chunks*, many sums in parallel), then the chunks of each term's cells (less
+its column entries and edges).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ TILE_AREA = 352   # staged positions per (channel quad, D plane) of one tile, ha
 SMEM_BYTES = 48 * 1024  # a block's shared memory at most (without opting in to more)
 BLOCK = 128       # threads per block at most (task groups beyond go to grid.y) ...
 MAX_CHANNELS = 256  # ... unless the staged channels are more (a thread each for their sums)
-BLOCKS_PER_SM = 4   # blocks of 96 threads at 168 registers (session 15: 128 us, 2 x 192: 173)
+BLOCKS_PER_SM = 4   # blocks of 96 threads at 168 registers (faster than 2 of 192 threads)
 TILE_COST = 64    # a tile's staging and barriers, in positions of work (for the schedule)
 ROW_COST = 4      # a row's window set-up, in positions
 SLOT_CHUNK = 32   # the reduction's first stage adds at most this many slots per sum
@@ -207,7 +208,7 @@ class GramPlan:
 
     @property
     def sums_width(self) -> int:
-        """A slot's sums (in the input's dtype): NK accumulators per column, then CB*CB per
+        """A slot's sums (in the kernel's dtype): NK accumulators per column, then CB*CB per
         column entry and column."""
         return (self.nk + len(self.corr) * CB * CB) * self.columns
 
@@ -256,9 +257,9 @@ def quad_stride(columns: int) -> int:
     """Vectors per staged (row, channel quad) of a tile whose staged row has ``columns``: = 2
     mod 8, so that the four quads a warp's lanes read at one column sit 8 banks apart, and the
     next D plane (one vector of padding) 4 banks further (``kernels/gram.py``); the default
-    problem's 32 staged columns would put all four in the same banks. (Measured in session 14
-    while the staging still dominated: no change either way.) A tile whose padded row does not
-    fit the staging area keeps its rows unpadded (``gram_plan``: the tile's last column)."""
+    problem's 32 staged columns would put all four in the same banks. A tile whose padded row
+    does not fit the staging area keeps its rows unpadded (``gram_plan``: the tile's last
+    column)."""
     return columns + (2 - columns) % 8
 
 
@@ -295,9 +296,8 @@ def _staging(step, reach, channels: int, itemsize: int, block: int, extra: int) 
 def gram_fits(geom: ConvGeometry, itemsize: int) -> bool:
     """Whether the Gram path runs this geometry for inputs of any size: a one-position tile and
     its halo fit the staging area and the staged channels a block (smaller inputs can only have
-    fewer offsets, so smaller halos; cells along W need no column entries). (Until session 18
-    one output channel's weights also had to fit ``gram_statistics``' shared memory; the
-    contraction with the weights is ``gram_reduce``'s now, from global memory.)"""
+    fewer offsets, so smaller halos; cells along W need no column entries). The weights need not
+    fit in shared memory: ``gram_reduce`` contracts with them from global memory."""
     steps = [axis_reach(ax) for ax in geom.axes()]
     channels = geom.groups * -(-geom.in_per_group // CB) * CB
     staging = _staging([st for st, _ in steps], [r for _, r in steps], channels, itemsize,
@@ -435,8 +435,8 @@ def gram_plan(geom: ConvGeometry, batch: int, in_spatial, itemsize: int = 4,
     tiles = np.array(tiles, np.int32).reshape(-1, 8)
 
     # blocks: contiguous runs of tiles of about equal work (a tile also costs its staging). Tiles
-    # cut where a run ends inside them (runs of equal work to a few percent instead of a third
-    # of a tile) measured slower: 135 against 127 us, 15% more tiles (session 15)
+    # are not cut where a run ends inside them: runs of more equal work, but more tiles, each
+    # with its staging, measured slower (docs/performance.md)
     work = tiles[:, 3].astype(np.int64) * tiles[:, 5] + TILE_COST + ROW_COST * tiles[:, 3]
     nblocks = max(1, min(len(tiles), BLOCKS_PER_SM * sms // max(1, -(-tasks // max_block))))
     ends = np.searchsorted(np.cumsum(work), np.arange(1, nblocks + 1) * (work.sum() / nblocks),

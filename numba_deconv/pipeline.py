@@ -4,7 +4,7 @@ The pipeline only orchestrates: it validates inputs, picks the kernels, owns the
 launch configurations (cached per input shape), and hands the small per-channel algebra to
 ``folding``. Two strategies, selected with ``conv_impl=``:
 
-``"gather"`` (default, the fast path; docs/design.md sections 2 and 3)
+``"gather"`` (default, the fast path; docs/design.md §2.3, §2.4, §2.6, and §2.7 for the Gram path)
     box_sums (box sums and, in its last block per sample, the means) ->
     conv_transpose3d_gather with the fused epilogue.
     Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
@@ -50,7 +50,7 @@ import torch
 from numba import cuda
 from torch import nn
 
-from . import folding
+from . import dtypes, folding
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
@@ -106,7 +106,7 @@ class _ShapePlan:
 
 
 class Pipeline:
-    """The whole operator (docs/design.md, the problem) on Numba CUDA kernels.
+    """The whole operator (docs/design.md §1) on Numba CUDA kernels.
 
     ``Pipeline.from_torch(model)`` or ``Pipeline.from_modules(conv, bn)``; then ``pipe(x)``.
     Parameters and buffers are read from the torch modules at every call, so training them (or
@@ -212,7 +212,7 @@ class Pipeline:
 
         ``variance="auto"`` takes the epilogue path: its variance is a sum of squares of the
         centred output itself, as accurate as the convolution on every input. The Gram path's
-        variance is a difference of second moments, ``E[y^2] - E[y]^2`` (docs/design.md), which
+        variance is a difference of second moments, ``E[y^2] - E[y]^2`` (docs/design.md §2.7), which
         cancels where a channel's mean dwarfs its spread, and its cost grows with
         ``in_channels^2`` times the tap offsets; it accumulates in float64 to stay accurate,
         so it runs only where asked for.
@@ -439,7 +439,7 @@ class Pipeline:
             plan.samples_done = torch.zeros(batch, dtype=torch.int32, device=dev)
             plan.contrib = torch.empty((batch, geom.in_channels, geom.out_per_group), dtype=f64,
                                        device=dev)
-            dtype = "float32" if x.dtype == torch.float32 else "float64"
+            dtype = dtypes.name_of(x.dtype)
             plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
             plan.wph_index = torch.from_numpy(
                 gather.phase_weight_index(geom, plan.gather.tiling)).to(dev)
@@ -574,7 +574,7 @@ class Pipeline:
                    self._version(self.bn.weight), self.bn.eps)
             weight = self._cached("scatter_folded", key,
                                   lambda: folding.fold_weights(weight, scale, geom.groups))
-        # The bias shifts a whole channel, so the mean subtraction removes it (DESIGN.md 2.1):
+        # The bias shifts a whole channel, so the mean subtraction removes it (docs/design.md §2.1):
         # accumulate from zero. Accumulated onto the bias, a channel whose bias dwarfs its spread
         # lost that spread to float32 rounding (a case hypothesis found: 4e-5 relative error).
         epilogue.launch_fill_channels(rows, plan.zero_bias)
@@ -615,7 +615,7 @@ class Pipeline:
                            key + (launch.tiling.nc, x.dtype),
                            lambda: gather.arrange_weights(conv_weight, plan.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
-        dtype = "float32" if x.dtype == torch.float32 else "float64"
+        dtype = dtypes.name_of(x.dtype)
         if batch_stats and self.uses_gram:
             self._gram_train(x, out, plan, wph, flat_w, dtype, record)
             return

@@ -40,7 +40,14 @@ inf to wait forever; e.g. the other lanes wait in ``syncthreads``) raises. When 
 block raises, the lanes waiting in its warp operations end quietly, so the launch reports the
 thread that failed first.
 
-Cost (2-core CPU, 256-thread block): a shuffle round ~14 ms, half a ``syncthreads`` (~25 ms).
+Floating point: a GPU raises nothing for inf or NaN arithmetic, while numpy warns for every
+scalar operation that makes one. Launches made inside :func:`quiet_float_errors` (the package's
+launcher makes all of its own so) run their simulated threads with numpy's floating-point
+errors ignored; other kernels keep numpy's settings.
+
+Cost: every simulated thread is a Python thread, so a shuffle round or a barrier costs
+milliseconds per block; the package's launchers give the simulator small blocks for that reason
+(``kernels.launch.block_size``).
 
 Nothing here touches a device; on a real GPU :func:`install` does nothing.
 """
@@ -51,10 +58,12 @@ import contextlib
 import os
 import sys
 import threading
-import time
 import traceback
 
 import numpy as np
+
+# (loads numba.cuda: the package has chosen the backend before it imports this module)
+from .kernels.warp import FULL_MASK, WARP_SIZE
 
 __all__ = [
     "WARP_SIZE",
@@ -64,11 +73,10 @@ __all__ = [
     "install",
     "is_simulator",
     "is_installed",
+    "quiet_float_errors",
     "warp_timeout",
 ]
 
-WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
 
 #: Environment variable that overrides :data:`WARP_TIMEOUT_S` (seconds, float).
 TIMEOUT_ENV = "NUMBA_DECONV_SIM_WARP_TIMEOUT"
@@ -76,7 +84,8 @@ TIMEOUT_ENV = "NUMBA_DECONV_SIM_WARP_TIMEOUT"
 WARP_TIMEOUT_S = float(os.environ.get(TIMEOUT_ENV, "10"))
 #: GIL switch interval while the simulator is in use. The simulator's block manager polls its
 #: threads in a busy loop, so every hand-off of the GIL to a lane that was woken from a barrier
-#: costs up to one interval (default 5 ms); 0.5 ms makes barrier-heavy kernels ~3x faster.
+#: costs up to one interval (Python's default is 5 ms); a shorter one speeds barrier-heavy kernels
+#: up several times over.
 SWITCH_INTERVAL_S = 5e-4
 
 _installed = False
@@ -91,7 +100,7 @@ def is_simulator() -> bool:
 
     This is the flag numba-cuda itself consults (``numba.cuda.core.config``) when ``numba.cuda``
     is imported, which fixes the implementation for the life of the process: so the answer is
-    read once (every launch asks, and the import inside cost ~1 µs of host time per question).
+    read once (every launch asks, and the import inside would add to every launch's host time).
     """
     global _SIMULATOR
     if _SIMULATOR is None:
@@ -99,6 +108,33 @@ def is_simulator() -> bool:
 
         _SIMULATOR = bool(config.ENABLE_CUDASIM)
     return _SIMULATOR
+
+
+# Per host thread: whether launches started now run quietly (``quiet_float_errors``). Read by
+# each simulated block's manager, which the launching thread creates.
+_launch_state = threading.local()
+
+
+@contextlib.contextmanager
+def quiet_float_errors():
+    """Simulated launches that this host thread starts inside the context run their CUDA
+    threads under ``numpy.errstate(all="ignore")``, as a GPU raises nothing for inf or NaN
+    arithmetic.
+
+    numpy's error state belongs to each thread, and the simulator runs every CUDA thread as a
+    Python thread of its own, so setting it around the launch is not enough: the flag set here
+    is copied into each simulated block (:func:`install`) and applied in each of its threads.
+    The calling thread itself ignores the errors while the context lasts. Launches by other
+    threads, or after the context, keep numpy's settings. Without :func:`install` only the
+    calling thread is quiet.
+    """
+    previous = getattr(_launch_state, "quiet", False)
+    _launch_state.quiet = True
+    try:
+        with np.errstate(all="ignore"):
+            yield
+    finally:
+        _launch_state.quiet = previous
 
 
 def is_installed() -> bool:
@@ -512,6 +548,8 @@ def install() -> None:
         def __init__(self, f, grid_dim, block_dim, debug):
             manager_init(self, f, grid_dim, block_dim, debug)
             self._nd_warps = _BlockWarps(block_dim)
+            # made by the launching thread: whether that launch runs quietly
+            self._nd_quiet = getattr(_launch_state, "quiet", False)
 
         sim_kernel.BlockManager.__init__ = __init__
 
@@ -519,7 +557,11 @@ def install() -> None:
 
         def run(self):
             try:
-                thread_run(self)  # records the kernel's exception in self.exception
+                if getattr(self._manager, "_nd_quiet", False):  # ``quiet_float_errors``
+                    with np.errstate(all="ignore"):  # numpy's error state is per thread
+                        thread_run(self)
+                else:
+                    thread_run(self)  # records the kernel's exception in self.exception
             except _LaneAborted:
                 pass  # released because another thread raised: that one is reported
             finally:
@@ -534,8 +576,8 @@ def install() -> None:
         # caller's line: it must run in this frame, not behind a wrapper. One change: the
         # simulator's ``get``, then ``np.empty`` and a store let two threads of a block that
         # reach the line together each make an array, so that some threads wrote into one
-        # nobody read (a Gram reduction lost shares in one of ~40 CI runs, session 18);
-        # ``setdefault`` (one dict operation under the GIL) hands every thread the same one.
+        # nobody read (a reduction then lost partial sums in rare runs); ``setdefault`` (one
+        # dict operation under the GIL) hands every thread the same one.
         from numba.cuda import types
         from numba.cuda.simulator.kernelapi import FakeCUDAShared
         from numba.cuda.np import numpy_support

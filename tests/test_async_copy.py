@@ -12,6 +12,10 @@ from numba_deconv.kernels.async_copy import copy1, copy16, wait_all
 
 N_SHARED = 96  # elements of shared memory in the test kernels
 
+# these tests launch their one-block kernels directly (not through the package's launcher),
+# so numba warns about the small grid
+pytestmark = pytest.mark.filterwarnings("ignore:.*Grid size .* will likely result in GPU")
+
 
 def _kernel(dtype, vector: bool):
     vec = 16 // np.dtype(dtype).itemsize if vector else 1

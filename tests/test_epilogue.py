@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from numba_deconv import dtypes
 from numba_deconv.kernels import epilogue
 
 
@@ -19,7 +20,7 @@ def test_scale_rows_matches_torch(dtype, size, last_first, device, monkeypatch):
     y = torch.randn(batch, channels, size, dtype=dtype, device=device) + 2.0
     scale = torch.rand(channels, dtype=dtype, device=device) + 0.5
     want = y * scale.view(1, -1, 1)
-    name = "float32" if dtype == torch.float32 else "float64"
+    name = dtypes.name_of(dtype)
     epilogue.launch_scale_rows(y.view(-1), scale, size, name)
     assert torch.equal(y, want)  # one multiply per element: bit for bit
 

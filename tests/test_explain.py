@@ -13,10 +13,6 @@ from numba_deconv.explain import (DEVICE_PEAKS, _resources, device_peaks, explai
                                   theoretical_occupancy)
 from numba_deconv.kernels.launch import tensor_device
 
-# tiny launches are tiny on purpose (numba's class moved between numba-cuda versions)
-pytestmark = [pytest.mark.filterwarnings("ignore:.*Grid size.*under-utilization"),
-              pytest.mark.filterwarnings("ignore:.*Host array used in CUDA kernel")]
-
 
 SHAPE = (2, 3, 3, 4, 5)
 HOST_KERNELS = ("host", "torch", "fused")  # stages that are not numba launches of their own
@@ -85,7 +81,7 @@ def test_peaks_matched_by_name():
 def test_occupancy_arithmetic():
     hopper = {"regs": 65536, "threads": 2048, "shared": 233472, "sms": 132, "blocks": 32,
               "reserved_shared": 1024}
-    # DESIGN.md 6: a 144-register kernel at 128 threads: 3 blocks = 12 of 64 warps (~19%)
+    # docs/design.md §6: a 144-register kernel at 128 threads: 3 blocks = 12 of 64 warps (~19%)
     assert theoretical_occupancy(144, 128, 2048, hopper) == pytest.approx(12 / 64)
     assert theoretical_occupancy(32, 256, 0, hopper) == 1.0
     # shared memory bound: 100 KB + 1 KB reserved per block -> 2 blocks of 8 warps

@@ -13,7 +13,7 @@ AXES = [AxisGeometry(3, 2, 1, 0, 1), AxisGeometry(4, 3, 2, 1, 2), AxisGeometry(2
 
 
 def _loop_nest(acc, xin, wsm, wb, nc, mh, qw, hpat, wpat):
-    """The v4 kernel's loops, in plain Python."""
+    """The multiply-adds of one step as a loop nest, in plain Python."""
     sh, h_taps, _ = hpat
     sw, w_taps, wwin = wpat
     xc = qw + wwin - 1

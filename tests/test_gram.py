@@ -11,7 +11,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from numba_deconv import Pipeline, testing
+from numba_deconv import Pipeline, dtypes, testing
 from numba_deconv import gram_plan as gram_plan_module
 from numba_deconv.geometry import ConvGeometry
 from numba_deconv.gram_plan import (gram_fits, gram_plan, quad_stride, sum_of_squares,
@@ -62,7 +62,7 @@ def check_term_sums(plan, geom, x: torch.Tensor, dtype, device) -> None:
     gl = gram.gram_launch(plan, geom.out_per_group, device, dtype)
     for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.qpart):
         t.fill_(float("nan"))
-    name = "float32" if dtype == torch.float32 else "float64"
+    name = dtypes.name_of(dtype)
     gen = torch.Generator().manual_seed(geom.out_channels + x.shape[0])
     w = torch.randn(geom.weight_shape(), generator=gen, dtype=torch.float64).to(dtype)
     gram.launch_gram_sums(gl, name, x.to(device=device, dtype=dtype))
@@ -104,23 +104,27 @@ def test_reduction_lanes_match_numpy(lanes, monkeypatch, device):
     check_term_sums(plan, geom, x, dtype, device)
 
 
-def test_auto_follows_the_parameters_dtype(device):
-    """``variance="auto"`` decides at every call, for the parameters' current dtype: a geometry
-    whose Gram tiles fit in float32 but not in float64 takes the epilogue path after ``.double()``
-    (it failed with "no Gram plan" when the choice was made once, at construction)."""
+def test_auto_takes_the_epilogue_path_and_gram_fits_in_float64(device):
+    """``variance="auto"`` takes the epilogue path in either dtype; ``variance="gram"`` sums in
+    float64 whatever the parameters' dtype, so a geometry whose Gram tiles fit in float32 but
+    not in float64 is refused even for float32 parameters."""
     conv = torch.nn.ConvTranspose3d(8, 4, 4, 1, 0, dilation=2)
     bn = torch.nn.BatchNorm3d(4)
     geom = ConvGeometry.from_conv(conv)
     assert gram_fits(geom, 4) and not gram_fits(geom, 8)
+    with pytest.raises(ValueError, match="variance='gram'"):
+        Pipeline(conv, bn, variance="gram")
     conv, bn = conv.to(device), bn.to(device)
     pipe = Pipeline(conv, bn)
-    assert pipe.uses_gram
+    assert not pipe.uses_gram
     conv.double()
     bn.double()
     assert not pipe.uses_gram
     x = torch.randn((1, 8, 3, 3, 3), dtype=torch.float64, device=device)
     ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
-    testing.assert_close(pipe(x), testing.reference(ref_conv, ref_bn, x), 1e-10)
+    with torch.no_grad():  # forward only: the parameters get no gradient through the pipeline
+        got = pipe(x)
+    testing.assert_close(got, testing.reference(ref_conv, ref_bn, x), 1e-10)
 
 
 @pytest.mark.parametrize("lanes", [1, 8])
@@ -193,8 +197,8 @@ def test_whole_rows_in_column_chunks_match_numpy(monkeypatch, device):
 
 
 def test_geometries_the_path_takes():
-    """Narrow tiles and unpadded rows keep the geometries of many channels the path took before
-    the staged rows were padded (session 14's review)."""
+    """Narrow tiles and unpadded rows keep the geometries of many channels on the path although
+    the staged rows are padded (``gram_plan.quad_stride``)."""
     for ch, kernel, stride, itemsize in [(96, 3, 1, 4), (80, 3, 1, 4), (192, 3, 2, 4),
                                          (256, 2, 1, 4), (48, 3, 1, 8), (192, 3, 2, 8)]:
         geom = ConvGeometry.create(ch, 16, kernel, stride, kernel // 2)
@@ -214,14 +218,14 @@ def test_geometries_the_path_refuses():
         Pipeline(conv, bn, variance="gram")
     with pytest.raises(ValueError, match="variance must be one of"):
         Pipeline(conv, bn, variance="bogus")
-    # the default takes the epilogue path where the Gram tiles do not fit, and says so
-    assert not Pipeline(conv, bn).uses_gram
+    # the default takes the epilogue path, and says so; the Gram path only on request
     uses, why = Pipeline(conv, bn).variance_path()
-    assert not uses and "do not fit shared memory" in why
+    assert not uses and "variance='auto': the epilogue path" in why
     assert Pipeline(conv, bn, variance="epilogue").variance_path() == (False, "variance='epilogue'")
-    assert Pipeline(torch.nn.ConvTranspose3d(16, 32, 3, 2, 1), torch.nn.BatchNorm3d(32)).uses_gram
+    fits = (torch.nn.ConvTranspose3d(16, 32, 3, 2, 1), torch.nn.BatchNorm3d(32))
+    assert not Pipeline(*fits).uses_gram and Pipeline(*fits, variance="gram").uses_gram
     report = str(Pipeline(conv, bn).explain((1, 64, 2, 3, 3)))
-    assert "do not fit shared memory, so the epilogue path" in report
+    assert "from the gather's epilogue" in report and "variance='auto'" in report
 
 
 def test_cost_is_a_fraction_of_the_convolution():

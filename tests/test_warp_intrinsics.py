@@ -21,11 +21,15 @@ from numba_deconv import simulator  # first: it picks the simulator before numba
 
 from numba import cuda, float32, float64, int32, int64  # noqa: E402
 
+from numba_deconv.kernels.warp import FULL_MASK as FULL  # noqa: E402
+from numba_deconv.kernels.warp import WARP_SIZE as WARP  # noqa: E402
+
 simulator.install()
 
 SIM = simulator.is_simulator()
-FULL = 0xFFFFFFFF
-WARP = 32
+# These tests launch their kernels directly (not through numba_deconv's launcher), on grids of a
+# few blocks: numba's low-occupancy warning on a GPU is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.*Grid size .* will likely result in GPU")
 
 # (grid, block): full warps, a partial last warp, a single thread, 2-D/3-D blocks
 # (8*4*2 = 64 and 5*3*3 = 45 threads) and several blocks, whose warp state must not mix.
@@ -535,7 +539,7 @@ class _SlowEmpty:
 @pytest.mark.sim
 def test_static_shared_array_is_one_array_per_block(monkeypatch):
     """Threads reaching ``cuda.shared.array`` together get one array (the simulator's own lookup
-    let two of them each make one: some threads then wrote where no thread read, session 18),
+    let two of them each make one: some threads then wrote where no thread read),
     checked directly with many threads released at once (the allocation slowed down so that the
     race, rare otherwise, would show every time), then through a kernel."""
     from numba.cuda.simulator.kernelapi import FakeCUDAShared

@@ -5,14 +5,22 @@
 * ``gather``        - transposed convolution split into stride**3 dense phase classes, register
                       tiles, fused BN/mean epilogue: the fast path.
 * ``box_sums``      - per-tap input box sums, giving the output's spatial mean before the conv.
+* ``gram``          - the input's Gram sums per cell and their fixed-order reduction, contracted
+                      with the weights: training's batch variance before the convolution.
 * ``spatial_reduce``- per-(n, c) mean and centred sum of squares of a stored tensor (warp shuffles).
-* ``epilogue``      - elementwise ``out = scale_c * (y - mean_nc)`` and channel fills.
+* ``epilogue``      - elementwise ``out = scale_c * (y - mean_nc)``, in-place channel scaling and
+                      channel fills.
 * ``batch_stats``   - training's per-channel finish: batch statistics, scale, running-stat update.
 * ``async_copy``    - global-to-shared copies that hold no register (``cp.async``): the gather's
-                      weight staging.
+                      weight staging, ``gram_sums``' tiles.
+* ``vecload``       - four float32 values in one 16-byte global load (``box_sums``' quads).
+* ``fastdiv``       - division by a run-time constant as a multiply-high (block index splits).
 * ``griddep``       - programmatic dependent launch: a kernel starts while the one before it
                       finishes and waits for it only where it reads its results (Hopper).
-* ``ptx``           - what those two share: the device's capability, operand-free PTX intrinsics.
+* ``ptx``           - what ``async_copy`` and ``griddep`` share: the device's capability,
+                      operand-free PTX intrinsics.
 * ``launch``        - how a kernel is launched: tensors as arguments, torch's stream, the direct
                       path past numba's dispatcher, and what differs under the simulator.
+
+The math behind them is in docs/design.md.
 """

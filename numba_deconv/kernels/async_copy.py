@@ -1,20 +1,16 @@
 """Asynchronous copies from global to shared memory (PTX ``cp.async``, compute capability 8.0+).
 
-Staging data in shared memory through registers (``v = src[j]; dst[i] = v``) makes the thread
-wait at the store until the load's data has arrived: an L2 or DRAM round trip in which the warp
-issues nothing, even when it has independent work to do next. ``cp.async`` moves the data
-straight into shared memory: the thread issues its copies, none holds a register, it goes on
-with other work, and one wait (then a barrier) comes where the data is first read. The gather
-stages its weights this way while it computes its tile's set-up (``gather``, v9).
+Why: staged through registers (``v = src[j]; dst[i] = v``) the thread waits at the store for
+the load's round trip, issuing nothing. ``cp.async`` moves the data straight into shared memory:
+the thread issues its copies, none holds a register, it goes on with other work, and one wait
+(then a barrier) comes where the data is first read. The gather stages its weights this way
+while it computes its tile's set-up, and ``gram_sums`` its tiles.
 
 * ``copy16(dst, i, src, j)``: ``dst[i:i + k] = src[j:j + k]``, 16 bytes (k = 16 // itemsize);
-  ``dst`` a shared array, ``src`` a global one, both element offsets 16-byte aligned (the
-  caller checks the base pointers and the strides).
-* ``copy1(dst, i, src, j)``: ``dst[i] = src[j]`` (4 or 8 bytes, the dtype's size): any
-  alignment.
-* ``wait_all()``: commit the copies issued so far and wait until they have landed (each
-  thread its own; a ``cuda.syncthreads()`` after it makes every thread's copies visible to the
-  block).
+  ``dst`` shared, ``src`` global, both element offsets 16-byte aligned (the caller checks).
+* ``copy1(dst, i, src, j)``: ``dst[i] = src[j]`` (the dtype's size), any alignment.
+* ``wait_all()``: commit this thread's copies and wait until they have landed; a
+  ``cuda.syncthreads()`` after it makes every thread's copies visible to the block.
 
 Offsets ``i`` and ``j`` are unsigned. Below compute capability 8.0 the copies are an ordinary
 load and store; under the CUDA simulator they are element assignments.

@@ -1,56 +1,18 @@
 """Training's per-channel finish in one launch: ``batch_statistics`` (or ``gram_statistics``).
 
-What it replaces: after the convolution, training mode turned its per-(n, c) means and per-block
-centred sums of squares into the batch statistics, the BN scale and the running-statistics update
-with about twenty small torch operations (``folding.batch_statistics``, ``folding.bn_scale``,
-``folding.update_running_stats``). Each costs a few microseconds of GPU time and more of host
-time; at the default problem the host time of those calls exceeded the GPU work they ordered
-(benchmarks/NOTES.md, session 3). This kernel does the same algebra, in float64, in one launch.
-
-What one block owns: one output channel c (blocks stride over channels). Its threads sum the
-channel's N*SLOTS centred-square partials (warps over n, lanes over slots: no index division) and
-its N means, each thread in a fixed order, then ``warp.block_sum`` (deterministic), and thread 0
-finishes (DESIGN.md 2.4, 2.5):
-
-    mu_c   = mean_n m[n, c]                         (of the bias-free convolution)
-    var_c  = sum_{n,slot} ss[n, c, slot] / (N*S) + mean_n (m[n, c] - mu_c)^2
-    a_c    = gamma_c / sqrt(var_c + eps)            -> scale[c], in the output's dtype
-    stats  = (mu_c + bias_c, var_c)                 (the mean the running statistics see)
-
-and, when ``update`` is set, PyTorch's running-statistics update on the module's own buffers:
-num_batches_tracked += 1; factor = momentum, or 1/num_batches_tracked when momentum < 0 (None);
-running_mean <- (1-f) running_mean + f mu; running_var <- (1-f) running_var + f var*M/(M-1).
-
-Every channel's factor needs the count *before* the increment, so every block reads it first and
-the last block to finish writes it: each block, after its last read, fences and counts itself in
-``done`` with one atomic add; the block that counts last bumps num_batches_tracked and resets
-``done`` to zero for the next call (so a captured graph replays it unchanged). The numbers never
-depend on which block is last: deterministic.
-
-Launched as the gather's programmatic dependent (``griddep``): its blocks may be scheduled while
-the gather's last wave runs, and wait for it before reading anything; it lets the scale pass
-after it be scheduled the same way.
-
-Cost: N*C*(SLOTS + 1) float64 reads, a few per channel written. It is latency-bound (dependent
-float64 adds), so what matters is loads in flight and blocks: the first version flattened (n, slot)
-into one index and divided per element (72 µs at the default problem, H100); one block with a warp
-per channel took 21 µs (session 5); a block per channel spreads the same reads over C SMs.
-
-``gram_statistics`` is the same finish for the Gram path (training's default where its tiles fit,
-``Pipeline(..., variance="auto")``, or ``variance="gram"``): the variance comes
-from the input's Gram sums (``kernels/gram.py``) before the convolution,
-
-    Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]
-    var_c = Q_c / (N*S) - mu_c^2                               (float64)
-
-where ``gram.gram_reduce`` has already contracted its term sums with the weights, so that a
-block here adds BPG numbers per channel (its blocks' shares, in order) instead of the 16 K term
-sums times the weights (session 18: that contraction, one block per channel, ended 27 us after
-the reduction did, the gather's first blocks beside it),
-
-and, with a_c known, the block also writes the means times a_c: the evaluation kernel, with the
-unscaled weights and ``acc * a_c - mean * a_c`` in its epilogue, writes the final output (no
-second pass over it).
+What it computes (docs/design.md §2.4, §2.5): from the per-(n, c) means and the convolution's
+per-block centred sums of squares, the batch mean and variance, the BN scale ``a_c`` and
+PyTorch's running-statistics update, in float64 (the same algebra as ``folding``'s torch
+operations, in one launch instead of about twenty small ones, whose host time would exceed the
+GPU work they order). A block owns one output channel (blocks stride over channels): its threads
+sum the channel's N*SLOTS partials (warps over n, lanes over slots: no index division) and its
+N means, each thread in a fixed order, then ``warp.block_sum``; thread 0 finishes. The last
+block to finish (an integer atomic count) bumps ``num_batches_tracked``; the numbers never
+depend on which block that is: deterministic. Cost: N*C*(SLOTS + 1) float64 reads, a few values
+per channel written; latency-bound (dependent float64 adds), hence a block per channel, which
+spreads the reads over C SMs with many loads in flight. ``gram_statistics`` is the same finish
+for the Gram path (§2.7), from ``gram_reduce``'s blocks' shares of ``Q_c``. Both are launched as
+programmatic dependents (``griddep``) of the kernel before them.
 """
 
 from __future__ import annotations
@@ -102,6 +64,28 @@ def _count_block(done, tracked, batches, update, last):
 @cuda.jit
 def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
                      eps, momentum, count, update, scale, stats, done):
+    """Per channel c (docs/design.md §2.4, §2.5):
+
+        mu_c   = mean_n m[n, c]                         (of the bias-free convolution)
+        var_c  = sum_{n,slot} ss[n, c, slot] / (N*S) + mean_n (m[n, c] - mu_c)^2
+        a_c    = gamma_c / sqrt(var_c + eps)            -> scale[c], in the output's dtype
+        stats  = (mu_c + bias_c, var_c)                 (the mean the running statistics see)
+
+    and, when ``update`` is set, PyTorch's running-statistics update on the module's own
+    buffers: num_batches_tracked += 1; factor = momentum, or 1/num_batches_tracked when
+    momentum < 0 (None); running_mean <- (1-f) running_mean + f mu; running_var <- (1-f)
+    running_var + f var*M/(M-1).
+
+    Every channel's factor needs the count *before* the increment, so every block reads it
+    first and the last block to finish writes it: each block, after its last read, fences and
+    counts itself in ``done`` with one atomic add; the block that counts last bumps
+    num_batches_tracked and resets ``done`` to zero for the next call (so a captured graph
+    replays it unchanged).
+
+    Launched as the gather's programmatic dependent: its blocks may be scheduled while the
+    gather's last wave runs, and wait for it before reading anything; it lets the scale pass
+    after it be scheduled the same way.
+    """
     # means: (N, C) f64 spatial means of the bias-free convolution; ss: (N, C, SLOTS) f64
     # centred-square partials; bias, gamma: (C,) conv bias (zeros if none), BN weight (ones if
     # not affine); running_mean, running_var: (C,) the module's buffers; tracked: (1,) int64
@@ -139,7 +123,7 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
             d = means[n, c] - mu
             between += d * d
         within = 0.0
-        for n in range(warp, n_batch, warps):  # no index division (a flat loop ran 72 us)
+        for n in range(warp, n_batch, warps):  # warps over n, lanes over slots: no division
             for j in range(lane, slots, WARP_SIZE):
                 within += ss[n, c, j]
         within = block_sum(within, scratch)
@@ -153,6 +137,18 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
 @cuda.jit
 def gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracked, eps, momentum,
                     count, update, scale, stats, done, means_out):
+    """The Gram path's finish (docs/design.md §2.7): the variance from the input's Gram sums
+    (``kernels/gram.py``), computed before the convolution,
+
+        Q_c   = sum_terms coef * w[:, c, a]^T S_term w[:, c, b]
+        var_c = Q_c / (N*S) - mu_c^2                               (float64)
+
+    where ``gram.gram_reduce`` has already contracted its term sums with the weights, so that a
+    block here adds BPG numbers per channel (its blocks' shares, in order) and the statistics
+    end soon after the reduction; then what ``batch_statistics`` does. With a_c known the block
+    also writes the means times a_c: the evaluation kernel, with the unscaled weights and
+    ``acc * a_c - mean * a_c`` in its epilogue, writes the final output (no second pass).
+    """
     # The Gram path's finish (kernels/gram.py): the batch variance from gram_reduce's blocks'
     # shares of Q_c, then what batch_statistics does, then the means scaled for the evaluation
     # kernel's epilogue. qpart: (G, OPG, BPG) f64; means: (N, C) f64 spatial means of the
@@ -226,7 +222,7 @@ def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, t
     launch(batch_statistics, grid_size(ss.shape[1]), block,
            (means, ss, bias, gamma, running_mean, running_var, tracked, float(eps),
             -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
-            done), small_grid=True, after_prior=True)
+            done), after_prior=True)
 
 
 def launch_gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracked,
@@ -236,4 +232,4 @@ def launch_gram_statistics(qpart, means, bias, gamma, running_mean, running_var,
     launch(gram_statistics, grid_size(means.shape[1]), block_size(GRAM_BLOCK),
            (qpart, means, bias, gamma, running_mean, running_var, tracked, float(eps),
             -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
-            done, means_out), small_grid=True, after_prior=True)
+            done, means_out), after_prior=True)

@@ -1,78 +1,18 @@
 """The output's spatial mean before the convolution runs: ``box_sums``, one launch.
 
-Why (DESIGN.md 2.3): summing y = conv_transpose(x) over the whole output volume,
-
-    sum_o y[n, c, o] = sum_ci sum_k w[ci, c, k] * B[n, ci, k]
-
-where B[n, ci, k] sums x[n, ci, .] over the box of input voxels whose tap k lands inside the
-output (per axis an interval [lo_k, hi_k], from ``geometry.AxisGeometry.box``). So the per-(n, c)
-mean is known from one light pass over the small input, and the convolution's epilogue can write
-the final ``acc - mean`` directly: evaluation mode then writes the output exactly once.
-
-Box sums: one block per (n, ci) volume (grid-stride), one pass over x, no scratch. A work item
-is a *quad*, four consecutive input columns (id, ., iw..iw+3), over one slice of its rows (as
-many slices per quad as the block has threads per quad, ``row_parts``: two of 16 rows at the
-default problem with 256 threads, one with 128); a thread walks its item along H, consecutive
-threads on consecutive quads, so every load is coalesced, and where rows are whole aligned
-quads of float32 (``vector_rows``) a quad's row is one 16-byte load (``vecload.load4``). Per
-column it sums the slice's rows (one add per value), and each H tap's sum is that total less
-the rows the tap's interval leaves out (the few edge rows, read again by the slice holding
-them); slices add up.
-It then adds those KH sums into the KD*KH*KW box sums its quad's columns belong to (per W tap
-the columns inside its interval, then per D tap all or none), in registers: the kernel sizes
-are compile-time (``make_box_sums``). The block then
-reduces its threads' box sums (a reduce-scatter over each warp's lanes, one partial per warp and
-box in shared memory, a fixed order: deterministic) and writes B[n, ci, :, :, :].
-
-Means: each block also computes its plane's share of its group's means, sum_k w[ci, c, k] *
-B[n, ci, k] for every c of the group (8 threads per channel, 3 shuffles). The block that finishes
-the last (n, ci) plane of a sample (one atomic count per plane, after a fence: the last-block
-pattern) adds the planes' shares: mean[n, c] = sum_ci share / S + bias, in float64, in the same
-order whichever block it is (deterministic), and resets the sample's count for the next call.
-(Letting the last block do all of a sample's products instead, a warp per channel, put 64
-dependent L2 round trips at the end of the kernel: 65 us instead of 19.)
-
-History (default problem, H100): three separable passes through float64 global scratch took
-35 us; one pass with 8 loads in flight per thread, 19 us, plus 9 us for a separate
-``mean_from_box_sums`` launch (session 5); this one launch, session 6: 20.5 us. Session 9: 5-D
-signed indexing and a test of every row against every H interval had made the column walk 413
-instructions per 8 rows (ncu); flat unsigned offsets, one add per value and the edge rows
-apart: 17.3 us, 16.4 with 16 loads in flight (benchmarks/NOTES.md). Session 13 (ncu source
-counters): the walk still spent ~20 instructions per value on 64-bit row offsets and clamped
-indices, and what every warp ran once per plane (``range`` loops with run-time steps, each a
-64-bit division for its trip count; 64-bit index arithmetic) was half of the 6.8 M
-instructions. Each volume is now a 1-D view read through 32-bit unsigned offsets (64-bit only
-for a volume of 2**32 elements or more, ``wide``), whole rounds of loads without clamps,
-``while`` loops stepping by the block size (no trip-count division; numba still widens the
-counters' sums of int32 values to 64 bits), a thread's column moved along without a division, the
-divisions by the input width and channel count by multiply-high (``fastdiv``, divisors from
-the host in ``dims``), and the last block's sums eight threads per channel: 3.9 M
-instructions, 10.5 us. (A thread per input column index walking every plane, so that the W
-intervals apply once per plane instead of per column, spilled at the 128-register cap and took
-22 us; a 96-register cap, so that a gather block fits beside two of these, 12 us and a slower
-call.) The block calls ``griddep.allow_dependents`` first, so the gather after it can start as
-it finishes. On the Gram path it runs as ``gram_sums``' programmatic dependent, in its tail, and
-waits for it at its very end (``Pipeline._gram_train``).
-
-Session 19 (this form): a thread per column quad and slice of rows, where a thread per column
-ran the W interval tests and the box sums' adds per column (KD*KH + KD*KH*KW selected adds per
-column; now 4*KH*KW + KD*KH*KW per quad) and four scalar loads per quad row: 10.51 us alone
-against 10.61 (256 threads, two slices of 16 rows), the same eval call (0.2449 against 0.2445
-ms): instructions no longer set its time, the round trips do (the walk, then the reduction,
-the means' share, the fence and count, the last block's sums). What it gave is a block that
-runs well at 128 threads: in ``gram_sums``' tail (``gram.BOX_SUMS_BLOCK``) the training call
-took 0.3936-0.3938 ms against 0.3966-0.3975 (two runs, benchmarks/NOTES.md). Session 20: the
-first share's weights are loaded before the reduction and the last block's loads come two at
-a time, so neither waits at the end of the chain: 10.92 -> 10.40 us alone.
-
-Cost: reads x once (16 MB for the default problem; the edge rows again, from L1) and writes
-N*Cin*KD*KH*KW doubles and N*Cout means; per value about 2.5 instructions per lane on whole
-aligned quads (a quarter of a 16-byte load and its address, the conversion to float64, the
-add; element loads add ~1.5), plus each warp's bookkeeping once per plane.
-
-Preconditions (the launcher checks them): a non-empty input; fewer than 2**31 (n, ci) planes,
-column quads per plane (ID * ceil(IW / 4)), rows (IH) and columns (IW); blocks of a multiple of
-32 threads up to ``MAX_BLOCK``; at least one row of loads in flight.
+Why (docs/design.md §2.3): ``sum_o y[n, c, o] = sum_ci sum_k w[ci, c, k] * B[n, ci, k]``, with
+``B[n, ci, k]`` the sum of ``x[n, ci, .]`` over the box of inputs whose tap k lands inside the
+output; so the per-(n, c) mean comes from one light pass over the small input, and the
+convolution's epilogue writes the final ``acc - mean`` directly (evaluation writes the output
+once). A block owns one (n, ci) input volume at a time (grid-stride); a thread owns a *quad* of
+four consecutive input columns over one slice of its rows and keeps the KD*KH*KW box sums they
+feed in registers. The block reduces those in a fixed order, writes ``B[n, ci]`` and its plane's
+share of the means; the last block of each sample adds the shares (float64, a fixed order:
+deterministic). Cost: reads x once (the few edge rows again, from L1), about 2.5 instructions
+per value on aligned float32 quads; writes N*CI*KD*KH*KW and N*CO doubles. Preconditions (the
+launcher checks them): a non-empty input; fewer than 2**31 (n, ci) planes, column quads per
+plane, rows and columns; blocks of a multiple of 32 threads up to ``MAX_BLOCK``; at least one row
+of loads in flight. ``_box_sums`` details the walk and why it is shaped so.
 """
 
 from __future__ import annotations
@@ -81,8 +21,9 @@ import functools
 import math
 
 import torch
-from numba import cuda, float32, float64, int32, int64, uint32, uint64
+from numba import cuda, float64, int32, int64, uint32, uint64
 
+from ..dtypes import NUMBA, name_of
 from ..simulator import is_simulator
 from .fastdiv import divisor
 from .fastdiv import fast_divmod_device as fast_divmod
@@ -133,8 +74,52 @@ def needs_wide(in_spatial) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool, vec: bool):
+    """The ``box_sums`` kernel for one setting (``make_box_sums``).
+
+    Box sums: per axis, tap k's box is an interval ``[lo_k, hi_k]`` of inputs
+    (``geometry.AxisGeometry.box``). A work item is a quad, four consecutive input columns
+    (id, ., iw..iw+3), over one slice of its rows (as many slices per quad as the block has
+    threads per quad, ``row_parts``); consecutive threads take consecutive quads, so every load
+    is coalesced, and where rows are whole aligned quads of float32 (``vector_rows``) a quad's
+    row is one 16-byte load (``vecload.load4``). Per column the thread sums the slice's rows
+    (one add per value), and each H tap's sum is that total less the rows the tap's interval
+    leaves out (the few edge rows, read again by the slice holding them); slices add up. It
+    then adds those KH sums into the box sums its quad's columns belong to (per W tap the
+    columns inside its interval, then per D tap all or none), in registers: the kernel sizes
+    are compile-time. The block reduces its threads' box sums (a reduce-scatter over each
+    warp's lanes, one partial per warp and box in shared memory, a fixed order) and writes
+    ``B[n, ci, :, :, :]``.
+
+    Means: each block also computes its plane's share of its group's means,
+    ``sum_k w[ci, c, k] * B[n, ci, k]`` for every c of the group (8 threads per channel, 3
+    shuffles). The block that finishes the last (n, ci) plane of a sample (one integer atomic
+    count per plane, after a fence: the last-block pattern) adds the planes' shares,
+    ``mean[n, c] = sum_ci share / S + bias``, in float64, in the same order whichever block it
+    is, and resets the sample's count for the next call. The block calls
+    ``griddep.allow_dependents`` first, so the gather after it can start as it finishes; on the
+    Gram path it runs as ``gram_sums``' programmatic dependent, in its tail, and waits for it
+    at its very end (``Pipeline._gram_train``).
+
+    Why it is shaped so (round trips and instructions per value set its time):
+
+    * a volume is a 1-D view read through 32-bit unsigned offsets (64-bit only for a volume of
+      2**32 elements or more, ``wide``), whole rounds of loads without clamps;
+    * loops are ``while`` loops stepping by the block size (a ``range`` with a run-time step
+      costs a 64-bit division for its trip count), and the divisions by the input width and
+      channel count are multiply-high (``fastdiv``, divisors from the host in ``dims``);
+    * a thread per quad, not per column, runs the W interval tests and the box sums' adds once
+      per quad (4*KH*KW + KD*KH*KW selected adds instead of KD*KH + KD*KH*KW per column) and
+      keeps few enough registers to run well at 128 threads (``gram.BOX_SUMS_BLOCK``, in
+      ``gram_sums``' tail); a thread per input column walking every plane would spill at the
+      128-register cap;
+    * each plane adds its own share of the means, so the last block only adds ``ipg`` shares
+      per channel (eight threads per channel, two loads in flight) instead of a chain of
+      dependent round trips at the end of the kernel, which the gather's epilogue waits for;
+    * the first share's weights are loaded before the reduction, so their round trip passes
+      during it.
+    """
     assert not vec or dtype == "float32", "16-byte row loads read float32 quads"
-    elem = {"float32": float32, "float64": float64}[dtype]
+    elem = NUMBA[dtype]
     off_t = uint64 if wide else uint32
     n_box = kd_n * kh_n * kw_n
     n_hw = kh_n * kw_n
@@ -175,8 +160,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
         # (N, CI, OPG) f64 scratch, each plane's share of its group's means; mean: (N, CO) f64
         # out; done: (N,) int32, zero between calls: planes of each sample finished so far.
         # loops as ``while`` with the block size as step: a ``range`` with a run-time step costs
-        # a 64-bit division for its trip count, and with those and 64-bit index arithmetic what
-        # every warp ran once per plane was half of the kernel's instructions (ncu, session 13).
+        # a 64-bit division for its trip count, which every warp would run once per plane.
         # (numba widens sums of int32 values to int64, so counters stay 64-bit adds; the
         # offsets into x are unsigned 32-bit casts.)
         n_batch, in_ch = int32(x.shape[0]), int32(x.shape[1])
@@ -228,8 +212,8 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             n, ci = int32(n), int32(ci)
             # the volume as its own 1-D view: every load below is its base plus an unsigned
             # offset inside the volume (32 bits unless the volume needs more), one multiply-add
-            # for the address (with 64-bit offsets per row and clamped indices the walk took ~20
-            # instructions per value; benchmarks/NOTES.md, session 13)
+            # for the address (64-bit offsets per row and clamped indices would cost many
+            # instructions per value)
             xv = xf[int64(plane) * vol:int64(plane + 1) * vol]
             box = cuda.local.array(n_pad, float64)
             for j in range(n_pad):
@@ -438,8 +422,8 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
             or x.shape[4] >= 2**31:
         raise ValueError(f"box_sums counts planes and columns in 32 bits: input of shape "
                          f"{tuple(x.shape)} has too many")
-    kernel = make_box_sums(*out.shape[2:], "float64" if x.dtype == torch.float64 else "float32",
-                           rows, needs_wide(x.shape[2:]), vector_rows(x))
+    kernel = make_box_sums(*out.shape[2:], name_of(x.dtype), rows, needs_wide(x.shape[2:]),
+                           vector_rows(x))
     dims = launch_dims(ci, ci // (mean.shape[1] // w.shape[1]), x.shape[2:], block)
     launch(kernel, grid_size(n * ci), block,
            (x, x.view(-1), lo, hi, dims, out.view(n, -1), w, bias, float(inv_size), contrib, mean,

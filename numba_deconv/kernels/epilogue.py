@@ -1,49 +1,46 @@
 """Elementwise kernels around a stored convolution output: channel fills and ``scale*(y - mean)``.
 
 ``scale_centered``: out[n, c, s] = scale[c] * (y[n, c, s] - mean[n, c]), the whole batch-norm +
-mean-subtraction of DESIGN.md 2.1 once the statistics are known (in place when out is y).
+mean-subtraction of docs/design.md §2.1 once the statistics are known (in place when out is y).
 ``scale_rows``: y[n, c, s] *= scale[c] in place, training's last pass after the gather kernel
-(which writes y already centred). It runs at ~2.83 TB/s on an H100, against 2.35 TB/s for torch's
-broadcast ``mul_`` and 2.9-3.0 TB/s for a copy (benchmarks/probe_scale.py): the grid's y dimension
-walks rows, so each element costs no index division, and every thread has SCALE_UNROLL loads in
-flight, at compile-time offsets from one base, before it stores. It walks the rows last first:
-the gather wrote them in sample order, so the pass starts on rows still in L2 (training -8 us per
-call at the default problem, session 10). It is launched as ``batch_statistics``' programmatic
-dependent (``griddep``) and waits for it before reading anything.
-``fill_channels``:  y[n, c, s] = value[c], what a scatter convolution accumulates onto (the pipeline
-fills zeros: the bias cancels with the mean subtraction).
+(which writes y already centred, §2.4). ``fill_channels``: y[n, c, s] = value[c], what a scatter
+convolution accumulates onto (the pipeline fills zeros: the bias cancels with the mean).
 
-Thread mapping: a 2-D grid; ``blockIdx.y`` strides over rows (n, c), the x dimension strides over
-the S elements of a row, so the per-row constants are loaded once per row and every access is
-coalesced. Arithmetic is done in float64 (free here: the kernels are memory-bound).
+Thread mapping: the grid's y dimension strides over rows (n, c), so the per-row constants are
+loaded once per row and no element costs an index division; the x dimension strides over the S
+elements of a row, coalesced. Every thread has several independent loads in flight before it
+stores (UNROLL, SCALE_UNROLL): one at a time leaves such a kernel latency-bound, well below the
+memory bandwidth. Arithmetic in ``scale_centered`` is float64 (free: memory-bound).
 
-Cost: scale_centered reads and writes 4 bytes per element (float32): 2 * 4 * N*C*S bytes.
+Cost: scale_centered and scale_rows read and write each element once, 2 * itemsize * N*C*S
+bytes; fill_channels writes it once.
 """
 
 from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, float64, uint64
+from numba import cuda, float64, uint64
 
+from ..dtypes import NUMBA
 from .griddep import wait_prior_grid
 from .launch import block_size, grid_for, launch
 
 BLOCK = 256
 UNROLL = 4  # loads in flight per thread in scale_centered
-SCALE_UNROLL = 16  # loads in flight per thread in scale_rows (H100, default problem: 4 -> 0.185
-                   # ms, 8 -> 0.183, 16 -> 0.178, measured twice in session 6)
+SCALE_UNROLL = 16  # loads in flight per thread in scale_rows (the fastest of 4, 8 and 16 measured
+                   # at the default problem, docs/performance.md)
 MAX_ROW_BLOCKS = 65535
 # scale_rows walks the rows last first: the gather wrote them in sample order, so the last
-# samples' rows are still in L2 when the pass starts (measured, benchmarks/NOTES.md session 10)
+# samples' rows are still in L2 when the pass starts
 LAST_FIRST = True
 
 
 @cuda.jit
 def scale_centered(y, mean, scale, out):
     # y, out: (N*C, S); mean: (N*C,) float64; scale: (C,) float64
-    # Each thread has UNROLL independent loads in flight before it stores (one at a time left
-    # the kernel latency-bound: 1.36 TB/s on an H100, against ~3 TB/s for a copy).
+    # Each thread has UNROLL independent loads in flight before it stores (one at a time would
+    # leave the kernel latency-bound, well below the bandwidth a copy reaches).
     rows, size = y.shape
     channels = scale.shape[0]
     step = cuda.gridDim.x * cuda.blockDim.x
@@ -84,12 +81,14 @@ def make_scale_rows(dtype: str, unroll: int = SCALE_UNROLL, last_first: bool | N
 
 @functools.lru_cache(maxsize=None)
 def _scale_rows(dtype: str, unroll: int, last_first: bool):
-    elem = {"float32": float32, "float64": float64}[dtype]
+    elem = NUMBA[dtype]
 
     @cuda.jit
     def scale_rows(y, scale, size):
         # y: (ROWS * size,) flat, scaled in place; scale: (C,), row r = (n, c) takes scale[r % C]
-        wait_prior_grid()  # a programmatic dependent: nothing read before the previous kernel ends
+        # Launched as ``batch_statistics``' programmatic dependent (``griddep``): nothing is
+        # read before the previous kernel ends. Rows last first (``LAST_FIRST``).
+        wait_prior_grid()
         rows = y.shape[0] // size
         channels = scale.shape[0]
         bd = cuda.blockDim.x

@@ -1,103 +1,18 @@
 """Phase-decomposed gather transposed convolution, fused epilogue: ``conv_transpose3d_gather``.
 
-Why gather (DESIGN.md 2.6): per axis, output o = s*q + r receives tap k from input i = q + delta
-exactly when (r + p - d*k) is divisible by s, with delta = (r + p - d*k) / s. Outputs of one
-phase r share one tap list, so the transposed convolution splits into s^3 dense convolutions
-that *read* their inputs: no atomics, no multiply-add wasted on a tap that lands nowhere.
-
-What one thread owns (an outer-product register tile, like a GEMM micro-kernel):
-  * one sample n and NC consecutive output channels of one group (a *channel tile*),
-  * one D phase rd (uniform over the block) and one D quotient qd,
-  * MH consecutive H quotients and QW consecutive W quotients, each with *every* H and W phase:
-    an (MH*SH) x (QW*SW) patch of one output row plane.
-That is NC*SH*MH*SW*QW accumulators in registers (64 for the default 2*2*4*2*2). Because all H
-and W phases live in one thread, the H and W tap tables are compile-time: every loop over them
-unrolls, every register index is a constant. For one input channel and one D tap the thread
-loads the input window its patch needs, (MH + HWIN - 1) x (QW + WWIN - 1) values (only those a
-tap reads), and the step's weights, NHT*NWT*NC values from shared memory with a warp-uniform
-address (a broadcast, no bank conflict). Default problem: 9 input loads and 9 weight loads (16-byte
-vectors) feed 144 fused multiply-adds, and each input value serves up to 4 taps x 4 channels.
-
-Weights: the host arranges them once per weight version by (D phase, channel tile, input
-channel, D tap, H tap, W tap, channel), zero-padded (``phase_weight_index``). A block copies its
-contiguous slab for a chunk of input channels into dynamic shared memory, so staging is one
-plain copy with no index arithmetic; large geometries take several chunks.
-
-Compile-time (factory arguments): dtype, NC, MH, QW, the D, H and W tap patterns (phase, window
-offset), the W padding's whole-stride shift, whether the geometry is EXACT (``exact_edges``), TRAIN
-and whether offsets need 64 bits. The sizes and the D and H shifts are run-time, passed as tuples
-of integers (``sizes``, ``divs``): kernel parameters sit in the constant bank, so reading them
-costs no load, and one compiled kernel serves every size.
-
-Epilogue (DESIGN.md 2.1-2.4): ``mean`` holds the per-(n, c) spatial mean of what this kernel
-accumulates, computed beforehand from box sums; each output is written once, already centred
-(``acc - mean``). In evaluation mode the BN scale is already folded into the weights, so that is
-the final output. SCALED (training's Gram path) multiplies instead, ``acc * scale[c] - mean``
-with ``mean`` already scaled: the weights stay unscaled, so nothing before the epilogue depends
-on the batch statistics. Launched as the previous kernel's programmatic dependent (``griddep``:
-box_sums, which writes the means; on the Gram path gram_statistics, which writes the scaled
-means and the scale), the kernel's first blocks stage their weights and run their multiply-adds
-while that kernel finishes; they wait for it only before the epilogue, where those are read.
-With TRAIN the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces its NC
-sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes to shared
-memory, and after one barrier NC threads add them in a fixed order and write one value per
-(n, channel, block): the centred sum of squares that gives the batch variance without a
-reduction pass over the output. Deterministic: no atomics anywhere. A TRAIN launch calls
-``griddep.allow_dependents`` first, so ``batch_statistics`` after it is scheduled during its last
-wave (and waits for it to end).
-
-Versions (benchmarks/NOTES.md has the measurements, default problem on an H100): v1 one W
-quotient x 4 H rows of one H phase per thread, weights read from global memory right before
-their FMAs: 1.32 ms. v2 unsigned hot indices, all weights of a step loaded first: 0.71 ms
-(latency-bound: 32 loads per 96 FMAs, 19% occupancy). v4 keeps every H and W phase in the
-thread so the H rows share one input window, stages weights in shared memory (16-byte aligned, so
-a channel tile is one vector load), prefetches the next step's window, walks the input with one
-add per step and caps registers at 128: 0.35 ms (eval), 0.375 ms (train). v5 cuts what
-every thread runs once around its ~24 steps, which ncu showed was a quarter of all issued
-instructions: the block and thread decomposition uses unsigned 32-bit divisions instead of signed
-64-bit floor divisions, whole tiles store without a test per output, and a window cell outside the
-input keeps its initial zero instead of being re-zeroed every step: 257 -> 238 M instructions,
-0.33 ms (eval), 0.353 ms (train). The multiply-adds of a step are generated as straight-line code
-(``fma_step_source``): identical for the default tile, and what lets larger tiles keep their
-accumulators in registers (NC=8 then ran as fast as NC=4, no faster: 239 registers, 8 warps/SM).
-v6 removes what ncu showed was left around the multiply-adds: sizes as tuple parameters
-instead of an int64 array (no loads, no 64-bit arithmetic), the block decomposition by
-multiply-high (``fastdiv``), 32-bit offsets unless a tensor needs 64, D taps outside and input
-channels inside (constant strides, no wrap logic), weights staged with 8 loads in flight, one
-guarded store path with 32-bit tests (the whole-tile path never ran: every warp holds the W edge
-of an odd output width), and two input windows that alternate, two channels per trip, because
-copying the freshly loaded window into the one being read waited on the loads (a quarter of the
-stall samples): 238 -> 202 M instructions, 0.292 ms (eval), 0.298 ms (train). v7 loads
-the windows of EXACT geometries (the default problem's among them) without masks: a cell outside
-the input only feeds outputs outside the output, which are never stored, so only threads whose
-windows reach past x's first or last element keep the masked loop; the offsets of the unmasked
-loop are 64-bit and advance by one add per channel; the D tap pattern is compile-time (no tuple
-indexed at run time, which had gone through the stack): 202 -> 186 M instructions, 15 non-memory
-instructions per 144 FFMA in the loop instead of 35, 0.274 ms (eval), 0.294 ms (train). v8
-follows ncu's per-instruction stall samples: the block copies its weights first, while
-few registers are live (staged after the set-up, each load had waited for the previous store:
-19% of the samples), in one trip of loads per thread; a geometry with one chunk of
-input channels compiles without the chunk loop; the D tap and channel pair loops count in 32
-bits (numba's ``range`` kept 64-bit state, which spilled into the main loop); shared-memory
-weight offsets count whole channel tiles so every tile is one 16-byte load: 186 -> 168 M
-instructions, no spill in the main loop, 0.240 ms (eval), 0.251 ms (train). v9 (this) stages
-the weights with asynchronous copies (``async_copy``, PTX ``cp.async``): a load into a register
-made each warp wait at its first shared-memory store for the L2 round trip before its set-up;
-copies that hold no register let the set-up run while the weights are in flight, and the wait
-comes just before the main loop: 0.239 -> 0.234 ms (eval kernel), 0.256 -> 0.243 (train),
-0.261 -> 0.255 ms per eval call. v10 (this) reworks the epilogue, which offline SASS showed
-spending ~500 instructions per warp on 64 stores: every channel's mean is loaded before the
-first store (read per channel, each load had waited a round trip of its own, since no load may
-move above a store to ``out``), and the rows and columns every thread's patch has inside the
-output (``patch_edges``, compile-time; 3 x 3 of the default problem's 4 x 4) are stored
-without a test, where the column tests had been recomputed for every row: 509 -> 373
-instructions after the wait (static), 231.0 -> 228.0 us per eval kernel, 242.6 -> 230.6 us
-with the scaled epilogue. Blocks with nothing to store leave before staging (256 of 8192). The
-last sample's blocks take the D phases with more taps first (``tail_order``), so the grid ends
-on its shortest blocks: 231.7 -> 229.3 us (eval), 231.0 -> 227.5 (scaled).
-
-Preconditions: ``x`` and ``out`` contiguous and flattened to 1-D; block size a multiple of 32
-and of the W lanes; every thread reaches the barriers (a block leaves early only as a whole).
+Why gather (docs/design.md §2.6): the outputs of one phase share one tap list, so the transposed
+convolution is s^3 dense convolutions that *read* their inputs: no atomics, and no multiply-add
+on a tap that lands outside the output. A thread owns one sample, NC consecutive output channels
+of one group, one D phase and quotient, and an (MH*SH) x (QW*SW) output patch holding every H and
+W phase: NC*SH*MH*SW*QW accumulators in registers (an outer-product tile, like a GEMM
+micro-kernel), so the H and W tap tables are compile-time and every register index a constant.
+Per (input channel, D tap) it loads the input window its patch reads and the step's weights from
+shared memory, for NC*MH*QW*NHT*NWT FMAs (default problem: 18 loads, 144 FMAs). The epilogue
+(§2.1-§2.4, §2.7) writes each output once, already centred; training also writes per-block
+centred sums of squares, reduced in a fixed order (deterministic: no atomics anywhere).
+Cost: 2 FLOPs per multiply-add of a tap landing inside; reads x and the weights, writes the
+output once. Preconditions: ``x`` and ``out`` contiguous, flattened to 1-D; block size a multiple
+of 32 and of the W lanes. ``make_gather_kernel`` details the kernel and why it is shaped so.
 """
 
 from __future__ import annotations
@@ -107,8 +22,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint32, uint64
+from numba import cuda, float64, int32, int64, uint32, uint64
 
+from ..dtypes import ITEMSIZE, NUMBA
 from ..geometry import AxisGeometry
 from ..simulator import is_simulator
 from . import fastdiv
@@ -118,9 +34,6 @@ from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, nvvm_inlined
 from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
-
-_NUMBA_TYPES = {"float32": float32, "float64": float64}
-_ITEMSIZE = {"float32": 4, "float64": 8}
 
 # Shared memory a block may use for staged weights: small enough for several blocks per SM.
 SMEM_WEIGHT_BYTES = 16 * 1024
@@ -194,10 +107,9 @@ def tail_order(batch: int, blocks_per_sample: int, d_counts: tuple) -> int:
     """First block of the grid's reordered tail: the last sample's blocks (the kernel's
     ``tail_n``, ``batch - 1``) in D phase order, most taps first, so the grid ends on its
     shortest blocks instead of a mix (a block of the default problem's odd D phase does 32
-    steps, of the even one 16). Elsewhere the phases stay interleaved per row block: blocks
-    that read the same input rows run together (the whole grid phase-major was slower,
-    benchmarks/NOTES.md, session 7). Off (the grid's size) for one sample, phases of equal tap
-    counts, or ``TAIL_HEAVY_FIRST`` False."""
+    steps, of the even one 16). Elsewhere the phases stay interleaved per row block, so that
+    blocks that read the same input rows run together (and share them in L2). Off (the grid's
+    size) for one sample, phases of equal tap counts, or ``TAIL_HEAVY_FIRST`` False."""
     grid = batch * blocks_per_sample
     if batch < 2 or len(set(d_counts)) < 2 or not TAIL_HEAVY_FIRST:
         return grid
@@ -275,10 +187,9 @@ def fma_step_source(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple) -> str:
 @functools.lru_cache(maxsize=None)
 def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
     """The device function of ``fma_step_source``, inlined into the kernel by NVVM
-    (``launch.nvvm_inlined``): the kernel calls it at 8 places, and numba's own inlining of
-    those copies was ~80% of its compile time at the default tile. Same SASS, instruction for
-    instruction; a kernel compiles in ~4 s instead of ~20 on a 2-core CPU (benchmarks/NOTES.md,
-    session 21)."""
+    (``launch.nvvm_inlined``): the kernel calls it at 8 places, and numba's own inlining would
+    type and lower every copy, most of the kernel's compile time. NVVM's inlining gives the same
+    SASS, instruction for instruction, in a fraction of the compile time."""
     namespace = {"uint64": uint64}
     exec(compile(fma_step_source(nc, mh, qw, hpat, wpat), "<gather.fma_step>", "exec"), namespace)
     return nvvm_inlined(namespace["fma_step"])
@@ -289,7 +200,69 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
                        wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int,
                        wide: bool, chunked: bool, scaled: bool = False,
                        edges: tuple[int, int] = (1, 1)):
-    """Compile-time specialisation of the gather kernel (see the module docstring).
+    """Compile-time specialisation of the gather kernel.
+
+    What one thread owns: one sample n and NC consecutive output channels of one group (a
+    *channel tile*), one D phase rd (uniform over the block) and one D quotient qd, MH
+    consecutive H quotients and QW consecutive W quotients, each with every H and W phase: an
+    (MH*SH) x (QW*SW) patch of one output row plane, NC*SH*MH*SW*QW accumulators (64 for the
+    default 4*2*2*2*2). For one input channel and one D tap the thread loads the input window
+    its patch needs, (MH + HWIN - 1) x (QW + WWIN - 1) values (only those a tap reads), and the
+    step's weights, NHT*NWT*NC values from shared memory at a warp-uniform address (a broadcast,
+    no bank conflict). Each input value serves up to NHT*NWT taps times NC channels.
+
+    Weights: the host arranges them once per weight version by (D phase, channel tile, input
+    channel, D tap, H tap, W tap, channel), zero-padded (``phase_weight_index``). A block
+    copies its contiguous slab for a chunk of input channels into dynamic shared memory, so
+    staging is one plain copy with no index arithmetic; large geometries take several chunks.
+
+    Compile-time (factory arguments): dtype, NC, MH, QW, the D, H and W tap patterns (phase,
+    window offset), the W padding's whole-stride shift, whether the geometry is EXACT
+    (``exact_edges``), TRAIN and whether offsets need 64 bits. The sizes and the D and H shifts
+    are run-time, passed as tuples of integers (``sizes``, ``divs``): kernel parameters sit in
+    the constant bank, so reading them costs no load, and one compiled kernel serves every size.
+
+    Epilogue: ``mean`` holds the per-(n, c) spatial mean of what this kernel accumulates,
+    computed beforehand from box sums (docs/design.md §2.3); each output is written once,
+    ``acc - mean``. In evaluation mode the BN scale is folded into the weights (§2.2), so that
+    is the final output. SCALED (training's Gram path, §2.7) writes ``acc * scale[c] - mean``
+    with ``mean`` already scaled: the weights stay unscaled, so nothing before the epilogue
+    depends on the batch statistics. Launched as the previous kernel's programmatic dependent
+    (``griddep``: box_sums, which writes the means; on the Gram path gram_statistics, which
+    writes the scaled means and the scale), the first blocks stage their weights and run their
+    multiply-adds while that kernel finishes, and wait for it only before the epilogue. With
+    TRAIN (§2.4) the thread also sums (acc - mean)^2 over its valid outputs; each warp reduces
+    its NC sums with shuffles (``warp.warp_sum``, float64), one partial per (warp, channel) goes
+    to shared memory, and after one barrier NC threads add them in a fixed order and write one
+    value per (n, channel, block). A TRAIN launch calls ``griddep.allow_dependents`` first, so
+    ``batch_statistics`` after it is scheduled during its last wave (and waits for it to end).
+
+    Why it is shaped so (the instructions around the FMAs, not memory or FLOPs, bound it:
+    docs/design.md §6; measurements in docs/performance.md):
+
+    * every H and W phase in one thread: the H rows share one input window, and the tap tables
+      are compile-time, so every loop over them unrolls;
+    * the multiply-adds are generated as straight-line code (``fma_step_source``), so larger
+      tiles keep their accumulators in registers;
+    * the weights are staged by asynchronous copies (``async_copy``) issued first thing, while
+      few registers are live, so the tile's set-up runs while they are in flight; shared-memory
+      offsets count whole channel tiles, so a tile is one 16-byte load;
+    * sizes are tuple parameters (no loads, no 64-bit arithmetic), the block decomposition uses
+      multiply-high divisions (``fastdiv``), offsets are 32-bit unless a tensor needs 64, and
+      the D tap and channel loops count in 32 bits (numba's ``range`` keeps 64-bit state, which
+      spills at the register cap);
+    * D taps outside and input channels inside (constant strides), and two input windows that
+      alternate, two channels per trip: the next window loads while the FMAs read the other,
+      and nothing is copied between them;
+    * EXACT geometries load their windows without masks: a cell outside the input only feeds
+      outputs outside the output, which are never stored;
+    * the epilogue loads every channel's mean before its first store (no load may move above a
+      store to ``out``, so loads interleaved with stores would each wait a round trip), and
+      stores the patch rows and columns every thread has inside the output without a test;
+    * blocks with nothing to store leave before staging, and the last sample's blocks take the
+      D phases with more taps first (``tail_order``), so the grid ends on its shortest blocks.
+
+    Preconditions: every thread reaches the barriers (a block leaves early only as a whole).
 
     ``hpat`` and ``wpat`` are ``AxisPlan.pattern`` of the H and W axes, ``wshift`` the W axis'
     ``AxisPlan.shift``. ``wide``: some tensor has 2**31 elements or more, so offsets are 64-bit
@@ -302,15 +275,15 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     (``patch_edges``): those are stored without a test. (1, 1) holds for any size.
     """
     assert not (train and scaled), "a scaled epilogue writes no centred squares"
-    acc_t = _NUMBA_TYPES[dtype]
+    acc_t = NUMBA[dtype]
     # Offsets into x, out and the weights: signed 32-bit unless a tensor is too large for that
     # (64-bit offsets cost two instructions per add and compare and twice the registers). A
     # window row may start above or left of the input (masked cells); signed, its offset is
     # simply negative, and every cell that is loaded has a true offset >= 0. Offsets become
     # addresses by sign extension, three instructions per window row. Unsigned offsets would
-    # need one, but LLVM widened those loop offsets back to 64 bits with masks, which cost more
-    # (benchmarks/NOTES.md, session 4). Within a row the cells sit at the compile-time columns
-    # ``wshift + ec`` from the thread's first W quotient: immediate offsets.
+    # need one, but LLVM widens such loop offsets back to 64 bits with masks, which cost more.
+    # Within a row the cells sit at the compile-time columns ``wshift + ec`` from the thread's
+    # first W quotient: immediate offsets.
     idx = int64 if wide else int32
     sd, d_counts, d_first, d_step = d_phases(dpat)
     tdmax = max(1, max(d_counts))
@@ -328,11 +301,12 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     rows_in, cols_in = edges      # patch rows and columns always inside the output
     n_x = xr * xc
     per_step = nht * nwt * nc    # weights of one (input channel, D tap)
-    vec = 16 // _ITEMSIZE[dtype]  # weights per 16-byte copy
+    vec = 16 // ITEMSIZE[dtype]  # weights per 16-byte copy
     vec_stage = (tdmax * per_step) % vec == 0  # every slab and chunk: whole 16-byte vectors
     # Shared-memory weight offsets in the multiply-adds count whole channel tiles (units of NC
     # weights), so the compiler sees every tile start at a multiple of NC and loads a tile as
-    # one 16-byte vector; counted in weights, a loop-carried offset lost that (session 8).
+    # one 16-byte vector; counted in weights, the compiler cannot prove a loop-carried offset
+    # aligned.
     per_step_v = nht * nwt
     per_ci_v = tdmax * per_step_v
     fma_step = _fma_step(nc, mh, qw, hpat, wpat)
@@ -400,9 +374,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         # The weight slab depends only on (rd, ctile). Its copies are issued first, all at once
         # and asynchronously (no register waits for them), so the set-up below runs while they
         # are in flight; the wait and the barrier come just before the main loop. (Copied
-        # through registers after the set-up, each load had waited for the previous store: 19%
-        # of the stall samples, session 8; through registers before the set-up, every warp
-        # waited at its first store: 5 us per eval call, session 12; benchmarks/NOTES.md.)
+        # through registers, each load would wait at its store for the round trip, and every
+        # warp with it.)
         if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
             allow_dependents()
         t = cuda.threadIdx.x
@@ -438,9 +411,9 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         # ---- which tile this block and thread own -------------------------------------------
         # Every thread runs this once for ~24 steps of its main loop, so it has to be cheap:
         # divisions by multiply-high (fast_divmod), lanes a power of two (a shift and a mask).
-        # (A block that ran several tiles to stage its weights once was no faster: the tile
-        # loop's state cost a register, which at the 128-register cap spilled inside the main
-        # loop; benchmarks/NOTES.md, session 5.)
+        # (One tile per block: a block running several tiles to stage its weights once would
+        # keep the tile loop's state in a register, which at the 128-register cap spills
+        # inside the main loop.)
         n, lane_blk = fast_divmod(bid, lane_blocks_d)
         g, c0 = fast_divmod(ctile, tiles_per_group_d)
         c0 = int64(c0) * nc
@@ -457,9 +430,8 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
             acc[a] = 0
         # Two windows, alternating: one is loaded while the multiply-adds read the other.
         # (With one window read and one loaded, the copy between them at the end of each
-        # trip waited for the loads just issued: a quarter of all stall samples, ncu,
-        # session 4.) In the masked loop a cell outside the input is never loaded: it keeps
-        # the zero it starts with.
+        # trip would wait for the loads just issued.) In the masked loop a cell outside the
+        # input is never loaded: it keeps the zero it starts with.
         xa = cuda.local.array(n_x, acc_t)
         xb = cuda.local.array(n_x, acc_t)
         for e in range(n_x):
@@ -602,15 +574,12 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
         # The means come from box_sums, which may still be running: this kernel is launched as
         # its programmatic dependent (``griddep``), and nothing above reads what it writes, so
         # the first blocks stage their weights and run their multiply-adds beside box_sums.
-        # (Waiting before the set-up instead, where the means used to be read into the
-        # accumulators' start, was 4 us slower per call: 0.2641 against 0.2600 ms; the kernel
-        # alone, launched plainly, is ~2 us faster that way. benchmarks/NOTES.md, session 9.)
         wait_prior_grid()
         if active:
             # Every channel's mean (and scale) first, all loads in flight at once: read just
-            # before each channel's stores, each load waited a round trip of its own, since no
-            # load may move above a store to ``out`` (benchmarks/NOTES.md, session 20). A
-            # channel past the group's end reads the group's last one and stores nothing.
+            # before each channel's stores, each load would wait a round trip of its own, since
+            # no load may move above a store to ``out``. A channel past the group's end reads
+            # the group's last one and stores nothing.
             ms = cuda.local.array(nc, acc_t)
             a_s = cuda.local.array(nc, acc_t)
             co0 = int32(g * opg + c0)           # (32-bit: channel counts are < 2**31)
@@ -666,15 +635,14 @@ def choose_tiling(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_
     Per step a thread loads its input window (one load per cell a tap reads) and its weights,
     ``NHT*NWT*ceil(NC/VEC)`` shared-memory loads since NC consecutive weights come as one 16-byte
     vector; it does ``NC*MH*QW*NHT*NWT`` FMAs. The tile with the highest ratio wins, ties going
-    to the bigger tile; never more rows, quotients or channels than the output has. Measured
-    on the default problem (benchmarks/NOTES.md): NC=4, MH=2, QW=2 (18 loads per 144 FMAs) in
-    0.35 ms against 0.41-0.72 ms for the other tiles, with the window prefetched and registers
-    capped at 128 (16 warps per SM; the few spills are outside the loop). float64 keeps the
-    compiler's register choice (not measured).
+    to the bigger tile; never more rows, quotients or channels than the output has. On the
+    default problem that is NC=4, MH=2, QW=2 (18 loads per 144 FMAs), also the fastest tile
+    measured (docs/performance.md). float32 kernels are capped at 128 registers (4 blocks of
+    128 threads per SM, docs/design.md §6); float64 keeps the compiler's register choice.
     """
     block = block_size(block)
     budget = 64 if dtype == "float32" else 32
-    vec = 16 // _ITEMSIZE[dtype]
+    vec = 16 // ITEMSIZE[dtype]
     per_cell = hpat[0] * wpat[0]
     taps = len(hpat[1]) * len(wpat[1])
     best = None
@@ -804,7 +772,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     d_taps = d_axis.phase_taps()
     tdmax = max(1, max(len(taps) for taps in d_taps))
     per_ci = tdmax * len(h_plan.taps) * len(w_plan.taps) * tiling.nc
-    item = _ITEMSIZE[dtype]
+    item = ITEMSIZE[dtype]
     ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))
     d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd

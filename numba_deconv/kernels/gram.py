@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from numba import cuda, float32, float64, int32, int64, uint64
+from numba import cuda, float64, int32, int64, uint64
 
+from .. import dtypes
 from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
 from .async_copy import copy1, wait_all
@@ -32,7 +33,6 @@ from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, launch, nvvm_inlined, pin, tensor_device
 from .warp import FULL_MASK
 
-_NUMBA_TYPES = {"float32": float32, "float64": float64}
 REDUCE_BLOCK = 128
 # threads per term sum in gram_reduce (a power of two up to 32); the simulator, which pays per
 # thread, takes one (tests/test_gram.py runs two and eight)
@@ -386,7 +386,7 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
-    namespace = {"cuda": cuda, "acc_t": _NUMBA_TYPES[dtype], "float64": float64, "min": min,
+    namespace = {"cuda": cuda, "acc_t": dtypes.NUMBA[dtype], "float64": float64, "min": min,
                  "int64": int64, "uint64": uint64, "copy1": copy1, "wait_all": wait_all,
                  "allow_dependents": allow_dependents}
     source = gram_sums_source(dict(consts))

@@ -5,21 +5,22 @@ array a kernel can take, and which stream a launch goes to. Keeping those calls 
 launcher run unchanged on a CPU (the simulator has no ``external_stream``, no ``as_cuda_array``
 and no CUDA tensors).
 
-:func:`launch` is the one entry point. On a GPU, numba's dispatcher spends tens of microseconds
-per launch turning each array into kernel arguments (typing it, wrapping it, flattening it); for
-a pipeline of a few launches per call that host time was larger than the kernels' GPU time
-(benchmarks/NOTES.md, session 3). So the first launch of a kernel for a given argument kind goes
-through the dispatcher (which compiles it), and later launches hand the driver's
-``cuLaunchKernel`` the parameters numba would have built, written into a buffer made once per
-launch shape: for an array ``(meminfo, parent, size, itemsize, data, *shape, *strides)``, for a
-scalar its C value, for a (nested) tuple of integers (how kernels take many run-time sizes at no
-load cost) one int64 per integer. A launch marked ``after_prior`` goes through
-``cuLaunchKernelEx`` as the previous kernel's programmatic dependent (``griddep``).
+:func:`launch` is the one entry point. numba's dispatcher turns each array into kernel
+arguments (typing it, wrapping it, flattening it) at every launch, and for a pipeline of a few
+short kernels per call that host time would exceed the kernels' GPU time (docs/performance.md).
+So the first launch of a kernel for a given argument kind goes through the dispatcher (which
+compiles it), and later launches hand the driver's ``cuLaunchKernel`` the parameters numba
+would have built, written into a buffer made once per launch shape (``_direct_launcher``). A
+launch marked ``after_prior`` goes through ``cuLaunchKernelEx`` as the previous kernel's
+programmatic dependent (``griddep``). The library's launches show no numba performance warning
+(its small grids are small on purpose) and, under the simulator, no numpy floating-point
+warning (a GPU raises nothing for inf or NaN arithmetic).
 """
 
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import functools
 import warnings
 import weakref
@@ -27,6 +28,7 @@ import weakref
 import torch
 from numba import cuda
 
+from .. import simulator
 from ..simulator import is_simulator
 
 _TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.int32: "<i4", torch.int64: "<i8"}
@@ -72,8 +74,8 @@ def launch_stream():
 def _current_stream() -> tuple[int, int]:
     """(device index, raw handle of torch's current stream on it).
 
-    ``torch.cuda.current_stream()`` builds a Python stream object each time (~10 µs of a
-    launch's host time); torch's own raw-handle query, which Triton's launcher uses too, does
+    ``torch.cuda.current_stream()`` builds a Python stream object each time, a large part of a
+    launch's host time; torch's own raw-handle query, which Triton's launcher uses too, does
     not. The public calls stay as the fallback.
     """
     try:
@@ -108,8 +110,8 @@ def nvvm_inlined(fn):
 
     numba's own ``inline="always"`` copies the function's IR into each caller and types and
     lowers every copy; for generated bodies of hundreds of statements called at several places
-    (the gather's multiply-adds, ``gram_sums``' flush) those copies were most of the compile
-    time, for the same SASS (benchmarks/NOTES.md, session 21). The simulator's jit has no such
+    (the gather's multiply-adds, ``gram_sums``' flush) those copies would be most of the
+    compile time, and NVVM's inlining gives the same SASS. The simulator's jit has no such
     option, and runs device functions as Python calls.
     """
     return cuda.jit(device=True, **({} if is_simulator() else {"forceinline": True}))(fn)
@@ -139,7 +141,7 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     """Mark ``t`` as a buffer whose memory and layout never change, and return it.
 
     A launch reads each tensor argument's kind and fields (dtype, rank, contiguity, size,
-    itemsize, address, shape, strides: ~1.5-4 µs of host time per tensor); for a pinned tensor
+    itemsize, address, shape, strides: several Python calls per tensor); for a pinned tensor
     they are read once, here, and kept on the tensor object itself (so they live as long as it
     does; a view of it is a new object and is not pinned). Only for tensors the package owns and
     never resizes or re-points: a plan's scratch buffers and tables, weights derived from the
@@ -220,8 +222,8 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
     launcher keeps one buffer of 8-byte slots and an array of pointers to them, built once; a
     launch writes the slots of the arguments that changed (a pinned tensor or an int tuple
     passed again, the same object, keeps its slots) and hands the pointer array to the driver's
-    ``cuLaunchKernel`` (``cuda.bindings``). That costs a few µs, where numba's own path rebuilds
-    ctypes objects for every parameter (tens of µs for a kernel with 40-70 parameters).
+    ``cuLaunchKernel`` (``cuda.bindings``), where numba's own path rebuilds ctypes objects for
+    every parameter at every launch (and the gather and Gram kernels take 40-70 parameters).
 
     ``after_prior``: launch through ``cuLaunchKernelEx`` with programmatic stream serialization,
     so the kernel may start while the previous one in the stream finishes (``griddep``).
@@ -341,24 +343,31 @@ def _param_count(view, kind) -> int:
     return 1
 
 
-def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False,
-           after_prior: bool = False, max_shared: bool = False) -> None:
+def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = False,
+           max_shared: bool = False) -> None:
     """Launch ``kernel[grid, block, torch's current stream, smem](*args)``.
 
     ``args`` may mix torch tensors, numba (or simulator) device arrays and Python scalars. A
     tensor is passed without a copy; the caller keeps it alive until the kernel has run (stream
     order makes reuse safe). Launches whose arguments are all tensors and scalars take the
-    direct path from their second call on. ``small_grid``: the grid is small on purpose (a
-    one-block finish), so numba's low-occupancy warning at the first launch is not shown.
+    direct path from their second call on.
     ``after_prior``: the kernel calls ``griddep.wait_prior_grid`` before it touches anything the
     previous kernel in the stream writes, so it may be launched as that kernel's programmatic
     dependent (direct path, compute capability 9.0 and later; otherwise an ordinary launch).
     ``max_shared``: the kernel's schedule counts on as many blocks per SM as its shared memory
     allows, so its preferred carveout is all shared memory (the driver otherwise picks one per
-    launch, and may pick one that holds a block fewer: session 15).
+    launch, and may pick one that holds a block fewer).
+
+    Warnings: numba's low-occupancy warning (a grid of fewer than 128 blocks, which the
+    package's one-block-per-channel finishes and small inputs have on purpose) is suppressed
+    for this launch only (``_quiet``); under the simulator, which never emits it, numpy's
+    floating-point warnings are suppressed instead, in the launch's simulated threads only
+    (``simulator.quiet_float_errors``). Every other warning, and every other caller's, is left
+    alone.
     """
     if is_simulator():
-        kernel[grid, block, 0, smem](*_views(args))
+        with simulator.quiet_float_errors():
+            kernel[grid, block, 0, smem](*_views(args))
         return
     device, handle = _current_stream()
     # the compiled function belongs to one device's context: the device is part of the key
@@ -369,17 +378,41 @@ def launch(kernel, grid, block, args, *, smem: int = 0, small_grid: bool = False
         direct(handle, args)
         return
     views = _views(args)
-    with warnings.catch_warnings():
-        if small_grid:
-            warnings.filterwarnings("ignore", message=".*Grid size .* under-utilization")
+    with _quiet():
         kernel[grid, block, _external_stream(handle), smem](*views)
     if max_shared and direct is None:
         _prefer_shared(kernel, views)
     if direct is None and all(isinstance(a, (torch.Tensor, float, int))
                               or _int_tuple(a) is not None for a in args):
-        if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (a fuzzing session): start afresh
+        if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (fuzzing, say): start afresh
             _DIRECT.clear()
         _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem, after_prior) or False
+
+
+#: numba's warning for a grid of fewer than 128 blocks (numba-cuda's ``_LaunchConfiguration``;
+#: numba may prefix the message with a terminal highlight code, hence the leading ``.*``)
+LOW_OCCUPANCY_MESSAGE = r".*Grid size \d+ will likely result in GPU under-utilization"
+
+
+@functools.lru_cache(maxsize=1)
+def _performance_warning() -> type[Warning]:
+    """numba-cuda's ``NumbaPerformanceWarning`` class (``Warning`` if it has moved)."""
+    try:
+        from numba.cuda.core.errors import NumbaPerformanceWarning
+    except ImportError:  # another numba-cuda layout: match by message alone
+        return Warning
+    return NumbaPerformanceWarning
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Around one launch through numba's dispatcher: ignore its low-occupancy warning. The
+    filter is the only one added, and ``warnings.catch_warnings`` restores the process's
+    filters on exit."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LOW_OCCUPANCY_MESSAGE,
+                                category=_performance_warning())
+        yield
 
 
 def _overload(kernel, views):

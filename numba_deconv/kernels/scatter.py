@@ -1,22 +1,17 @@
 """Scatter-style transposed convolution: ``conv_transpose3d_scatter`` (the teaching baseline).
 
-What it computes: y[n, g*OPG + oc, o] += x[n, ci, i] * w[ci, oc, k] for every input voxel i, tap
-k and output channel oc of ci's group g, where per axis o = s*i - p + d*k lands in [0, O).
-``y`` must already hold the bias (or zeros): see ``epilogue.fill_channels``.
-
-Thread mapping: one thread per (input voxel, slice of CSLICE output channels); consecutive
-threads take consecutive input voxels along W, so the loads of ``x`` are coalesced. Each thread
-reads its input value once and adds ``x * w`` into every output it touches with
-``cuda.atomic.add``: several input voxels (and input channels) feed the same output, so without
-atomics the additions would race. That is the cost of scattering, and the reason the fast path
-(``gather``) turns the loop around.
-
-Geometry is passed at run time (no recompilation per shape): any kernel size, stride, padding,
-dilation, output_padding (through y's shape) and groups.
-
+What it computes (docs/design.md §2.6): y[n, g*OPG + oc, o] += x[n, ci, i] * w[ci, oc, k] for
+every input voxel i, tap k and output channel oc of ci's group g, where per axis
+o = s*i - p + d*k lands in [0, O). ``y`` must already hold the bias (or zeros, as the pipeline
+fills: ``epilogue.fill_channels``). A thread owns one (input voxel, slice of CSLICE output
+channels); consecutive threads take consecutive input voxels along W, so the loads of ``x`` are
+coalesced. It reads its input value once and adds ``x * w`` into every output it touches with
+``cuda.atomic.add``: several input voxels and channels feed one output, so without atomics the
+additions would race. That is the cost of scattering, and why the fast path (``gather``) turns
+the loop around. Geometry is passed at run time (no recompilation per shape).
 Cost: 2 * N * Cin * |taps landing inside| * OPG flops, one atomic per multiply-add (the atomics,
-not the arithmetic, bound it). Summation order varies between runs: results are not bitwise
-reproducible, only within rounding.
+not the arithmetic, bound it). The order of the atomic additions varies between runs: results
+are reproducible only to rounding, not bit for bit (docs/design.md §3).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 A warp sums 32 values in five ``shfl_down_sync`` steps (offsets 16, 8, 4, 2, 1): after the step
 with offset ``o``, lane ``l < o`` holds the sum of lanes ``l, l + o, l + 2o, ...`` (32/o of them),
-so lane 0 ends with the total. No shared memory, no barrier, no atomics, and the order of additions is fixed, so the
-result is deterministic. A block sums by letting each warp reduce, parking one partial per warp in
-shared memory (one ``syncthreads``), and letting warp 0 reduce those partials.
+so lane 0 ends with the total. No shared memory, no barrier, no atomics, and the order of
+additions is fixed, so the result is deterministic. A block sums by letting each warp reduce,
+parking one partial per warp in shared memory (one ``syncthreads``), and letting warp 0 reduce
+those partials.
 
 Preconditions: the whole warp (or block) calls these functions together, converged, and the block
 size is a multiple of 32 (the launchers guarantee it); with a partial warp the full mask would name
@@ -18,7 +19,7 @@ from __future__ import annotations
 from numba import cuda
 
 WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
+FULL_MASK = 0xFFFFFFFF  # every lane of a warp (the package's one definition of both)
 MAX_WARPS = 32  # 1024 threads per block at most
 
 
