@@ -5,8 +5,8 @@
 # * the two floors of the default problem: arithmetic (useful FLOPs / peak fp32 rate) and memory
 #   (compulsory bytes / bandwidth), from `Pipeline.explain`;
 # * where each kernel sits on a roofline (arithmetic intensity = FLOPs / byte) and so what limits it;
-# * how far measured times are from the floors (from `benchmarks/results/bench.json` when it has
-#   been recorded, or measured live on a GPU).
+# * how far measured times are from the floors (from the recorded shape suite,
+#   `benchmarks/results/h100_suite.json`, or measured live on a GPU).
 #
 # **Napkin math** (default problem, H100: 67 TFLOP/s fp32, 3.35 TB/s): 6.66 GFLOP / 67 TFLOP/s =
 # 99 µs; 269 MB / 3.35 TB/s = 80 µs. The ridge point is 67e12 / 3.35e12 = 20 FLOP/byte: the gather
@@ -46,13 +46,15 @@ assert all(row.bound == "memory" for row in reports["scatter", "eval"].rows
 
 # %% [markdown]
 # ## Recorded or live measurements
-# `python -m numba_deconv bench` writes `benchmarks/results/bench.json`. If it is absent, a GPU
-# run measures here (`explain(measure=True)`); without either, the plot shows floors only.
+# `python -m numba_deconv bench --suite` writes the shape suite's results
+# (`benchmarks/results/h100_suite.json` is the recorded H100 run); this notebook reads the
+# default problem's rows, back-to-back medians. Without it, a GPU run measures here
+# (`explain(measure=True)`); without either, the plot shows floors only.
 
 # %%
-BENCH = os.path.join("..", "benchmarks", "results", "bench.json")
+BENCH = os.path.join("..", "benchmarks", "results", "h100_suite.json")
 if not os.path.exists(BENCH):
-    BENCH = os.path.join("benchmarks", "results", "bench.json")
+    BENCH = os.path.join("benchmarks", "results", "h100_suite.json")
 measured = []  # (label, flops, bytes, seconds)
 source = "none"
 if os.path.exists(BENCH):
@@ -62,11 +64,13 @@ if os.path.exists(BENCH):
     for row in bench.get("rows", []):
         if row.get("case") != "default" or row.get("status", "ok") != "ok":
             continue
-        ms = row.get("median_ms")
-        if ms is None or not np.isfinite(ms):
-            continue
-        rep = reports["gather", row["mode"]] if row["mode"] in ("train", "eval") else r
-        measured.append((f"{row['provider']} ({row['mode']})", 2 * rep.macs, rep.compulsory_bytes, ms * 1e-3))
+        rep = reports["gather", row["mode"]]
+        for provider, result in row.get("results", {}).items():
+            ms = result.get("back_to_back", {}).get("median_ms")
+            if result.get("status") != "ok" or ms is None or not np.isfinite(ms):
+                continue
+            measured.append((f"{provider} ({row['mode']})", 2 * rep.macs, rep.compulsory_bytes,
+                             ms * 1e-3))
 elif not SIM:
     source = "measured live (explain(measure=True))"
     for (impl, mode) in reports:
@@ -128,10 +132,10 @@ scatter_ratio = reports["scatter", "eval"].total_bytes / r.compulsory_bytes
 print(f"training's scale pass: {scale_mb:.0f} MB; scatter moves {scatter_ratio:.1f}x the compulsory bytes")
 assert abs(scale_mb - 504) < 1 and 5 < scatter_ratio < 7
 for label, flops, nbytes, seconds in measured:
-    if label.startswith(("numba_", "torch_")):
+    if label.startswith(("numba_", "torch_")):  # providers: numba_deconv, torch_eager, ...
         print(f"{label:32s} {seconds * 1e6:9.1f} us = {seconds * 1e6 / floor_us:5.1f}x the floor")
 if not measured:
-    print("no measurements: run `python -m numba_deconv bench` on a GPU to record bench.json")
+    print("no measurements: run `python -m numba_deconv bench --suite` on a GPU to record them")
 
 # %% [markdown]
 # **Interpretation.** Every kernel except the convolution is memory-bound by construction (a few

@@ -283,14 +283,19 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor) -
     return Tolerance(*margins)
 
 
-def check_case(case: Case, make: Callable, device: torch.device | str = "cpu",
+def check_case(case: Case, make: Callable, device: torch.device | str | None = None,
                rtol: float | None = None, x: torch.Tensor | None = None) -> None:
     """Run ``make(conv, bn)(x)`` against the float64 reference on the same parameters.
 
-    ``make`` receives modules in ``case.dtype`` on ``device`` and returns a callable. Checks the
+    ``make`` receives modules in ``case.dtype`` on ``device`` (by default where the kernels
+    run: the GPU, or the CPU under the simulator) and returns a callable. Checks the
     output, that ``x`` was not modified, and the running statistics (mean, var, batches seen),
     each within ``tolerance`` (or ``rtol`` where given).
     """
+    if device is None:
+        from .kernels.launch import tensor_device  # numba.cuda only once a check runs
+
+        device = tensor_device()
     conv64, bn64 = build_modules(case, device)
     conv = copy.deepcopy(conv64).to(case.dtype)
     bn = copy.deepcopy(bn64).to(case.dtype)

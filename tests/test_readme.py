@@ -6,6 +6,7 @@ Every ```python block runs in a fresh namespace, in order. A block whose first l
 
 from __future__ import annotations
 
+import linecache
 import re
 from pathlib import Path
 
@@ -27,4 +28,8 @@ def test_readme_has_blocks():
 
 @pytest.mark.parametrize("code", list(_params()))
 def test_readme_block_runs(code):
-    exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    # a file name of its own, whose lines are the block's, so that tracebacks and hypothesis'
+    # reports (which read a test's source) show the block
+    name = f"<README.md block {BLOCKS.index(code)}>"
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    exec(compile(code, name, "exec"), {"__name__": "readme"})
