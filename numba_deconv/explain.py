@@ -249,8 +249,8 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                     blk, n_out * (1 + 3 * (passes - 1)), passes * n_out * e + passes * rows_nc * 8))
     else:
         gram_path = batch_stats and pipe.uses_gram
-        in_tail = gram_path and gram.BOX_SUMS_IN_TAIL  # its own block size there
-        blk = block_size(gram.BOX_SUMS_BLOCK if in_tail else box_sums.BLOCK)
+        in_tail = gram_path and pipe.options.box_sums_in_tail  # its own block size there
+        blk = block_size(pipe.options.box_sums_tail_block if in_tail else box_sums.BLOCK)
         planes = batch * geom.in_channels
         kd, kh, kw = geom.kernel_size
         boxes = planes * kd * kh * kw * 8
@@ -265,11 +265,12 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                      boxes + w_bytes + rows_nc * 8)]
         if gram_path:  # box_sums runs in gram_sums' tail (``Pipeline._gram_train``)
             gram_rows = _gram_rows(pipe, batch, in_spatial, dtype, x_bytes)
-            out += [gram_rows[0], *box_rows, *gram_rows[1:]] if gram.BOX_SUMS_IN_TAIL \
+            out += [gram_rows[0], *box_rows, *gram_rows[1:]] if pipe.options.box_sums_in_tail \
                 else [*box_rows, *gram_rows]
         else:
             out += box_rows
-        launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name)
+        launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name,
+                                      heavy_first=pipe.options.tail_heavy_first)
         t = launch.tiling
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             out.append(("conv_transpose3d_gather",

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +53,7 @@ from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
 from .kernels.launch import block_size, pin, tensor_device
+from .plan import CallPlan, Options, build as build_plan, stages as path_stages
 from .simulator import is_simulator
 
 
@@ -78,33 +77,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64)
 GRAM_ITEMSIZE = 8
 
 
-@dataclass
-class _ShapePlan:
-    """Launch configuration and scratch buffers for one (input shape, dtype, device, stream)."""
-
-    batch: int
-    out_spatial: tuple[int, int, int]
-    volume: int
-    box_lo: Any = None
-    box_hi: Any = None
-    boxes: Any = None
-    samples_done: Any = None  # (N,) int32 plane counters of box_sums, zero between calls
-    contrib: Any = None       # (N, CI, OPG) f64: each input plane's share of the means
-    means: Any = None
-    css: Any = None
-    zero_bias: Any = None
-    ones: Any = None       # gamma when BN is not affine
-    counter: Any = None    # num_batches_tracked stand-in when BN tracks no running statistics
-    done: Any = None       # (1,) int32 block counter of batch_statistics, zero between calls
-    scale: Any = None      # (C,) batch-statistics scale, in the input's dtype
-    stats: Any = None      # (2, C) f64: batch mean (with the conv bias) and biased variance
-    gather: gather.GatherLaunch | None = None
-    wph_index: Any = None
-    ss: Any = None
-    gram: gram.GramLaunch | None = None  # the Gram path's tables and buffers
-    means_scaled: Any = None  # (N, C) f64: the means times a_c
-
-
 class Pipeline:
     """The whole operator (docs/design.md §1) on Numba CUDA kernels.
 
@@ -114,7 +86,8 @@ class Pipeline:
     """
 
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
-                 variance: str = "auto", poison: bool = False, graphs: bool | str = "auto"):
+                 variance: str = "auto", poison: bool = False, graphs: bool | str = "auto",
+                 options: Options | None = None):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -130,6 +103,7 @@ class Pipeline:
             raise ValueError(f"variance must be one of {VARIANCE_STRATEGIES}, got {variance!r}")
         self.conv = conv
         self.bn = bn
+        self.options = Options() if options is None else options  # kernel arrangements (plan)
         self.conv_impl = conv_impl
         self.variance = variance
         if variance == "gram" and conv_impl == "gather" and not self.gram_tiles_fit():
@@ -143,7 +117,7 @@ class Pipeline:
         self._capturing = False
         self._warned_no_grad = False
         self.training = bn.training
-        self._plans: OrderedDict[tuple, _ShapePlan] = OrderedDict()
+        self._plans: OrderedDict[tuple, CallPlan] = OrderedDict()
         self._shapes: OrderedDict[tuple, tuple] = OrderedDict()  # shape -> (batch, out spatial)
         self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
 
@@ -254,7 +228,7 @@ class Pipeline:
         """
         bn, conv = self.bn, self.conv
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, self.conv_impl, self.uses_gram,
+        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, self.path(),
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
@@ -311,20 +285,21 @@ class Pipeline:
         record["output"] = self._forward(tensor, record=record)
         return record
 
+    def path(self) -> str:
+        """The path a call takes now (``plan.PATHS``): it follows the mode, batch norm's
+        settings and ``variance``."""
+        if self.conv_impl == "scatter":
+            return "scatter"
+        if not folding.uses_batch_statistics(self.bn, self.training):
+            return "eval"
+        return "gram" if self.uses_gram else "epilogue"
+
     @property
     def stages(self) -> tuple[str, ...]:
-        """Names of the intermediates ``trace`` records (after ``input``), in order."""
-        batch = folding.uses_batch_statistics(self.bn, self.training)
-        if self.conv_impl == "scatter":
-            core = ("fill_zero", "conv_transpose3d_scatter", "spatial_moments_warp")
-        elif batch and self.uses_gram:
-            box = ("box_sums", "mean_from_box_sums")
-            sums = ("gram_sums", *box) if gram.BOX_SUMS_IN_TAIL else (*box, "gram_sums")
-            return (*sums, "gram_reduce", "batch_statistics", "conv_transpose3d_gather", "scale",
-                    "output")
-        else:
-            core = ("box_sums", "mean_from_box_sums", "conv_transpose3d_gather")
-        return core + (("batch_statistics",) if batch else ()) + ("scale", "output")
+        """Names of the intermediates ``trace`` records (after ``input``), in order: the plan's
+        (``plan.stages``)."""
+        return path_stages(self.path(), folding.uses_batch_statistics(self.bn, self.training),
+                           self.options)
 
     def explain(self, input_shape, dtype: torch.dtype = torch.float32, measure: bool = False):
         """The plan for ``input_shape``: stages, kernels, launch shapes, resources and floors.
@@ -403,7 +378,7 @@ class Pipeline:
         return checked
 
     # ---- buffers and cached launch configurations ---------------------------------------------
-    def _plan(self, x: torch.Tensor, batch: int, out_spatial) -> _ShapePlan:
+    def _plan(self, x: torch.Tensor, out_spatial, batch_stats: bool) -> CallPlan:
         # Scratch buffers are reused across calls, which stream order makes safe; one pipeline
         # must not run on two streams at once.
         key = self._plan_key(x)
@@ -411,64 +386,16 @@ class Pipeline:
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
-        geom = self.geometry
-        dev, f64 = x.device, torch.float64
-        volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
-        plan = _ShapePlan(batch, tuple(out_spatial), volume)
-        plan.means = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
-        plan.css = torch.empty((batch, geom.out_channels), dtype=f64, device=dev)
-        plan.zero_bias = torch.zeros(geom.out_channels, dtype=f64, device=dev)
-        plan.ones = torch.ones(geom.out_channels, dtype=f64, device=dev)
-        plan.counter = torch.zeros(1, dtype=torch.int64, device=dev)
-        plan.done = torch.zeros(1, dtype=torch.int32, device=dev)
-        plan.scale = torch.empty(geom.out_channels, dtype=x.dtype, device=dev)
-        plan.stats = torch.empty((2, geom.out_channels), dtype=f64, device=dev)
-        if self.conv_impl == "gather":
-            in_spatial = tuple(x.shape[2:])
-            axes = geom.axes()
-            kmax = max(geom.kernel_size)
-            lo = np.ones((3, kmax), np.int32)
-            hi = np.zeros((3, kmax), np.int32)
-            for a, axis in enumerate(axes):
-                for k in range(axis.kernel):
-                    lo[a, k], hi[a, k] = axis.box(k, in_spatial[a])
-            plan.box_lo = torch.from_numpy(lo).to(dev)
-            plan.box_hi = torch.from_numpy(hi).to(dev)
-            kd, kh, kw = geom.kernel_size
-            plan.boxes = torch.empty((batch, geom.in_channels, kd, kh, kw), dtype=f64, device=dev)
-            plan.samples_done = torch.zeros(batch, dtype=torch.int32, device=dev)
-            plan.contrib = torch.empty((batch, geom.in_channels, geom.out_per_group), dtype=f64,
-                                       device=dev)
-            dtype = dtypes.name_of(x.dtype)
-            plan.gather = gather.gather_launch(geom, batch, in_spatial, out_spatial, dtype)
-            plan.wph_index = torch.from_numpy(
-                gather.phase_weight_index(geom, plan.gather.tiling)).to(dev)
-            plan.ss = torch.empty((batch, geom.out_channels, plan.gather.slots), dtype=f64,
-                                  device=dev)
-        for value in vars(plan).values():  # the plan owns them: their launch fields read once
-            if isinstance(value, torch.Tensor):
-                pin(value)
+        plan = build_plan(self.geometry, x, out_spatial, key[3], batch_stats, self.options,
+                          GRAM_ITEMSIZE)
         self._plans[key] = plan
         if len(self._plans) > PLAN_CACHE:  # a captured graph keeps its own plan alive
             self._plans.popitem(last=False)
         return plan
 
-    def _gram_plan(self, plan: _ShapePlan, x: torch.Tensor) -> gram.GramLaunch:
-        """The Gram path's tables and buffers (float64 sums), built at the first training call
-        of a shape."""
-        if plan.gram is None:
-            geom, dev = self.geometry, x.device
-            layout = gram.plan_for(geom, plan.batch, x.shape[2:], GRAM_ITEMSIZE)
-            if layout is None:  # the constructor checked gram_fits, which holds for any size
-                raise RuntimeError(f"variance='gram': this geometry's Gram tiles do not fit "
-                                   f"shared memory (input {tuple(x.shape)})")
-            plan.means_scaled = pin(torch.empty((plan.batch, geom.out_channels),
-                                                dtype=torch.float64, device=dev))
-            plan.gram = gram.gram_launch(layout, geom.out_per_group, dev, torch.float64)
-        return plan.gram
-
     def _plan_key(self, x: torch.Tensor) -> tuple:
-        return (tuple(x.shape), x.dtype, x.device, self.conv_impl, self.uses_gram)
+        return (tuple(x.shape), x.dtype, x.device, self.path(),
+                folding.uses_batch_statistics(self.bn, self.training))
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""
@@ -502,14 +429,12 @@ class Pipeline:
         if batch_stats:
             folding.check_batch_size(batch, volume, geom.out_channels)
         x = x.detach().contiguous()
-        plan = self._plan(x, batch, out_spatial)
+        plan = self._plan(x, out_spatial, batch_stats)
         out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
-            for t in (out, plan.means, plan.css, plan.boxes, plan.contrib, plan.ss, plan.scale,
-                      plan.stats):
-                if t is not None:
-                    t.fill_(float("nan"))
-        if self.conv_impl == "scatter":
+            for t in (out, *plan.poisonable()):
+                t.fill_(float("nan"))
+        if plan.path == "scatter":
             self._scatter(x, out, plan, batch_stats, record)
         else:
             self._gather(x, out, plan, batch_stats, record)
@@ -528,26 +453,26 @@ class Pipeline:
         key = (self._version(bn.running_var), self._version(bn.weight), bn.eps)
         return self._cached("eval_scale", key, lambda: folding.bn_scale(bn, bn.running_var))
 
-    def _bias64(self, plan: _ShapePlan) -> torch.Tensor:
+    def _bias64(self, plan: CallPlan) -> torch.Tensor:
         bias = self.conv.bias
         if bias is None:
-            return plan.zero_bias
+            return plan.scratch.zero_bias
         return self._cached("bias64", self._version(bias), lambda: bias.detach().to(torch.float64))
 
     def _updates(self, record) -> bool:
         """Whether this call updates the running statistics (training, not a trace)."""
         return self.training and record is None and folding.tracks_running_stats(self.bn)
 
-    def _bn_buffers(self, plan: _ShapePlan) -> tuple:
+    def _bn_buffers(self, plan: CallPlan) -> tuple:
         """(gamma, running_mean, running_var, num_batches_tracked) for the statistics kernels:
         the module's own, or the plan's stand-ins when BN is not affine or tracks nothing."""
         bn = self.bn
         running = folding.tracks_running_stats(bn)
         tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
-            else plan.counter
-        return (bn.weight.detach() if bn.affine else plan.ones,
-                bn.running_mean if running else plan.stats[0],
-                bn.running_var if running else plan.stats[1], tracked)
+            else plan.scratch.counter
+        return (bn.weight.detach() if bn.affine else plan.scratch.ones,
+                bn.running_mean if running else plan.scratch.stats[0],
+                bn.running_var if running else plan.scratch.stats[1], tracked)
 
     def _finish_batch_stats(self, plan, means, ss, record) -> torch.Tensor:
         """Batch statistics -> per-channel scale (one kernel), updating running stats outside a trace.
@@ -555,16 +480,16 @@ class Pipeline:
         ``means`` (N, C): spatial means of the bias-free convolution; ``ss`` (N, C, SLOTS): its
         centred sums of squares in partials.
         """
-        bn = self.bn
+        bn, s = self.bn, plan.scratch
         batch_stats.launch_batch_statistics(
             means, ss, self._bias64(plan), *self._bn_buffers(plan), bn.eps, bn.momentum,
-            plan.batch * plan.volume, self._updates(record), plan.scale, plan.stats, plan.done)
+            plan.batch * plan.volume, self._updates(record), s.scale, s.stats, s.done)
         if record is not None:
-            record["batch_statistics"] = plan.stats.clone()
-            record["scale"] = plan.scale.to(torch.float64, copy=True)  # never the buffer
-        return plan.scale
+            record["batch_statistics"] = s.stats.clone()
+            record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer
+        return s.scale
 
-    def _scatter(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
+    def _scatter(self, x, out, plan: CallPlan, batch_stats: bool, record) -> None:
         geom, conv = self.geometry, self.conv
         rows = out.view(plan.batch * geom.out_channels, plan.volume)
         weight = conv.weight.detach()
@@ -577,28 +502,29 @@ class Pipeline:
         # The bias shifts a whole channel, so the mean subtraction removes it (docs/design.md §2.1):
         # accumulate from zero. Accumulated onto the bias, a channel whose bias dwarfs its spread
         # lost that spread to float32 rounding (a case hypothesis found: 4e-5 relative error).
-        epilogue.launch_fill_channels(rows, plan.zero_bias)
+        epilogue.launch_fill_channels(rows, plan.scratch.zero_bias)
         if record is not None:
             record["fill_zero"] = out.clone()
         scatter.launch_scatter(x, weight, out, geom.stride, geom.padding, geom.dilation)
         if record is not None:
             record["conv_transpose3d_scatter"] = out.clone()
-        means = plan.means.view(-1)
-        css = plan.css.view(-1)
+        means = plan.scratch.means.view(-1)
+        css = plan.scratch.css.view(-1)
         spatial_reduce.spatial_moments(rows, means, css, with_css=batch_stats)
         if record is not None:
-            record["spatial_moments_warp"] = plan.means.clone()
+            record["spatial_moments_warp"] = plan.scratch.means.clone()
         if batch_stats:
             # the means are bias-free; batch_statistics adds the bias back for the running mean
-            scale = self._finish_batch_stats(plan, plan.means, plan.css.view(*plan.css.shape, 1),
+            css = plan.scratch.css
+            scale = self._finish_batch_stats(plan, plan.scratch.means, css.view(*css.shape, 1),
                                              record).to(torch.float64)
         else:
-            scale = plan.ones  # the BN scale is folded into the weights
+            scale = plan.scratch.ones  # the BN scale is folded into the weights
             if record is not None:
                 record["scale"] = self._eval_scale().clone()
         epilogue.launch_scale_centered(rows, means, scale, rows)
 
-    def _gather(self, x, out, plan: _ShapePlan, batch_stats: bool, record) -> None:
+    def _gather(self, x, out, plan: CallPlan, batch_stats: bool, record) -> None:
         geom, conv = self.geometry, self.conv
         launch = plan.gather
         weight = conv.weight.detach()
@@ -613,16 +539,16 @@ class Pipeline:
                                        lambda: folding.fold_weights(weight, scale, geom.groups))
         wph = self._cached("gather_wph" + ("_train" if batch_stats else "_eval"),
                            key + (launch.tiling.nc, x.dtype),
-                           lambda: gather.arrange_weights(conv_weight, plan.wph_index))
+                           lambda: gather.arrange_weights(conv_weight, plan.scratch.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
-        if batch_stats and self.uses_gram:
+        if plan.path == "gram":
             self._gram_train(x, out, plan, wph, flat_w, dtype, record)
             return
         self._box_sums(x, plan, flat_w, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since
-        gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.means,
-                             out.view(-1), plan.ss, after_prior=record is None)
+        gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.scratch.means,
+                             out.view(-1), plan.scratch.ss, after_prior=record is None)
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()
@@ -630,21 +556,22 @@ class Pipeline:
             return
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()
-        scale = self._finish_batch_stats(plan, plan.means, plan.ss, record)
+        scale = self._finish_batch_stats(plan, plan.scratch.means, plan.scratch.ss, record)
         # The output is already centred: what is left is one per-channel multiply, in place
         # (epilogue.scale_rows runs at the copy rate, faster than torch's broadcast mul_).
         epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)
 
-    def _box_sums(self, x, plan: _ShapePlan, flat_w, record, after_prior: bool = False,
+    def _box_sums(self, x, plan: CallPlan, flat_w, record, after_prior: bool = False,
                   block: int | None = None) -> None:
-        box_sums.launch_box_sums(x, plan.box_lo, plan.box_hi, plan.boxes, flat_w, plan.zero_bias,
-                                 1.0 / plan.volume, plan.contrib, plan.means, plan.samples_done,
+        s = plan.scratch
+        box_sums.launch_box_sums(x, s.box_lo, s.box_hi, s.boxes, flat_w, s.zero_bias,
+                                 1.0 / plan.volume, s.contrib, s.means, s.samples_done,
                                  block=block, after_prior=after_prior)
         if record is not None:
-            record["box_sums"] = plan.boxes.clone()
-            record["mean_from_box_sums"] = plan.means.clone()
+            record["box_sums"] = s.boxes.clone()
+            record["mean_from_box_sums"] = s.means.clone()
 
-    def _gram_train(self, x, out, plan: _ShapePlan, wph, flat_w, dtype: str, record) -> None:
+    def _gram_train(self, x, out, plan: CallPlan, wph, flat_w, dtype: str, record) -> None:
         """Training on the Gram path: the variance from the input, then the evaluation kernel
         with the unscaled weights and the scale in its epilogue.
 
@@ -652,12 +579,7 @@ class Pipeline:
         lets the next start at once and waits for the one before only where it reads its
         results, so the gather's first blocks run their multiply-adds while the statistics are
         finished (nothing before its epilogue depends on them)."""
-        bn = self.bn
-        gl = self._gram_plan(plan, x)
-        if self.poison:  # built at the first training call: poisoned here, not with the others
-            for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.qpart, gl.cvals,
-                      plan.means_scaled):
-                t.fill_(float("nan"))
+        bn, options, gl, s = self.bn, self.options, plan.gram, plan.scratch
         # Anything that may launch a torch kernel (the bias in float64 when it changed) comes
         # first: between two kernels of the chain it would break the overlap.
         bias, bn_buffers = self._bias64(plan), self._bn_buffers(plan)
@@ -666,24 +588,24 @@ class Pipeline:
         chained = record is None
         # float64 sums of float32 products are exact products added with float64's rounding
         x_sums = x if x.dtype == torch.float64 else x.to(torch.float64)
-        if not gram.BOX_SUMS_IN_TAIL:
+        if not options.box_sums_in_tail:
             self._box_sums(x, plan, flat_w, record)
         gram.launch_gram_sums(gl, "float64", x_sums)
         if record is not None:
             record["gram_sums"] = gl.partial.clone()
-        if gram.BOX_SUMS_IN_TAIL:
+        if options.box_sums_in_tail:
             self._box_sums(x, plan, flat_w, record, after_prior=chained and bool(gl.plan.terms),
-                           block=block_size(gram.BOX_SUMS_BLOCK))
+                           block=block_size(options.box_sums_tail_block))
         gram.launch_gram_reduce(gl, flat_w)
         if record is not None:
             record["gram_reduce"] = gl.sums.clone()
         batch_stats.launch_gram_statistics(
-            gl.qpart, plan.means, bias, *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
-            self._updates(record), plan.scale, plan.stats, plan.done, plan.means_scaled)
+            gl.qpart, s.means, bias, *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
+            self._updates(record), s.scale, s.stats, s.done, s.means_scaled)
         if record is not None:
-            record["batch_statistics"] = plan.stats.clone()
-        gather.launch_gather(plan.gather, dtype, False, x.view(-1), wph, plan.means_scaled,
-                             out.view(-1), plan.ss, scale=plan.scale, after_prior=chained)
+            record["batch_statistics"] = s.stats.clone()
+        gather.launch_gather(plan.gather, dtype, False, x.view(-1), wph, s.means_scaled,
+                             out.view(-1), s.ss, scale=s.scale, after_prior=chained)
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()
-            record["scale"] = plan.scale.to(torch.float64, copy=True)  # never the buffer
+            record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer

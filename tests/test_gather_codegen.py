@@ -50,7 +50,8 @@ def test_fma_step_source_matches_the_loop_nest(h_axis, w_axis, tile):
     assert not np.array_equal(got, start)
 
 
-def _check_against_pytorch(geom, batch: int, in_spatial, training: bool, device) -> list:
+def _check_against_pytorch(geom, batch: int, in_spatial, training: bool, device,
+                           options=None) -> list:
     """One random case of ``geom`` through the gather pipeline against float64 PyTorch; the
     launch plans the pipeline made."""
     from numba_deconv import Pipeline, testing
@@ -60,7 +61,7 @@ def _check_against_pytorch(geom, batch: int, in_spatial, training: bool, device)
     made = []
 
     def make(conv, bn):
-        made.append(Pipeline.from_modules(conv, bn, poison=True))
+        made.append(Pipeline.from_modules(conv, bn, poison=True, options=options))
         return made[-1]
 
     testing.check_case(case, make, device)
@@ -182,15 +183,16 @@ def test_tail_order_takes_the_last_sample_heavy_first():
 
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("heavy_first", [True, False])
-def test_tail_order_matches_pytorch(training, heavy_first, device, monkeypatch):
+def test_tail_order_matches_pytorch(training, heavy_first, device):
     """Three samples of a geometry whose D phases have 1 and 2 taps: the last sample's blocks
     take the phases heavy first (or, switched off, in the usual order); every output is written
     (poisoned beforehand) and right."""
     from numba_deconv import testing
+    from numba_deconv.plan import Options
 
-    monkeypatch.setattr(gather, "TAIL_HEAVY_FIRST", heavy_first)
     geom = testing.ConvGeometry.create(3, 6, 3, 2, 1)
-    plans = _check_against_pytorch(geom, 3, (6, 12, 5), training, device)
+    plans = _check_against_pytorch(geom, 3, (6, 12, 5), training, device,
+                                   Options(tail_heavy_first=heavy_first))
     for plan in plans:
         sizes = dict(zip(gather._DIMS, plan.dims[0]))
         assert (sizes["tail_start"] < plan.grid) == heavy_first and sizes["tail_n"] == 2

@@ -63,13 +63,13 @@ def test_device_array_in_device_array_out(device):
                          [("gather", "epilogue", True), ("scatter", "epilogue", True),
                           ("gather", "gram", True), ("gather", "gram", False)])
 def test_trace_records_every_stage_without_updating_stats(impl, variance, box_sums_in_tail,
-                                                          monkeypatch, device):
+                                                          device):
     """Every stage in order (the Gram path with box_sums on either side of gram_sums)."""
-    from numba_deconv.kernels import gram
+    from numba_deconv.plan import Options
 
-    monkeypatch.setattr(gram, "BOX_SUMS_IN_TAIL", box_sums_in_tail)
     model = Model(3, 4, 3, 2, 1).to(device).train()
-    pipe = Pipeline.from_torch(model, conv_impl=impl, variance=variance)
+    pipe = Pipeline.from_torch(model, conv_impl=impl, variance=variance,
+                               options=Options(box_sums_in_tail=box_sums_in_tail))
     before = model.batch_norm.running_mean.clone()
     stages = pipe.trace(torch.randn(2, 3, 3, 4, 4, device=device))
     assert list(stages) == ["input", *pipe.stages]

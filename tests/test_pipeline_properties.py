@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from numba_deconv import Pipeline, testing
 from numba_deconv.gram_plan import gram_fits
-from numba_deconv.kernels import gram
+from numba_deconv.plan import Options
 from numba_deconv.pipeline import GRAM_ITEMSIZE
 from numba_deconv.simulator import is_simulator
 
@@ -61,12 +61,13 @@ def test_gram_variance_matches_pytorch(dtype, data, limits, device):
 
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("box_sums_in_tail", [True, False])
-def test_default_like_problem_gram(training, box_sums_in_tail, monkeypatch, device):
-    """Both places of box_sums on the Gram path (``gram.BOX_SUMS_IN_TAIL``)."""
-    monkeypatch.setattr(gram, "BOX_SUMS_IN_TAIL", box_sums_in_tail)
+def test_default_like_problem_gram(training, box_sums_in_tail, device):
+    """Both places of box_sums on the Gram path (``Options.box_sums_in_tail``)."""
     geom = testing.ConvGeometry.create(4, 8, 3, 2, 1)
     case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 5, 4), training, seed=7)
-    testing.check_case(case, _pipeline("gather", "gram"), device)
+    options = Options(box_sums_in_tail=box_sums_in_tail)
+    testing.check_case(case, lambda conv, bn: Pipeline.from_modules(
+        conv, bn, variance="gram", poison=True, options=options), device)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

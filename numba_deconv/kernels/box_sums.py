@@ -109,7 +109,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
       channel count are multiply-high (``fastdiv``, divisors from the host in ``dims``);
     * a thread per quad, not per column, runs the W interval tests and the box sums' adds once
       per quad (4*KH*KW + KD*KH*KW selected adds instead of KD*KH + KD*KH*KW per column) and
-      keeps few enough registers to run well at 128 threads (``gram.BOX_SUMS_BLOCK``, in
+      keeps few enough registers to run well at 128 threads (``plan.Options.box_sums_tail_block``, in
       ``gram_sums``' tail); a thread per input column walking every plane would spill at the
       128-register cap;
     * each plane adds its own share of the means, so the last block only adds ``ipg`` shares

@@ -99,19 +99,16 @@ def tail_ranks(d_counts: tuple) -> tuple:
     return tuple(sorted(range(len(d_counts)), key=lambda r: -d_counts[r]))
 
 
-# The last sample's blocks take the D phases with more taps first (``tail_order``): on by default
-TAIL_HEAVY_FIRST = True
-
-
-def tail_order(batch: int, blocks_per_sample: int, d_counts: tuple) -> int:
+def tail_order(batch: int, blocks_per_sample: int, d_counts: tuple,
+               heavy_first: bool = True) -> int:
     """First block of the grid's reordered tail: the last sample's blocks (the kernel's
     ``tail_n``, ``batch - 1``) in D phase order, most taps first, so the grid ends on its
     shortest blocks instead of a mix (a block of the default problem's odd D phase does 32
     steps, of the even one 16). Elsewhere the phases stay interleaved per row block, so that
     blocks that read the same input rows run together (and share them in L2). Off (the grid's
-    size) for one sample, phases of equal tap counts, or ``TAIL_HEAVY_FIRST`` False."""
+    size) for one sample, phases of equal tap counts, or ``heavy_first`` False."""
     grid = batch * blocks_per_sample
-    if batch < 2 or len(set(d_counts)) < 2 or not TAIL_HEAVY_FIRST:
+    if batch < 2 or len(set(d_counts)) < 2 or not heavy_first:
         return grid
     return grid - blocks_per_sample
 
@@ -749,8 +746,9 @@ class GatherLaunch:
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
-                  tiling: GatherTiling | None = None) -> GatherLaunch:
-    """Grid, tiling and run-time sizes for one input shape (``tiling`` overrides the choice)."""
+                  tiling: GatherTiling | None = None, heavy_first: bool = True) -> GatherLaunch:
+    """Grid, tiling and run-time sizes for one input shape (``tiling`` overrides the choice;
+    ``heavy_first``: ``tail_order``'s)."""
     d_axis, h_axis, w_axis = geom.axes()
     h_plan, w_plan = axis_plan(h_axis), axis_plan(w_axis)
     sd, sh, sw = geom.stride
@@ -777,7 +775,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd
     grid = batch * slots * ctiles
-    tail_start = tail_order(batch, slots * ctiles, d_phases(d_plan.pattern)[1])
+    tail_start = tail_order(batch, slots * ctiles, d_phases(d_plan.pattern)[1], heavy_first)
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
                  ipg=ipg, opg=opg, shift_d=d_plan.shift, shift_h=h_plan.shift,

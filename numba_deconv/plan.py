@@ -1,0 +1,162 @@
+"""The plan of one call shape: which path runs, its stages in order, launches and scratch buffers.
+
+A ``CallPlan`` is built once per (input shape, dtype, device, path) and is frozen: the pipeline
+executes it, ``explain`` prints its stages, and ``Pipeline.stages`` comes from the same
+``stages`` function, so the three cannot disagree. ``Options`` holds the arrangements of the
+kernels where more than one is right (tests run each); kernels take them as arguments, never
+from module globals.
+
+Paths (``PATHS``):
+
+* ``"eval"``     - gather, evaluation statistics: box_sums, then the gather writing the output.
+* ``"epilogue"`` - gather, batch statistics from the output's centred sums of squares: box_sums,
+  the gather with its sums-of-squares epilogue, batch_statistics, an in-place scale.
+* ``"gram"``     - gather, batch statistics from the input's Gram sums before the convolution.
+* ``"scatter"``  - the teaching baseline, either statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from . import dtypes
+from .geometry import ConvGeometry
+from .kernels import gather, gram
+from .kernels.launch import pin
+
+PATHS = ("eval", "epilogue", "gram", "scatter")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Arrangements of the kernels that are all correct; the defaults are the faster ones."""
+
+    #: Gram path: box_sums runs after gram_sums as its programmatic dependent, in its tail
+    #: (its blocks fill the SMs gram_sums' last blocks leave idle), or before it
+    box_sums_in_tail: bool = True
+    #: ... with blocks of this many threads there (they fit beside gram_sums' last blocks)
+    box_sums_tail_block: int = 128
+    #: gather: the last sample's blocks take the D phases with more taps first
+    #: (``gather.tail_order``), so the grid ends on its shortest blocks
+    tail_heavy_first: bool = True
+
+
+def stages(path: str, batch_statistics: bool, options: Options) -> tuple[str, ...]:
+    """The intermediates a trace records on ``path`` (after ``input``), in order."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    finish = ("batch_statistics",) if batch_statistics else ()
+    if path == "scatter":
+        return ("fill_zero", "conv_transpose3d_scatter", "spatial_moments_warp", *finish,
+                "scale", "output")
+    box = ("box_sums", "mean_from_box_sums")
+    if path == "gram":
+        sums = ("gram_sums", *box) if options.box_sums_in_tail else (*box, "gram_sums")
+        return (*sums, "gram_reduce", "batch_statistics", "conv_transpose3d_gather", "scale",
+                "output")
+    return (*box, "conv_transpose3d_gather", *finish, "scale", "output")
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A plan's scratch buffers (on the input's device; float64 unless said). Written by the
+    kernels of one call, read within it: stream order makes reuse across calls safe."""
+
+    means: torch.Tensor        # (N, C) spatial means of the convolution without its bias
+    css: torch.Tensor          # (N, C) centred sums of squares (scatter path)
+    zero_bias: torch.Tensor    # (C,) zeros: the bias a channel's mean subtraction removes
+    ones: torch.Tensor         # (C,) gamma when batch norm is not affine
+    counter: torch.Tensor      # (1,) int64 num_batches_tracked when none is tracked
+    done: torch.Tensor         # (1,) int32 block counter of the statistics kernels
+    scale: torch.Tensor        # (C,) the batch statistics' scale, in the input's dtype
+    stats: torch.Tensor        # (2, C) batch mean (with the bias) and biased variance
+    box_lo: torch.Tensor | None = None        # (3, K) int32 per-tap input boxes (gather)
+    box_hi: torch.Tensor | None = None
+    boxes: torch.Tensor | None = None         # (N, CI, kD, kH, kW) box sums
+    samples_done: torch.Tensor | None = None  # (N,) int32 plane counters of box_sums
+    contrib: torch.Tensor | None = None       # (N, CI, OPG) each input plane's share of the means
+    wph_index: torch.Tensor | None = None     # the gather's weight arrangement
+    ss: torch.Tensor | None = None            # (N, C, slots) the gather's sums of squares
+    means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for f in fields(self) if (t := getattr(self, f.name)) is not None)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Everything one call shape needs: the path and its stages, the launch configurations
+    (``gather``, ``gram``) and the scratch buffers."""
+
+    path: str
+    batch_statistics: bool
+    batch: int
+    out_spatial: tuple[int, int, int]
+    volume: int
+    stages: tuple[str, ...]
+    scratch: Scratch
+    gather: gather.GatherLaunch | None = None
+    gram: gram.GramLaunch | None = None
+
+    def poisonable(self) -> tuple[torch.Tensor, ...]:
+        """The floating buffers a poisoned call fills with NaN first (tests)."""
+        s = self.scratch
+        own = [s.means, s.css, s.boxes, s.contrib, s.ss, s.scale, s.stats, s.means_scaled]
+        if self.gram is not None:
+            own += [self.gram.partial, self.gram.apartial, self.gram.chunk_sums, self.gram.sums,
+                    self.gram.qpart, self.gram.cvals]
+        return tuple(t for t in own if t is not None)
+
+
+def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_statistics: bool,
+          options: Options, gram_itemsize: int) -> CallPlan:
+    """The plan of calls with inputs like ``x`` on ``path`` (launch configurations, tables and
+    buffers; the kernels themselves compile at their first launch)."""
+    batch = x.shape[0]
+    dev, f64 = x.device, torch.float64
+    volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
+    channels = geom.out_channels
+    empty = lambda *shape, dtype=f64: torch.empty(shape, dtype=dtype, device=dev)  # noqa: E731
+    common = dict(
+        means=empty(batch, channels), css=empty(batch, channels),
+        zero_bias=torch.zeros(channels, dtype=f64, device=dev),
+        ones=torch.ones(channels, dtype=f64, device=dev),
+        counter=torch.zeros(1, dtype=torch.int64, device=dev),
+        done=torch.zeros(1, dtype=torch.int32, device=dev),
+        scale=empty(channels, dtype=x.dtype), stats=empty(2, channels))
+    launch = layout = None
+    if path != "scatter":
+        in_spatial = tuple(x.shape[2:])
+        kmax = max(geom.kernel_size)
+        lo = np.ones((3, kmax), np.int32)
+        hi = np.zeros((3, kmax), np.int32)
+        for a, axis in enumerate(geom.axes()):
+            for k in range(axis.kernel):
+                lo[a, k], hi[a, k] = axis.box(k, in_spatial[a])
+        kd, kh, kw = geom.kernel_size
+        launch = gather.gather_launch(geom, batch, in_spatial, out_spatial,
+                                      dtypes.name_of(x.dtype),
+                                      heavy_first=options.tail_heavy_first)
+        common.update(
+            box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),
+            boxes=empty(batch, geom.in_channels, kd, kh, kw),
+            samples_done=torch.zeros(batch, dtype=torch.int32, device=dev),
+            contrib=empty(batch, geom.in_channels, geom.out_per_group),
+            wph_index=torch.from_numpy(gather.phase_weight_index(geom, launch.tiling)).to(dev),
+            ss=empty(batch, channels, launch.slots))
+    if path == "gram":
+        layout = gram.plan_for(geom, batch, x.shape[2:], gram_itemsize)
+        if layout is None:  # the pipeline checked gram_fits, which holds for any input size
+            raise RuntimeError(f"variance='gram': this geometry's Gram tiles do not fit shared "
+                               f"memory (input {tuple(x.shape)})")
+        common["means_scaled"] = empty(batch, channels)
+    scratch = Scratch(**common)
+    for t in scratch.tensors():  # the plan owns them: their launch fields are read once
+        pin(t)
+    gram_launch = None if layout is None else gram.gram_launch(
+        layout, geom.out_per_group, dev, torch.float64)
+    return CallPlan(path, batch_statistics, batch, tuple(out_spatial), volume,
+                    stages(path, batch_statistics, options), scratch, launch, gram_launch)
