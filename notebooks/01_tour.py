@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import numba_deconv as nd
-from numba_deconv.kernels.launch import tensor_device
+from numba_deconv import tensor_device
 from numba_deconv.simulator import is_simulator
 from numba_deconv.testing import relative_error
 

@@ -32,7 +32,7 @@ from torch import nn
 import numba_deconv as nd
 from numba_deconv.geometry import AxisGeometry
 from numba_deconv.kernels import gather_simple, scatter
-from numba_deconv.kernels.launch import tensor_device
+from numba_deconv import tensor_device
 from numba_deconv.simulator import is_simulator
 from numba_deconv.testing import reference, relative_error
 

@@ -24,7 +24,7 @@ import torch
 
 import numba_deconv as nd
 from numba_deconv.explain import DEVICE_PEAKS
-from numba_deconv.kernels.launch import tensor_device
+from numba_deconv import tensor_device
 from numba_deconv.simulator import is_simulator
 
 torch.set_grad_enabled(False)  # the operator is forward-only (it has no backward)

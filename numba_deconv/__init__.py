@@ -24,7 +24,7 @@ if simulator.is_simulator():
 
 from . import folding, geometry, reference  # noqa: E402
 from .geometry import ConvGeometry  # noqa: E402
-from .kernels.launch import tensor_device  # noqa: E402
+from .backend import tensor_device  # noqa: E402
 from .module import ModelNew  # noqa: E402
 from .pipeline import Pipeline  # noqa: E402
 

@@ -389,7 +389,7 @@ def run(reps: int = RUN_REPS, problem: Problem | None = None) -> int:
 
     from numba_deconv import ModelNew
     from numba_deconv.bench import randomize_batch_norm, time_gpu
-    from numba_deconv.kernels.launch import tensor_device
+    from numba_deconv import tensor_device
     from numba_deconv.testing import relative_error
 
     sim = is_simulator()
@@ -496,7 +496,7 @@ def explain(problem: Problem | None = None, mode: str = "train", *, measure: boo
             variance: str = "auto") -> int:
     """Print ``Pipeline.explain`` for ``problem`` (default: the default problem) in ``mode``."""
     from numba_deconv import Pipeline
-    from numba_deconv.kernels.launch import tensor_device
+    from numba_deconv import tensor_device
 
     problem = problem or default_problem(False)
     dtype = problem.torch_dtype()

@@ -45,3 +45,15 @@ def select() -> str:
         if config is not None:  # numba itself is loaded (not numba.cuda): update its reading
             config.ENABLE_CUDASIM = 1
     return choice
+
+
+def tensor_device():
+    """Where the pipeline's tensors live (``numba_deconv.tensor_device``): the current CUDA
+    device, or the CPU under the simulator."""
+    import torch
+
+    from .simulator import is_simulator
+
+    if is_simulator():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

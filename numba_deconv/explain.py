@@ -48,7 +48,8 @@ from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
 from .kernels import box_sums, epilogue, gather, gram, scatter, spatial_reduce
-from .kernels.launch import block_size, grid_for, tensor_device
+from .backend import tensor_device
+from .kernels.launch import block_size, grid_for
 from .simulator import is_simulator
 
 #: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores (no

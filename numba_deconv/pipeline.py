@@ -52,7 +52,8 @@ from . import dtypes, folding
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
-from .kernels.launch import block_size, pin, tensor_device
+from .backend import tensor_device
+from .kernels.launch import block_size, pin
 from .plan import CallPlan, Options, build as build_plan, stages as path_stages
 from .simulator import is_simulator
 

@@ -293,7 +293,7 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
     each within ``tolerance`` (or ``rtol`` where given).
     """
     if device is None:
-        from .kernels.launch import tensor_device  # numba.cuda only once a check runs
+        from .backend import tensor_device
 
         device = tensor_device()
     conv64, bn64 = build_modules(case, device)

@@ -110,6 +110,6 @@ def limits() -> testing.Limits:
 
 @pytest.fixture(scope="session")
 def device():
-    from numba_deconv.kernels.launch import tensor_device
+    from numba_deconv import tensor_device
 
     return tensor_device()

@@ -358,7 +358,7 @@ def test_explain_shows_the_gram_path(capsys):
 @pytest.mark.parametrize("name", ["numba_gather", "numba_gather_eager", "numba_gram"])
 def test_numba_providers_match_float64_in_both_modes(name):
     """What the benchmark times is checked first; here on the tiny case (any backend)."""
-    from numba_deconv.kernels.launch import tensor_device
+    from numba_deconv import tensor_device
 
     base, x = bench.tiny_case().build(tensor_device())
     for mode in bench.MODES:

@@ -11,7 +11,7 @@ from torch import nn
 import numba_deconv as nd
 from numba_deconv.explain import (DEVICE_PEAKS, _resources, device_peaks, explain,
                                   theoretical_occupancy)
-from numba_deconv.kernels.launch import tensor_device
+from numba_deconv import tensor_device
 
 
 SHAPE = (2, 3, 3, 4, 5)

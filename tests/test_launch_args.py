@@ -295,3 +295,42 @@ def test_a_launcher_passed_other_arguments_passes_their_parameters(calls):
             launcher(1, args)
             launch._direct_launcher(_fake_kernel(3), views, 1, 32, 0)(1, args)
             assert seen[-2] == seen[-1], (which, tup)
+
+
+def test_numba_cuda_is_the_pinned_release():
+    """The direct path was written against numba-cuda 0.30 (``launch.NUMBA_INTERNALS``):
+    pyproject.toml pins that release, and the installed one is it."""
+    import re
+    from importlib.metadata import version
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"numba-cuda>=0.30.4,<0.31"' in pyproject
+    assert re.match(r"0\.30\.(\d+)", version("numba-cuda")), version("numba-cuda")
+
+
+@pytest.mark.gpu
+def test_numba_internals_the_direct_path_reads_are_there():
+    """Every name of ``launch.NUMBA_INTERNALS`` on a compiled kernel of the installed numba-cuda,
+    and the direct path taken from a kernel's second launch."""
+    import torch
+    from numba import cuda
+
+    @cuda.jit
+    def double(x):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            x[i] *= 2.0
+
+    x = torch.ones(64, dtype=torch.float64, device="cuda")
+    launch.launch(double, 1, 64, (x,))
+    compiled = launch._overload(double, [launch.device_array(x)])
+    for flag in ("debug", "cooperative", "extensions"):
+        assert hasattr(compiled, flag), flag
+    function = compiled._codelibrary.get_cufunc()
+    assert int(function.handle) and hasattr(function, "set_shared_memory_carveout")
+    launch.launch(double, 1, 64, (x,))
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 4.0))
+    direct = [v for k, v in launch._DIRECT.items() if k[0] is double]
+    assert direct and all(direct)  # the second launch took the direct path

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import numba_deconv
-from numba_deconv.kernels.launch import tensor_device
+from numba_deconv import tensor_device
 
 
 def _pipeline(training: bool):

@@ -63,7 +63,7 @@ def conv_transpose3d_gather_simple(x: torch.Tensor, weight: torch.Tensor,
     groups, dilation)`` by :func:`gather_simple_kernel`: a new tensor of x's dtype, no batch norm.
 
     ``x``, ``weight`` and ``bias`` (or None) share one dtype (float32 or float64) and live where
-    the kernels run (``launch.tensor_device()``: the CPU under the simulator). ``stride``,
+    the kernels run (``numba_deconv.tensor_device()``: the CPU under the simulator). ``stride``,
     ``padding``, ``dilation`` and ``output_padding`` are ints or (depth, height, width) triples.
     """
     geom = ConvGeometry.create(x.shape[1], weight.shape[1] * groups, tuple(weight.shape[2:]),

@@ -15,6 +15,13 @@ launch marked ``after_prior`` goes through ``cuLaunchKernelEx`` as the previous 
 programmatic dependent (``griddep``). The library's launches show no numba performance warning
 (its small grids are small on purpose) and, under the simulator, no numpy floating-point
 warning (a GPU raises nothing for inf or NaN arithmetic).
+
+In code, kernels are launched the readable way, ``kernel[grid, block, stream, smem](*args)``,
+wherever host time does not matter (tests, notebooks, ``gather_simple``); the package's hot
+path calls ``launch(kernel, grid, block, args, ...)``, the one interface of the direct path.
+The direct path relies on numba-cuda internals (``NUMBA_INTERNALS``, pinned by pyproject.toml's
+``numba-cuda>=0.30.4,<0.31`` and checked by tests/test_launch_args.py); where any of them is
+missing it keeps numba's dispatcher, which is slower but always right.
 """
 
 from __future__ import annotations
@@ -83,13 +90,6 @@ def _current_stream() -> tuple[int, int]:
         return device, torch._C._cuda_getCurrentRawStream(device)
     except AttributeError:
         return torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
-
-
-def tensor_device() -> torch.device:
-    """Where the pipeline's tensors live: the current CUDA device, or the CPU under the simulator."""
-    if is_simulator():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 SIM_BLOCK = 64
@@ -413,6 +413,16 @@ def _quiet():
         warnings.filterwarnings("ignore", message=LOW_OCCUPANCY_MESSAGE,
                                 category=_performance_warning())
         yield
+
+
+#: What the direct path reads of numba-cuda (0.30): a dispatcher's compiled overloads keyed by
+#: argument types, the types of values, a compiled kernel's flags and its driver function, and
+#: the parameters numba passes (an array as meminfo, parent, size, itemsize, data, shape,
+#: strides in bytes; a tuple of ints as one int64 each; a float as a float64; an int as int64).
+NUMBA_INTERNALS = ("Dispatcher.overloads", "Dispatcher.typeof_pyval", "_Kernel.debug",
+                   "_Kernel.cooperative", "_Kernel.extensions",
+                   "_Kernel._codelibrary.get_cufunc().handle",
+                   "CUfunction.set_shared_memory_carveout")
 
 
 def _overload(kernel, views):
