@@ -30,7 +30,8 @@ from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
 from .async_copy import copy1, wait_all
 from .griddep import allow_dependents, wait_prior_grid
-from .launch import block_size, launch, nvvm_inlined, pin, tensor_device
+from ..backend import tensor_device
+from .launch import block_size, launch, nvvm_inlined, pin
 from .warp import FULL_MASK
 
 REDUCE_BLOCK = 128
@@ -38,12 +39,6 @@ REDUCE_BLOCK = 128
 # thread, takes one (tests/test_gram.py runs two and eight)
 REDUCE_LANES = 1 if is_simulator() else 8
 QCHUNK = 32  # gram_reduce contracts its term sums with the weights this many channels at a time
-# where the Gram path runs box_sums: after gram_sums as its programmatic dependent, in its tail
-# (True: its blocks fill the SMs gram_sums' last blocks leave idle), or before it
-# (``Pipeline._gram_train``)
-BOX_SUMS_IN_TAIL = True
-# box_sums' threads per block there: in gram_sums' tail its blocks of 128 fit where 256 wait
-BOX_SUMS_BLOCK = 128
 MAX_REGS = 0  # register cap of gram_sums (0: none)
 
 
