@@ -203,18 +203,7 @@ def time_back_to_back(fn: Callable[[], object], *, warmup: int = WARMUP, reps: i
     GPU's work for that call only; when the host is slower than the GPU the pair spans the
     host's gaps too. ``budget_s`` caps the calls where ``reps`` of them would take longer
     (:func:`capped_reps`, from the warm-up's time per call)."""
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    clock = clock or CUDA_CLOCK
-    reps = capped_reps(_warm_up(fn, warmup, clock, sync_each=False), reps, budget_s)
-    starts = [clock.event() for _ in range(reps)]
-    stops = [clock.event() for _ in range(reps)]
-    for start, stop in zip(starts, stops):
-        start.record()
-        fn()
-        stop.record()
-    clock.synchronize()
-    return summarize([a.elapsed_time(b) for a, b in zip(starts, stops)])
+    return _timed_calls(fn, warmup, reps, clock, budget_s, sync_each=False)
 
 
 def time_kernelbench(fn: Callable[[], object], *, warmup: int = WARMUP, reps: int = MAIN_REPS,
@@ -225,16 +214,26 @@ def time_kernelbench(fn: Callable[[], object], *, warmup: int = WARMUP, reps: in
     The GPU is idle when each start event is recorded, so a pair spans the host's time to issue
     the call's work as well as the GPU's time to run it. ``budget_s`` as in
     :func:`time_back_to_back`."""
+    return _timed_calls(fn, warmup, reps, clock, budget_s, sync_each=True)
+
+
+def _timed_calls(fn: Callable[[], object], warmup: int, reps: int, clock, budget_s,
+                 sync_each: bool) -> Timing:
+    """Both methods' loop: warm-up, then an event pair around each call, and a synchronize
+    after every call (``sync_each``) or once at the end."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     clock = clock or CUDA_CLOCK
-    reps = capped_reps(_warm_up(fn, warmup, clock, sync_each=True), reps, budget_s)
+    reps = capped_reps(_warm_up(fn, warmup, clock, sync_each=sync_each), reps, budget_s)
     starts = [clock.event() for _ in range(reps)]
     stops = [clock.event() for _ in range(reps)]
     for start, stop in zip(starts, stops):
         start.record()
         fn()
         stop.record()
+        if sync_each:
+            clock.synchronize()
+    if not sync_each:
         clock.synchronize()
     return summarize([a.elapsed_time(b) for a, b in zip(starts, stops)])
 
