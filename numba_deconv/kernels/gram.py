@@ -10,7 +10,9 @@ D offset, one H offset and a window of WW W offsets, ``CB*CB*WW`` accumulators o
 A block holds a task group's tasks in ``teams`` copies that split a tile's rows, and walks its
 run of tiles: warps stage a tile and its halo in shared memory by asynchronous copies, then each
 thread walks its rows along W with the window in registers (two 16-byte loads per 48 FMAs at the
-default problem). ``gram_chunk_sums`` then ``gram_reduce`` add the slots in a fixed order
+default problem). The kernel is plain Python (``_make_gram_sums``): the plan's sizes are closure
+constants, so its loops over channels and W offsets unroll and its local arrays stay in
+registers. ``gram_chunk_sums`` then ``gram_reduce`` add the slots in a fixed order
 (deterministic) and contract the term sums with the weights into each block's share of Q_c.
 Cost at the default problem: 1.21 G FMAs (the convolution: 3.33 G), against 0.91 G with
 G(d) = G(-d)^T; the input read once per task group.
@@ -45,327 +47,8 @@ MAX_REGS = 0  # register cap of gram_sums (0: none)
 C_SAMPLES = 8     # input values whose mean is a channel's shift c
 
 
-def gram_sums_source(consts: dict) -> str:
-    """Python source of the ``gram_sums`` kernel for one plan's compile-time constants, and of
-    ``gram_flush``, the device function that writes a slot's sums (called twice: when a new
-    cell starts and at the end; ``_make_gram_sums`` has NVVM inline it).
-
-    Shared memory, per tile: [plane][row][channel quad][column][CB] (``sm``, 16-byte aligned);
-    a position's quad is one vector. Offsets into it are counted in vectors and multiplied by
-    CB where an element is read, so the compiler sees every vector start aligned and loads a
-    quad at once (counted in elements, each element becomes a load of its own). The quad
-    stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a warp reads at
-    one column in different banks; the window rotates through WW register sets (the step
-    unrolled WW times), so no value moves between registers.
-
-    Staging: a warp per (D plane, row), lanes over (channel of a quad, column), so that a warp's
-    stores fill 32 banks; a lane's columns are tested with one unsigned comparison each against
-    the tile's span inside the input. Outside the input it stages each channel's shift c, so
-    that ``x_b - c`` is zero there.
-
-    Whole rows (``gram_plan.column_entries``): where few columns need correcting, a tile spans
-    whole rows and sums every column; team 0 adds each *column entry* (a column a term leaves
-    out, at one W offset) apart, and the channel sums keep the *edge* columns apart, so that the
-    reduction subtracts what each term leaves out.
-
-    Precision: the "b" side is shifted by c (the mean of a few values of sample 0; any c is
-    exact), so the products stay ~|mean| * std instead of mean^2; threads of each staged
-    channel also add its raw values per cell in float64, and the reduction puts the shift back
-    exactly: ``G = G' + c_ci' * sum_cell x_ci``.
-    """
-    c = consts
-    ww, sw = c["WW"], c["SW"]
-    nk = CB * CB * ww
-    acc = [f"s{k}" for k in range(nk)]
-    cols = c["COLS"]
-    corr, edges = c["CORR"], c["EDGES"]
-    ncorr = len(corr)
-
-    def column(spec: int) -> str:
-        """An entry's or an edge's input column (gram_plan._column)."""
-        return str(spec) if spec >= 0 else f"in_w - {-spec}"
-
-    def a_quad(col: str) -> str:
-        """Vector offset of this thread's "a" quad at tile row rr, column ``col``."""
-        return f"uint64(({c['HT']} + rr) * rsv + aq * qsv + {c['HL']} + {col})"
-
-    def b_quad(col: str, w_offset: str = "") -> str:
-        """... of its "b" quad, at its D and H offsets and its window's first W offset (plus
-        ``w_offset`` offsets), from the "a" quad at column ``col``."""
-        return (f"uint64(dpi * psv + ({c['HT']} + rr + (hi - {c['RH']}) * {c['SH']}) * rsv"
-                f" + bq * qsv + {c['HL']} + {col} + (wc * {ww} - {c['RWR']}{w_offset}) * {sw})")
-
-    def channel_elem(col: str = "") -> str:
-        """Element offset of staged channel ``ach`` at tile row rr (column 0, plus ``col``)."""
-        return (f"uint64((({c['HT']} + rr) * rsv + (ach // {CB}) * qsv + {c['HL']}{col})"
-                f" * {CB} + ach % {CB})")
-
-    def vec(name: str, base: str, off: int, ind: str, shift: bool = False) -> list[str]:
-        """Load the quad at vector ``base + off`` into name0..name3 (minus the shifts)."""
-        return [f"{ind}{name}{j} = sm[({base} + uint64({off})) * uint64({CB}) + uint64({j})]"
-                + (f" - cz{j}" if shift else "") for j in range(CB)]
-
-    def step(u: int, ind: str) -> list[str]:
-        """One column of the row walk: the "b" quad entering the window (shifted), the "a" quad,
-        the CB*CB*WW multiply-adds."""
-        new = (u + ww - 1) % ww
-        lines = vec(f"b{new}_", "qb", (u + ww - 1) * sw, ind, shift=True)
-        lines += vec("a", "qa", u * sw, ind)
-        for j in range(CB):
-            for kk in range(CB):
-                for m in range(ww):
-                    k = (j * CB + kk) * ww + m
-                    lines.append(f"{ind}s{k} += a{j} * b{(u + m) % ww}_{kk}")
-        return lines
-
-    def flush(ind: str) -> list[str]:
-        """Write this thread's sums to the slot, the teams' copies and the channel sums' parts
-        added in a fixed order (in float64, through shared memory)."""
-        if c["TEAMS"] == 1:  # a padding task writes its zeros: every column is defined
-            lines = [f"{ind}partial[slot, {k * cols} + task] = s{k}" for k in range(nk)]
-        else:
-            lines = []
-            teams_sum = " + ".join(f"asm[t + {m * c['TP']}]" for m in range(c["TEAMS"]))
-            for k in range(nk):
-                lines += [
-                    f"{ind}asm[t] = float64(s{k})",
-                    f"{ind}cuda.syncthreads()",
-                    f"{ind}if team == 0:",
-                    f"{ind}    partial[slot, {k * cols} + task] = {teams_sum}",
-                    f"{ind}cuda.syncthreads()",
-                ]
-        if ncorr:  # the column entries' sums (team 0 kept them), zeroed for the next slot
-            lines += [f"{ind}if team == 0:"]
-            for k in range(ncorr * CB * CB):
-                lines += [
-                    f"{ind}    partial[slot, {nk * cols + k * cols} + task] = "
-                    f"sm[{c['ESM'] + k * c['TP']} + t]",
-                    f"{ind}    sm[{c['ESM'] + k * c['TP']} + t] = acc_t(0.0)",
-                ]
-        for j, name in enumerate(["atot"] + [f"aedge{e}" for e in range(len(edges))]):
-            lines += [
-                f"{ind}asm[t] = {name}",
-                f"{ind}cuda.syncthreads()  # every part of every channel sum is in shared memory",
-                f"{ind}if cuda.blockIdx.y == 0 and t < {c['NCH']}:",
-                f"{ind}    total = 0.0",
-                f"{ind}    for q in range({c['PARTS']}):",
-                f"{ind}        total += asm[t * {c['PARTS']} + q]",
-                f"{ind}    apartial[slot, {j * c['NCH']} + t] = total",
-                f"{ind}cuda.syncthreads()  # asm is free again",
-            ]
-        return lines
-
-    flush_args = ("partial, apartial, sm, asm, slot, task, t, team, atot, "
-                  + "".join(f"aedge{e}, " for e in range(len(edges))) + ", ".join(acc))
-    src = [f"def gram_flush({flush_args}):"] + flush("    ") + [""]
-    src += [
-        "def gram_sums(x, tiles, blocks, partial, apartial, cvals, in_ch, in_d, in_h, in_w):",
-        "    # the next kernel (box_sums, or gram_chunk_sums) reads nothing of this one's before",
-        "    # it waits: its blocks may take the room this one's leave (``griddep``)",
-        "    allow_dependents()",
-        f"    sm = cuda.shared.array(0, acc_t, alignment=16)  # {c['SMEM']} elements",
-        f"    asm = cuda.shared.array({c['BLOCK']}, float64)",
-        "    t = cuda.threadIdx.x",
-        "    lane = t % 32",
-        "    warp = t // 32",
-        "    nwarps = cuda.blockDim.x // 32",
-        f"    team = t // {c['TP']}",
-        f"    task = cuda.blockIdx.y * {c['TP']} + t - team * {c['TP']}",
-        f"    active = task < {c['TASKS']}",
-        f"    tk = min(task, {c['TASKS'] - 1})",
-        f"    qbi = tk % {c['NB']}",
-        f"    r = tk // {c['NB']}",
-        f"    qai = r % {c['NB']}",
-        f"    r = r // {c['NB']}",
-        f"    dpi = r % {c['P']}",
-        f"    r = r // {c['P']}",
-        f"    hi = r % {c['NHC']}",
-        f"    r = r // {c['NHC']}",
-        f"    wc = r % {c['NWC']}",
-        f"    g = r // {c['NWC']}",
-        f"    aq = g * {c['NB']} + qai  # staged quads of the a and b channels",
-        f"    bq = g * {c['NB']} + qbi",
-    ]
-    # the shifts c of the staged channels: the mean of a few values of sample 0 (any c is
-    # exact; a close one keeps the float32 sums of x_a * (x_b - c) small); zero for padding
-    # channels. In shared memory (sm[CSM + staged channel]): the staging pads with them
-    src += [
-        f"    if t < {c['NCH']}:",
-        f"        gq = t // {c['NB'] * CB}",
-        f"        chl = t - gq * {c['NB'] * CB}",
-        "        cv = acc_t(0.0)",
-        f"        if chl < {c['CG']}:",
-        f"            cbase = ((gq * {c['CG']} + chl) * in_d + in_d // 2) * in_h * in_w"
-        " + (in_h // 2) * in_w",
-        f"            for q in range({C_SAMPLES}):",
-        f"                cv += x[cbase + (q * in_w) // {C_SAMPLES}]",
-        f"            cv = cv / acc_t({C_SAMPLES})",
-        "            if cuda.blockIdx.x == 0 and cuda.blockIdx.y == 0:",
-        f"                cvals[gq * {c['CG']} + chl] = cv",
-        f"        sm[{c['CSM']} + t] = cv",
-    ]
-    if ncorr:
-        src += [
-            f"    for e in range(t, {ncorr * CB * CB * c['TP']}, cuda.blockDim.x):",
-            f"        sm[{c['ESM']} + e] = acc_t(0.0)",
-        ]
-    src += ["    cuda.syncthreads()  # the shifts are in shared memory"]
-    src += [f"    cz{j} = sm[{c['CSM']} + bq * {CB} + {j}]" for j in range(CB)]
-    src += [
-        # the channel sums of the "a" side: PARTS threads per staged channel
-        f"    ach = t // {c['PARTS']}",
-        f"    apart = t - ach * {c['PARTS']}",
-        f"    a_live = ach < {c['NCH']}",
-        "    atot = 0.0",
-    ]
-    src += [f"    aedge{e} = 0.0" for e in range(len(edges))]
-    src += [
-        "    c4 = lane & 3  # staging: a warp per (plane, row), lanes (channel of a quad, column)",
-        "    lcol = lane >> 2",
-        "    cstride = in_d * in_h * in_w  # elements per (n, channel) volume",
-    ]
-    src += [f"    {v} = acc_t(0.0)" for v in acc]
-    src += [
-        "    bx = cuda.blockIdx.x",
-        "    first = blocks[bx, 0]",
-        # 64-bit from the start: as an int32 here and an int64 after ``slot += 1`` it made the
-        # two calls of gram_flush two specialisations, each typed and lowered (+1.5 s compile)
-        "    slot = int64(blocks[bx, 2])",
-        "    cell = tiles[first, 6]",
-        "    for ti in range(first, blocks[bx, 1]):",
-        "        here = tiles[ti, 6]",
-        "        if here != cell:  # block-uniform: a new cell starts a new slot",
-    ]
-    src += [f"            gram_flush({flush_args})"]
-    src += [f"            {v} = acc_t(0.0)" for v in acc]
-    src += [f"            aedge{e} = 0.0" for e in range(len(edges))]
-    src += [
-        "            atot = 0.0",
-        "            slot += 1",
-        "            cell = here",
-        "        n = tiles[ti, 0]",
-        "        d = tiles[ti, 1]",
-        "        h0 = tiles[ti, 2]",
-        "        rows = tiles[ti, 3]",
-        "        w0 = tiles[ti, 4]",
-        "        cols = tiles[ti, 5]",
-        f"        nrow = rows + {c['HT'] + c['HB']}",
-        f"        ncol = cols + {c['HL'] + c['HR']}",
-        "        qsv = tiles[ti, 7]  # vectors per staged (row, quad): gram_plan.quad_stride",
-        f"        rsv = {c['NQ']} * qsv  # ... per staged row",
-        "        psv = nrow * rsv + 1    # ... per staged plane (one of padding)",
-        "        cuda.syncthreads()  # every thread is done reading the previous tile",
-        # staging: a warp per (plane, row), lanes (channel of a quad, column), eight columns
-        # per pass, quad after quad; asynchronous copies all in flight (zeros outside the
-        # input). No division: decoding a warp per (plane, row, quad) with two run-time
-        # divisions would cost more instructions than the copies themselves
-        f"        wz0 = w0 - {c['HL']}",
-        "        nbase = n * in_ch * cstride",
-        # a lane's staged columns are lcol, lcol + 8, ...: niter of them; those inside the
-        # input (wz = wz0 + col in [0, in_w)) are the cspan columns from clo, one unsigned
-        # test each; the others (and whole rows or channels outside) take the pad
-        "        niter = max(0, (ncol - lcol + 7) >> 3)",
-        "        clo = max(0, -wz0)",
-        "        cspan = uint64(max(0, min(ncol, in_w - wz0) - clo))",
-        f"        for plane in range({c['P']}):",
-        f"            dz = d + plane * {c['SD']}",
-        "            row = warp",
-        "            while row < nrow:",
-        f"                hz = h0 - {c['HT']} + row",
-        "                rok = dz < in_d and hz >= 0 and hz < in_h",
-        "                rbase = nbase + (dz * in_h + hz) * in_w + wz0 + lcol",
-        f"                dbase = (plane * psv + row * rsv + lcol) * {CB} + c4",
-        f"                for q in range({c['NQ']}):",
-        f"                    gg = q // {c['NB']}",
-        f"                    chl = (q - gg * {c['NB']}) * {CB} + c4",
-        f"                    pad = sm[uint64({c['CSM']} + q * {CB}) + c4]  # then b - c = 0",
-        f"                    dst = dbase + q * qsv * {CB}",
-        f"                    if rok and chl < {c['CG']}:",
-        f"                        srcq = rbase + (gg * {c['CG']} + chl) * cstride",
-        "                        cc = lcol - clo  # as unsigned: huge below clo, so outside",
-        "                        for k in range(niter):",
-        "                            if uint64(cc) < cspan:",
-        "                                copy1(sm, uint64(dst), x, uint64(srcq))",
-        "                            else:",
-        "                                sm[uint64(dst)] = pad",
-        f"                            dst += {8 * CB}",
-        "                            srcq += 8",
-        "                            cc += 8",
-        "                    else:",
-        "                        for k in range(niter):",
-        "                            sm[uint64(dst)] = pad",
-        f"                            dst += {8 * CB}",
-    ]
-    src += [
-        "                row += nwarps",
-        "        wait_all()  # this thread's copies have landed",
-        "        cuda.syncthreads()  # the tile is staged",
-        "        if a_live:  # a thread per (channel, row), rows strided by PARTS",
-        f"            for rr in range(apart, rows, {c['PARTS']}):",
-        f"                ab = {channel_elem()}",
-        "                for col in range(cols):",
-        f"                    atot += float64(sm[ab + uint64(col * {CB})])",
-    ]
-    for e, spec in enumerate(edges):  # the "a" sums of an edge column, kept apart
-        src += [
-            f"            lc = {column(spec)} - w0",
-            "            if lc >= 0 and lc < cols:",
-            f"                for rr in range(apart, rows, {c['PARTS']}):",
-            f"                    aedge{e} += float64(sm[{channel_elem(' + lc')}])",
-        ]
-    src += [
-        "        if active:",
-        f"            for rr in range(team, rows, {c['TEAMS']}):",
-    ]
-    if sw == 1:
-        src += ["                for rw in range(1):"]
-    else:
-        src += [f"                for rw in range(min({sw}, cols)):"]
-    src += [
-        f"                    nst = (cols - rw + {sw - 1}) // {sw}",
-        f"                    qa = {a_quad('rw')}",
-        f"                    qb = {b_quad('rw')}",
-    ]
-    for m in range(ww - 1):
-        src += vec(f"b{m}_", "qb", m * sw, "                    ", shift=True)
-    src += [
-        "                    s = 0",
-        f"                    while s + {ww} <= nst:",
-    ]
-    for u in range(ww):
-        src += step(u, "                        ")
-    src += [
-        f"                        qa += uint64({ww * sw})",
-        f"                        qb += uint64({ww * sw})",
-        f"                        s += {ww}",
-    ]
-    for u in range(ww - 1):
-        src.append(f"                    if s + {u} < nst:")
-        src += step(u, "                        ")
-    for e, (wce, wke, spec) in enumerate(corr):
-        # a column entry (gram_plan.column_entries): team 0 adds the tile's column apart, for
-        # the W offset of its window it names, into its sums in shared memory
-        ind = "                "
-        src += [
-            "        if active and team == 0" + (f" and wc == {wce}:" if c["NWC"] > 1 else ":"),
-            f"            lc = {column(spec)} - w0",
-            "            if lc >= 0 and lc < cols:",
-        ]
-        src += [f"{ind}e{k} = acc_t(0.0)" for k in range(CB * CB)]
-        src += [
-            f"{ind}for rr in range(rows):",
-            f"{ind}    qa = {a_quad('lc')}",
-            f"{ind}    qb = {b_quad('lc', f' + {wke}')}",
-        ]
-        src += vec("ea", "qa", 0, ind + "    ") + vec("eb", "qb", 0, ind + "    ", shift=True)
-        src += [f"{ind}    e{j * CB + k} += ea{j} * eb{k}" for j in range(CB) for k in range(CB)]
-        src += [f"{ind}sm[{c['ESM'] + (e * CB * CB + k) * c['TP']} + t] += e{k}"
-                for k in range(CB * CB)]
-    src += [f"    gram_flush({flush_args})"]
-    return "\n".join(src) + "\n"
-
-
 def plan_constants(plan: GramPlan, groups: int) -> dict:
+    """The plan's compile-time constants of ``gram_sums`` (sorted, they are its cache key)."""
     return {
         "WW": plan.ww, "SD": plan.step[0], "SH": plan.step[1], "SW": plan.step[2],
         "RH": plan.reach[1], "RWR": plan.reach[2], "P": plan.planes, "NHC": plan.hchunks,
@@ -381,17 +64,334 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
-    namespace = {"cuda": cuda, "acc_t": dtypes.NUMBA[dtype], "float64": float64, "min": min,
-                 "int64": int64, "uint64": uint64, "copy1": copy1, "wait_all": wait_all,
-                 "allow_dependents": allow_dependents}
-    source = gram_sums_source(dict(consts))
-    exec(compile(source, "<gram.gram_sums>", "exec"), namespace)
-    # The flush's ~140-330 statements typed once instead of at both calls, NVVM inlining the
-    # one copy: the same SASS for less of numba's compile time
-    namespace["gram_flush"] = nvvm_inlined(namespace["gram_flush"])
+    """The ``gram_sums`` kernel for one plan's compile-time constants (``plan_constants``).
+
+    Thread and block: see the module docstring. Every size that is not a kernel argument or a
+    tile's field is a closure constant, so the loops over channels, W offsets and edges have
+    compile-time trip counts and unroll, and the local arrays (the accumulators, the window,
+    the shifts, the channel sums), indexed only by those loops' variables and literals, live
+    in registers: no local memory, and no generated source.
+
+    Shared memory, per tile: [plane][row][channel quad][column][CB] (``sm``, 16-byte aligned);
+    a position's quad is one vector. Offsets into it are counted in vectors and multiplied by
+    CB where an element is read, so the compiler sees every vector start aligned and loads a
+    quad at once (counted in elements, each element becomes a load of its own). The quad
+    stride (``gram_plan.quad_stride``, = 2 mod 8 vectors) puts the four quads a warp reads at
+    one column in different banks. After the tile, ``sm`` holds the column entries' sums
+    (``ESM``: CB*CB per entry and task) and the staged channels' shifts (``CSM``).
+
+    Row walk (``fma_step``): the window holds the "b" quads of WW consecutive W offsets in WW
+    register sets; the step at phase u loads the quad entering the window into set
+    ``(u + WW - 1) % WW`` and reads set ``(u + m) % WW`` for W offset m. A trip of the walk
+    calls the step at phases 0, 1, 2 (WW <= 3: ``gram_plan.WINDOW``), a row's last columns at
+    phases 0 and 1, each with a literal u, so every set index is a compile-time constant and no
+    value moves between registers.
+
+    Staging: a warp per (D plane, row), lanes over (channel of a quad, column), so that a warp's
+    stores fill 32 banks; a lane's columns are tested with one unsigned comparison each against
+    the tile's span inside the input. Outside the input it stages each channel's shift c, so
+    that ``x_b - c`` is zero there. No division: decoding a warp per (plane, row, quad) with two
+    run-time divisions would cost more instructions than the copies themselves.
+
+    Whole rows (``gram_plan.column_entries``): where few columns need correcting, a tile spans
+    whole rows and sums every column; team 0 adds each *column entry* (a column a term leaves
+    out, at one W offset) apart, and the channel sums keep the *edge* columns apart, so that the
+    reduction subtracts what each term leaves out.
+
+    Precision: the "b" side is shifted by c (the mean of a few values of sample 0; any c is
+    exact), so the products stay ~|mean| * std instead of mean^2; threads of each staged
+    channel also add its raw values per cell in float64, and the reduction puts the shift back
+    exactly: ``G = G' + c_ci' * sum_cell x_ci``.
+    """
+    c = dict(consts)
+    acc_t = dtypes.NUMBA[dtype]
+    ww, sd, sh, sw = c["WW"], c["SD"], c["SH"], c["SW"]
+    rh, rwr = c["RH"], c["RWR"]              # the H and W offsets' reach: -reach..reach
+    planes, nhc, nwc = c["P"], c["NHC"], c["NWC"]
+    nb, cg, nq, nch = c["NB"], c["CG"], c["NQ"], c["NCH"]
+    ht, hb, hl, hr = c["HT"], c["HB"], c["HL"], c["HR"]  # halo rows above, below; columns
+    tasks, tp, teams, block = c["TASKS"], c["TP"], c["TEAMS"], c["BLOCK"]
+    width = c["COLS"]                         # a slot's columns per accumulator
+    parts = c["PARTS"]                        # threads per staged channel in its channel sums
+    esm, csm = c["ESM"], c["CSM"]
+    nk = CB * CB * ww                         # accumulators per thread
+    n_corr, n_edges = len(c["CORR"]), len(c["EDGES"])
+    n_entry = n_corr * CB * CB                # column entries' sums per task
+    # the column entries (window, W offset in it, column) and the edge columns as constant
+    # tuples (a column: w, or w - in_w if < 0), padded to one element when there are none
+    corr_wc = tuple(e[0] for e in c["CORR"]) or (0,)
+    corr_wk = tuple(e[1] for e in c["CORR"]) or (0,)
+    corr_col = tuple(e[2] for e in c["CORR"]) or (0,)
+    edge_col = tuple(c["EDGES"]) or (0,)
+    n_sums = 1 + n_edges                      # a channel's sum, then its sums at the edges
+    n_win, n_pair = ww * CB, CB * CB          # (local arrays' shapes: constants, not expressions)
+    assert 1 <= ww <= 3, "the row walk writes out the phases of up to three W offsets"
+
+    @cuda.jit(device=True, inline="always")
+    def load_quad(dst, at, sm, v, cz):
+        """``dst[at:at + CB]`` = the staged quad at vector ``v``, less ``cz`` (the shifts, or
+        zeros)."""
+        for j in range(CB):
+            dst[at + j] = sm[v * uint64(CB) + uint64(j)] - cz[j]
+
+    @cuda.jit(device=True, inline="always")
+    def fma_step(acc, win, av, sm, qa, qb, cz, u):
+        """Phase u (< WW) of the row walk, at the "a" quad ``qa + u*SW`` and the window's
+        "b" quads from ``qb + u*SW``: the "b" quad entering the window (shifted) into set
+        (u + WW - 1) % WW, the "a" quad into ``av``, then the CB*CB*WW multiply-adds, W offset m
+        from set (u + m) % WW. A literal u makes every index a constant."""
+        load_quad(win, (u + ww - 1) % ww * CB, sm, qb + uint64((u + ww - 1) * sw), cz)
+        for j in range(CB):
+            av[j] = sm[(qa + uint64(u * sw)) * uint64(CB) + uint64(j)]
+        for j in range(CB):
+            for kk in range(CB):
+                for m in range(ww):
+                    acc[(j * CB + kk) * ww + m] += av[j] * win[(u + m) % ww * CB + kk]
+
+    def flush(partial, apartial, sm, asm, slot, task, t, team, acc, asums):
+        """Write this thread's sums to the slot, the teams' copies and the channel sums' parts
+        added in a fixed order (in float64, through shared memory); zero the column entries'
+        sums for the next slot. Every thread of the block calls it (barriers)."""
+        if teams == 1:  # a padding task writes its zeros: every column is defined
+            for k in range(nk):
+                partial[slot, k * width + task] = acc[k]
+        else:
+            for k in range(nk):
+                asm[t] = float64(acc[k])
+                cuda.syncthreads()
+                if team == 0:
+                    total = asm[t]
+                    for m in range(1, teams):
+                        total += asm[t + m * tp]
+                    partial[slot, k * width + task] = total
+                cuda.syncthreads()
+        if n_corr and team == 0:  # the column entries' sums (team 0 kept them)
+            for k in range(n_entry):
+                partial[slot, (nk + k) * width + task] = sm[esm + k * tp + t]
+                sm[esm + k * tp + t] = acc_t(0.0)
+        for j in range(n_sums):
+            asm[t] = asums[j]
+            cuda.syncthreads()  # every part of every channel sum is in shared memory
+            if cuda.blockIdx.y == 0 and t < nch:
+                total = 0.0
+                for q in range(parts):
+                    total += asm[t * parts + q]
+                apartial[slot, j * nch + t] = total
+            cuda.syncthreads()  # asm is free again
+
+    # typed once, called twice (when a new cell starts and at the end): NVVM inlines it
+    flush = nvvm_inlined(flush)
+
     # the simulator's jit takes no register cap (and has no registers)
     options = {"max_registers": max_regs} if max_regs and not is_simulator() else {}
-    return cuda.jit(**options)(namespace["gram_sums"])
+
+    @cuda.jit(**options)
+    def gram_sums(x, tiles, blocks, partial, apartial, cvals, in_ch, in_d, in_h, in_w):
+        # x: the (N, CI, D, H, W) input flattened; tiles, blocks: the plan's (GramPlan);
+        # partial: (slots, sums_width) the slots' sums; apartial: (slots, channel_width) f64
+        # the slots' channel sums; cvals: (CI,) the shifts c (written by block (0, 0)).
+        # The next kernel (box_sums, or gram_chunk_sums) reads nothing of this one's before it
+        # waits: its blocks may take the room this one's leave (``griddep``)
+        allow_dependents()
+        sm = cuda.shared.array(0, acc_t, alignment=16)  # the plan's SMEM elements
+        asm = cuda.shared.array(block, float64)
+        t = cuda.threadIdx.x
+        lane = t % 32
+        warp = t // 32
+        nwarps = cuda.blockDim.x // 32
+        team = t // tp
+        task = cuda.blockIdx.y * tp + t - team * tp
+        active = task < tasks
+        # the task: "b" quad fastest, then the "a" quad, D offset, H offset, W window, group
+        r = min(task, tasks - 1)
+        qbi = r % nb
+        r = r // nb
+        qai = r % nb
+        r = r // nb
+        dpi = r % planes
+        r = r // planes
+        hi = r % nhc
+        r = r // nhc
+        wc = r % nwc
+        g = r // nwc
+        aq = g * nb + qai  # staged quads of the a and b channels
+        bq = g * nb + qbi
+        # the shifts c of the staged channels: the mean of a few values of sample 0 (any c is
+        # exact; a close one keeps the float32 sums of x_a * (x_b - c) small); zero for padding
+        # channels. In shared memory (sm[CSM + staged channel]): the staging pads with them
+        if t < nch:
+            gq = t // (nb * CB)
+            chl = t - gq * (nb * CB)
+            cv = acc_t(0.0)
+            if chl < cg:
+                cbase = ((gq * cg + chl) * in_d + in_d // 2) * in_h * in_w + (in_h // 2) * in_w
+                for q in range(C_SAMPLES):
+                    cv += x[cbase + (q * in_w) // C_SAMPLES]
+                cv = cv / acc_t(C_SAMPLES)
+                if cuda.blockIdx.x == 0 and cuda.blockIdx.y == 0:
+                    cvals[gq * cg + chl] = cv
+            sm[csm + t] = cv
+        e = t  # (a ``while``: a ``range`` with a run-time step divides for its trip count)
+        while e < n_entry * tp:
+            sm[esm + e] = acc_t(0.0)
+            e += cuda.blockDim.x
+        cuda.syncthreads()  # the shifts are in shared memory
+        cz = cuda.local.array(CB, acc_t)    # the "b" quad's shifts
+        zero = cuda.local.array(CB, acc_t)  # (no shift: the "a" side)
+        for j in range(CB):
+            cz[j] = sm[csm + bq * CB + j]
+            zero[j] = acc_t(0.0)
+        # the channel sums of the "a" side: PARTS threads per staged channel
+        ach = t // parts
+        apart = t - ach * parts
+        a_live = ach < nch
+        asums = cuda.local.array(n_sums, float64)
+        for j in range(n_sums):
+            asums[j] = 0.0
+        c4 = lane & 3  # staging: a warp per (plane, row), lanes (channel of a quad, column)
+        lcol = lane >> 2
+        cstride = in_d * in_h * in_w  # elements per (n, channel) volume
+        acc = cuda.local.array(nk, acc_t)   # the task's sums, (a channel, b channel, W offset)
+        win = cuda.local.array(n_win, acc_t)  # the window's "b" quads, WW register sets
+        av = cuda.local.array(CB, acc_t)    # the "a" quad of a step
+        ea = cuda.local.array(CB, acc_t)    # a column entry's quads and sums
+        eb = cuda.local.array(CB, acc_t)
+        ent = cuda.local.array(n_pair, acc_t)
+        for k in range(nk):
+            acc[k] = acc_t(0.0)
+        bx = cuda.blockIdx.x
+        first = blocks[bx, 0]
+        # 64-bit from the start: as an int32 here and an int64 after ``slot += 1`` it would
+        # make the two calls of flush two specialisations, each typed and lowered
+        slot = int64(blocks[bx, 2])
+        cell = tiles[first, 6]
+        for ti in range(first, blocks[bx, 1]):
+            here = tiles[ti, 6]
+            if here != cell:  # block-uniform: a new cell starts a new slot
+                flush(partial, apartial, sm, asm, slot, task, t, team, acc, asums)
+                for k in range(nk):
+                    acc[k] = acc_t(0.0)
+                for j in range(n_sums):
+                    asums[j] = 0.0
+                slot += 1
+                cell = here
+            n = tiles[ti, 0]
+            d = tiles[ti, 1]
+            h0 = tiles[ti, 2]
+            rows = tiles[ti, 3]
+            w0 = tiles[ti, 4]
+            cols = tiles[ti, 5]
+            nrow = rows + ht + hb
+            ncol = cols + hl + hr
+            qsv = tiles[ti, 7]  # vectors per staged (row, quad): gram_plan.quad_stride
+            rsv = nq * qsv      # ... per staged row
+            psv = nrow * rsv + 1  # ... per staged plane (one of padding)
+            cuda.syncthreads()  # every thread is done reading the previous tile
+            # staging: a warp per (plane, row), lanes (channel of a quad, column), eight columns
+            # per pass, quad after quad; asynchronous copies all in flight (the shifts outside
+            # the input)
+            wz0 = w0 - hl
+            nbase = n * in_ch * cstride
+            # a lane's staged columns are lcol, lcol + 8, ...: niter of them; those inside the
+            # input (wz = wz0 + col in [0, in_w)) are the cspan columns from clo, one unsigned
+            # test each; the others (and whole rows or channels outside) take the pad
+            niter = max(0, (ncol - lcol + 7) >> 3)
+            clo = max(0, -wz0)
+            cspan = uint64(max(0, min(ncol, in_w - wz0) - clo))
+            for plane in range(planes):
+                dz = d + plane * sd
+                row = warp
+                while row < nrow:
+                    hz = h0 - ht + row
+                    rok = dz < in_d and hz >= 0 and hz < in_h
+                    rbase = nbase + (dz * in_h + hz) * in_w + wz0 + lcol
+                    dbase = (plane * psv + row * rsv + lcol) * CB + c4
+                    for q in range(nq):
+                        gg = q // nb
+                        chl = (q - gg * nb) * CB + c4
+                        pad = sm[uint64(csm + q * CB) + c4]  # then b - c = 0
+                        dst = dbase + q * qsv * CB
+                        if rok and chl < cg:
+                            srcq = rbase + (gg * cg + chl) * cstride
+                            cc = lcol - clo  # as unsigned: huge below clo, so outside
+                            for k in range(niter):
+                                if uint64(cc) < cspan:
+                                    copy1(sm, uint64(dst), x, uint64(srcq))
+                                else:
+                                    sm[uint64(dst)] = pad
+                                dst += 8 * CB
+                                srcq += 8
+                                cc += 8
+                        else:
+                            for k in range(niter):
+                                sm[uint64(dst)] = pad
+                                dst += 8 * CB
+                    row += nwarps
+            wait_all()  # this thread's copies have landed
+            cuda.syncthreads()  # the tile is staged
+            if a_live:  # a thread per (channel, row), rows strided by PARTS
+                a_elem = (ach // CB) * qsv + hl  # the channel's first column, in vectors
+                for rr in range(apart, rows, parts):
+                    ab = uint64(((ht + rr) * rsv + a_elem) * CB + ach % CB)
+                    for col in range(cols):
+                        asums[0] += float64(sm[ab + uint64(col * CB)])
+                for e in range(n_edges):  # the "a" sums of an edge column, kept apart
+                    spec = edge_col[e]
+                    lc = (spec if spec >= 0 else in_w + spec) - w0
+                    if lc >= 0 and lc < cols:
+                        for rr in range(apart, rows, parts):
+                            asums[1 + e] += float64(
+                                sm[uint64(((ht + rr) * rsv + a_elem + lc) * CB + ach % CB)])
+            # the "b" quad at the task's D and H offsets and its window's first W offset, from
+            # the "a" quad at the same staged position: a vector offset (whole tile rows)
+            b_off = dpi * psv + (hi - rh) * sh * rsv + (bq - aq) * qsv + (wc * ww - rwr) * sw
+            if active:
+                for rr in range(team, rows, teams):
+                    for rw in range(1 if sw == 1 else min(sw, cols)):
+                        nst = (cols - rw + sw - 1) // sw  # the row's columns of phase rw
+                        a0 = (ht + rr) * rsv + aq * qsv + hl + rw
+                        qa = uint64(a0)
+                        qb = uint64(a0 + b_off)
+                        for m in range(ww - 1):  # the window's first WW - 1 quads
+                            load_quad(win, m * CB, sm, qb + uint64(m * sw), cz)
+                        # WW columns per trip, one per phase, written out: a loop over the
+                        # phases is not unrolled (the NVVM keeps it), and a run-time set index
+                        # would put the window in local memory
+                        s = 0
+                        while s + ww <= nst:
+                            fma_step(acc, win, av, sm, qa, qb, cz, 0)
+                            if ww > 1:
+                                fma_step(acc, win, av, sm, qa, qb, cz, 1)
+                            if ww > 2:
+                                fma_step(acc, win, av, sm, qa, qb, cz, 2)
+                            qa += uint64(ww * sw)
+                            qb += uint64(ww * sw)
+                            s += ww
+                        if ww > 1 and s < nst:  # the row's last columns, fewer than WW
+                            fma_step(acc, win, av, sm, qa, qb, cz, 0)
+                        if ww > 2 and s + 1 < nst:
+                            fma_step(acc, win, av, sm, qa, qb, cz, 1)
+            for e in range(n_corr):
+                # a column entry (gram_plan.column_entries): team 0 adds the tile's column
+                # apart, for the W offset of its window it names, into its sums in sm
+                if active and team == 0 and (nwc == 1 or wc == corr_wc[e]):
+                    spec = corr_col[e]
+                    lc = (spec if spec >= 0 else in_w + spec) - w0
+                    if lc >= 0 and lc < cols:
+                        for k in range(CB * CB):
+                            ent[k] = acc_t(0.0)
+                        for rr in range(rows):
+                            a0 = (ht + rr) * rsv + aq * qsv + hl + lc
+                            load_quad(ea, 0, sm, uint64(a0), zero)
+                            load_quad(eb, 0, sm, uint64(a0 + b_off + corr_wk[e] * sw), cz)
+                            for j in range(CB):
+                                for k in range(CB):
+                                    ent[j * CB + k] += ea[j] * eb[k]
+                        for k in range(CB * CB):
+                            sm[esm + (e * CB * CB + k) * tp + t] += ent[k]
+        flush(partial, apartial, sm, asm, slot, task, t, team, acc, asums)
+
+    return gram_sums
 
 
 def make_gram_sums(dtype: str, plan: GramPlan, max_regs: int | None = None):
