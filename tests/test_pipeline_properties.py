@@ -113,3 +113,16 @@ def test_few_voxels_with_a_tiny_batch_variance(impl, variance, device):
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(case.input_shape, generator=gen, dtype=torch.float64) * 2 + 0.5)
     testing.check_case(case, _pipeline(impl, variance), device, x=x.float().to(device))
+
+
+@pytest.mark.parametrize("impl,variance", [("gather", "auto"), ("gather", "gram"),
+                                           ("scatter", "auto")])
+def test_offsets_a_thousand_times_the_spread(impl, variance, device):
+    """Per-channel offsets of 10^3 times the spread on a dilated, grouped geometry: the
+    kernels' float32 sums lose up to ~4x what PyTorch's do here (``testing.TORCH_FACTOR``)."""
+    geom = testing.ConvGeometry.create(6, 6, (1, 2, 2), 1, (2, 3, 2), groups=2,
+                                       dilation=(1, 2, 2))
+    case = testing.Case(geom, testing.BatchNormSettings(eps=1e-3, momentum=None, affine=False),
+                        1, (5, 5, 5), True, seed=1904,
+                        inputs=testing.InputStyle(scale=1.0, offset=1e3))
+    testing.check_case(case, _pipeline(impl, variance), device)
