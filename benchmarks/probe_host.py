@@ -84,19 +84,7 @@ def host_us(call, calls: int = CALLS) -> tuple[float, float, float]:
 
 def synchronized_ms(call, reps: int = REPS, warmup: int = 10) -> float:
     """Median ms of ``call`` with CUDA events around it and a synchronize after every call."""
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return bench.summarize(times).median_ms
+    return bench.time_kernelbench(call, warmup=warmup, reps=reps).median_ms
 
 
 def make_case(name: str) -> bench.Case:
