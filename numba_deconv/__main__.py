@@ -371,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if explaining:
         if args.variance == "gram":
             from numba_deconv.gram_plan import gram_fits
+            from numba_deconv.pipeline import GRAM_ITEMSIZE
 
-            itemsize = 4 if problem.dtype == "float32" else 8
-            if not gram_fits(problem.geometry, itemsize):
+            if not gram_fits(problem.geometry, GRAM_ITEMSIZE):  # the sums are float64
                 command.error("--variance gram: this geometry's Gram tiles do not fit shared "
                               "memory (too many input channels for its offsets)")
         return explain(problem, args.mode, measure=args.measure, variance=args.variance)

@@ -52,8 +52,20 @@ def tensor_device():
     device, or the CPU under the simulator."""
     import torch
 
-    from .simulator import is_simulator
-
-    if is_simulator():
+    if BACKEND_IS_SIMULATOR is None:
+        _remember_backend()
+    if BACKEND_IS_SIMULATOR:
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+#: Whether numba.cuda is the simulator, read once (``simulator.is_simulator``) by the first
+#: ``tensor_device`` call: numba.cuda must not be imported before ``select`` has run.
+BACKEND_IS_SIMULATOR: bool | None = None
+
+
+def _remember_backend() -> None:
+    global BACKEND_IS_SIMULATOR
+    from .simulator import is_simulator
+
+    BACKEND_IS_SIMULATOR = is_simulator()

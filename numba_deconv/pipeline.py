@@ -229,7 +229,7 @@ class Pipeline:
         """
         bn, conv = self.bn, self.conv
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, self.path(),
+        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, self.path(), self.options,
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
@@ -293,7 +293,7 @@ class Pipeline:
             return "scatter"
         if not folding.uses_batch_statistics(self.bn, self.training):
             return "eval"
-        return "gram" if self.uses_gram else "epilogue"
+        return "gram" if self.variance == "gram" else "epilogue"  # as variance_path() says
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -387,7 +387,8 @@ class Pipeline:
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
-        plan = build_plan(self.geometry, x, out_spatial, key[3], batch_stats, self.options,
+        _, _, _, path, _, options = key
+        plan = build_plan(self.geometry, x, out_spatial, path, batch_stats, options,
                           GRAM_ITEMSIZE)
         self._plans[key] = plan
         if len(self._plans) > PLAN_CACHE:  # a captured graph keeps its own plan alive
@@ -396,7 +397,7 @@ class Pipeline:
 
     def _plan_key(self, x: torch.Tensor) -> tuple:
         return (tuple(x.shape), x.dtype, x.device, self.path(),
-                folding.uses_batch_statistics(self.bn, self.training))
+                folding.uses_batch_statistics(self.bn, self.training), self.options)
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""

@@ -6,7 +6,7 @@
 # `notebooks` runs each notebook's paired percent-format source with python3 at full size (the GPU
 # image has no nbclient; CI executes the .ipynb files under the simulator).
 # The gpu profile draws 300 examples per property, and every drawn geometry compiles its kernels
-# (~5 s in evaluation, ~20-45 s in training on an H100's host), ~25 CPU-core-seconds an example,
+# (~5 s in evaluation, ~15 s in training on a GPU machine's host), many CPU-core-seconds an example,
 # so the whole profile takes hours: lower NUMBA_DECONV_EXAMPLES to fit a device call, and spread
 # each property over the cores with NUMBA_DECONV_SHARDS and GPU_TEST_ARGS='-n 16'
 # (NUMBA_DECONV_SHARDS=8 NUMBA_DECONV_EXAMPLES=16 runs the whole suite in 4-6 min on 16 cores),

@@ -104,9 +104,9 @@ def test_repeated_training_steps_track_running_stats(variance, data, limits, dev
 @pytest.mark.parametrize("impl,variance", [("gather", "auto"), ("gather", "epilogue"),
                                            ("gather", "gram"), ("scatter", "auto")])
 def test_few_voxels_with_a_tiny_batch_variance(impl, variance, device):
-    """A case where float32 Gram sums lost the variance to cancellation (2 output voxels per
-    channel, whose values nearly agree: 1.2e-4 relative error where the other paths gave 1e-6):
-    every path within the tolerance now."""
+    """2 output voxels per channel whose values nearly agree, so the batch variance is tiny next
+    to the mean (float32 Gram sums lose it to cancellation: 1.2e-4 where the other paths give
+    1e-6): every path within the tolerance."""
     geom = testing.ConvGeometry.create(3, 2, (1, 4, 1), 1, (3, 1, 2))
     case = testing.Case(geom, testing.BatchNormSettings(affine=False, track_running_stats=False),
                         1, (7, 1, 5), True, seed=1)
