@@ -65,8 +65,8 @@ DEFAULT_DEVICE = "H100"
 # a stage whose work runs inside another stage's launch (no kernel, no launch shape of its own)
 FUSED_MEANS = "fused: box_sums, last block per sample"
 FUSED_SCALE = "fused: the gather's epilogue, by gram_statistics' scale"
-# the Gram path's sums, whatever the input's dtype (the pipeline's ``GRAM_ITEMSIZE``)
-GRAM_DTYPE = "float64"
+# the Gram path's sums, whatever the input's dtype
+GRAM_DTYPE = gram.SUMS_DTYPE
 
 
 @dataclass

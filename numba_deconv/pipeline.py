@@ -73,9 +73,8 @@ PLAN_CACHE = 16
 #: copy in and the clone out cost more than the launches they save (docs/performance.md).
 AUTO_GRAPH_MAX_OUTPUT = 1 << 24
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
-#: The Gram path sums products of the input in float64 whatever the input's dtype: a float32
-#: product is exact there, so its variance loses only float64's digits to the cancellation.
-GRAM_ITEMSIZE = 8
+#: Bytes per element of the Gram path's sums (``gram.SUMS_DTYPE``), which its tiles must fit.
+GRAM_ITEMSIZE = dtypes.ITEMSIZE[gram.SUMS_DTYPE]
 
 
 class Pipeline:
@@ -589,10 +588,11 @@ class Pipeline:
         # (which has nothing to launch when no two taps meet), never to a trace's copy
         chained = record is None
         # float64 sums of float32 products are exact products added with float64's rounding
-        x_sums = x if x.dtype == torch.float64 else x.to(torch.float64)
+        sums_dtype = getattr(torch, gram.SUMS_DTYPE)
+        x_sums = x if x.dtype == sums_dtype else x.to(sums_dtype)
         if not options.box_sums_in_tail:
             self._box_sums(x, plan, flat_w, record)
-        gram.launch_gram_sums(gl, "float64", x_sums)
+        gram.launch_gram_sums(gl, gram.SUMS_DTYPE, x_sums)
         if record is not None:
             record["gram_sums"] = gl.partial.clone()
         if options.box_sums_in_tail:

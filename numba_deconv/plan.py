@@ -157,6 +157,6 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
     for t in scratch.tensors():  # the plan owns them: their launch fields are read once
         pin(t)
     gram_launch = None if layout is None else gram.gram_launch(
-        layout, geom.out_per_group, dev, torch.float64)
+        layout, geom.out_per_group, dev, getattr(torch, gram.SUMS_DTYPE))
     return CallPlan(path, batch_statistics, batch, tuple(out_spatial), volume,
                     stages(path, batch_statistics, options), scratch, launch, gram_launch)

@@ -42,6 +42,9 @@ REDUCE_BLOCK = 128
 REDUCE_LANES = 1 if is_simulator() else 8
 QCHUNK = 32  # gram_reduce contracts its term sums with the weights this many channels at a time
 MAX_REGS = 0  # register cap of gram_sums (0: none)
+#: the dtype of the Gram sums the pipeline runs, whatever the input's: a float32 product is exact
+#: in float64, so the variance loses only float64's digits to the cancellation
+SUMS_DTYPE = "float64"
 
 
 C_SAMPLES = 8     # input values whose mean is a channel's shift c
