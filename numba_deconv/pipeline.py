@@ -580,7 +580,7 @@ class Pipeline:
         lets the next start at once and waits for the one before only where it reads its
         results, so the gather's first blocks run their multiply-adds while the statistics are
         finished (nothing before its epilogue depends on them)."""
-        bn, options, gl, s = self.bn, self.options, plan.gram, plan.scratch
+        bn, options, gl, s, gb = self.bn, self.options, plan.gram, plan.scratch, plan.gram_buffers
         # Anything that may launch a torch kernel (the bias in float64 when it changed) comes
         # first: between two kernels of the chain it would break the overlap.
         bias, bn_buffers = self._bias64(plan), self._bn_buffers(plan)
@@ -592,17 +592,18 @@ class Pipeline:
         x_sums = x if x.dtype == sums_dtype else x.to(sums_dtype)
         if not options.box_sums_in_tail:
             self._box_sums(x, plan, flat_w, record)
-        gram.launch_gram_sums(gl, gram.SUMS_DTYPE, x_sums)
+        gram.launch_gram_sums(gl, gram.SUMS_DTYPE, x_sums, gb.partial, gb.apartial, gb.cvals)
         if record is not None:
-            record["gram_sums"] = gl.partial.clone()
+            record["gram_sums"] = gb.partial.clone()
         if options.box_sums_in_tail:
             self._box_sums(x, plan, flat_w, record, after_prior=chained and bool(gl.plan.terms),
                            block=block_size(options.box_sums_tail_block))
-        gram.launch_gram_reduce(gl, flat_w)
+        gram.launch_gram_reduce(gl, flat_w, gb.partial, gb.apartial, gb.chunk_sums, gb.cvals,
+                                gb.sums, gb.qpart)
         if record is not None:
-            record["gram_reduce"] = gl.sums.clone()
+            record["gram_reduce"] = gb.sums.clone()
         batch_stats.launch_gram_statistics(
-            gl.qpart, s.means, bias, *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
+            gb.qpart, s.means, bias, *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
             self._updates(record), s.scale, s.stats, s.done, s.means_scaled)
         if record is not None:
             record["batch_statistics"] = s.stats.clone()

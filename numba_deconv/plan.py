@@ -87,9 +87,25 @@ class Scratch:
 
 
 @dataclass(frozen=True)
+class GramBuffers:
+    """The Gram path's buffers (``gram.buffer_specs``): the input's term sums on their way to
+    the blocks' shares of Q_c."""
+
+    partial: torch.Tensor
+    apartial: torch.Tensor
+    chunk_sums: torch.Tensor
+    cvals: torch.Tensor
+    sums: torch.Tensor
+    qpart: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
 class CallPlan:
     """Everything one call shape needs: the path and its stages, the launch configurations
-    (``gather``, ``gram``) and the scratch buffers."""
+    (``gather``, ``gram``) and the scratch buffers (``scratch``, ``gram_buffers``)."""
 
     path: str
     batch_statistics: bool
@@ -100,14 +116,14 @@ class CallPlan:
     scratch: Scratch
     gather: gather.GatherLaunch | None = None
     gram: gram.GramLaunch | None = None
+    gram_buffers: GramBuffers | None = None
 
     def poisonable(self) -> tuple[torch.Tensor, ...]:
         """The floating buffers a poisoned call fills with NaN first (tests)."""
         s = self.scratch
         own = [s.means, s.css, s.boxes, s.contrib, s.ss, s.scale, s.stats, s.means_scaled]
-        if self.gram is not None:
-            own += [self.gram.partial, self.gram.apartial, self.gram.chunk_sums, self.gram.sums,
-                    self.gram.qpart, self.gram.cvals]
+        if self.gram_buffers is not None:
+            own += self.gram_buffers.tensors()
         return tuple(t for t in own if t is not None)
 
 
@@ -156,7 +172,12 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
     scratch = Scratch(**common)
     for t in scratch.tensors():  # the plan owns them: their launch fields are read once
         pin(t)
-    gram_launch = None if layout is None else gram.gram_launch(
-        layout, geom.out_per_group, dev, getattr(torch, gram.SUMS_DTYPE))
+    gram_launch = gram_buffers = None
+    if layout is not None:
+        gram_launch = gram.gram_launch(layout, dev)
+        specs = gram.buffer_specs(layout, geom.out_per_group, getattr(torch, gram.SUMS_DTYPE))
+        gram_buffers = GramBuffers(**{name: pin(empty(*shape, dtype=dtype))
+                                      for name, (shape, dtype) in specs.items()})
     return CallPlan(path, batch_statistics, batch, tuple(out_spatial), volume,
-                    stages(path, batch_statistics, options), scratch, launch, gram_launch)
+                    stages(path, batch_statistics, options), scratch, launch, gram_launch,
+                    gram_buffers)

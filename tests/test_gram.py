@@ -59,24 +59,25 @@ def check_term_sums(plan, geom, x: torch.Tensor, dtype, device) -> None:
     """The kernels' term sums of ``x`` (float64, cast to ``dtype``) against numpy's, and their
     contraction with a random weight (the reduction blocks' shares of Q_c) against
     ``sum_of_squares`` of numpy's sums, every buffer poisoned first."""
-    gl = gram.gram_launch(plan, geom.out_per_group, device, dtype)
-    for t in (gl.partial, gl.apartial, gl.chunk_sums, gl.sums, gl.qpart):
-        t.fill_(float("nan"))
+    gl = gram.gram_launch(plan, device)
+    buf = {name: torch.full(shape, float("nan"), dtype=dt, device=device)
+           for name, (shape, dt) in gram.buffer_specs(plan, geom.out_per_group, dtype).items()}
     name = dtypes.name_of(dtype)
     gen = torch.Generator().manual_seed(geom.out_channels + x.shape[0])
     w = torch.randn(geom.weight_shape(), generator=gen, dtype=torch.float64).to(dtype)
-    gram.launch_gram_sums(gl, name, x.to(device=device, dtype=dtype))
-    gram.launch_gram_reduce(gl, w.reshape(w.shape[0], w.shape[1], -1).to(device))
+    gram.launch_gram_sums(gl, name, x.to(device=device, dtype=dtype), buf["partial"],
+                          buf["apartial"], buf["cvals"])
+    gram.launch_gram_reduce(gl, w.reshape(w.shape[0], w.shape[1], -1).to(device), **buf)
     want = term_sums_reference(plan, geom, x.to(dtype).double().numpy())
     scale = np.abs(want).max()
     # float32: each product is exact in float64 terms, the tile sums round at ~1e-7 of |x_a x_b|
     tol = 1e-5 if dtype == torch.float32 else 1e-12
-    np.testing.assert_allclose(gl.sums.cpu().numpy(), want, rtol=0, atol=tol * scale)
-    assert torch.isfinite(gl.cvals).all()
+    np.testing.assert_allclose(buf["sums"].cpu().numpy(), want, rtol=0, atol=tol * scale)
+    assert torch.isfinite(buf["cvals"]).all()
     # Q_c from the kernel's own term sums (exact up to float64 rounding) and from numpy's
     w64 = w.double().numpy()
-    q = gl.qpart.sum(dim=2).reshape(-1).cpu().numpy()
-    np.testing.assert_allclose(q, sum_of_squares(plan, geom, gl.sums.cpu().numpy(), w64),
+    q = buf["qpart"].sum(dim=2).reshape(-1).cpu().numpy()
+    np.testing.assert_allclose(q, sum_of_squares(plan, geom, buf["sums"].cpu().numpy(), w64),
                                rtol=1e-12, atol=1e-12 * np.abs(q).max())
     bound = np.abs(sum_of_squares(plan, geom, np.abs(want), np.abs(w64))).max()
     np.testing.assert_allclose(q, sum_of_squares(plan, geom, want, w64), rtol=0,

@@ -601,7 +601,8 @@ def make_gram_reduce(corr_width: int, edge_width: int, lanes: int):
 
 @dataclass
 class GramLaunch:
-    """A plan's device tables and buffers (build once per input shape)."""
+    """A plan's device tables and launch configurations (build once per input shape). The
+    buffers the kernels write are the caller's (``buffer_specs`` says their shapes)."""
 
     plan: GramPlan
     tiles: torch.Tensor
@@ -613,12 +614,6 @@ class GramLaunch:
     chunks: torch.Tensor
     term_taps: torch.Tensor
     term_coef: torch.Tensor
-    partial: torch.Tensor
-    apartial: torch.Tensor
-    chunk_sums: torch.Tensor
-    cvals: torch.Tensor
-    sums: torch.Tensor
-    qpart: torch.Tensor   # (G, OPG, BPG) f64: gram_reduce's blocks' shares of Q_c
     # What a call's launches need, worked out once in ``gram_launch`` (a plan's properties are
     # computed, and its constants build the kernel's cache key: too slow for every call).
     sums_grid: tuple = ()
@@ -628,6 +623,26 @@ class GramLaunch:
     reduce_grid: int = 0
     reduce_dims: tuple = ()  # one tuple object: the launcher flattens it once
     sums_kernels: dict = field(default_factory=dict)  # dtype name -> ``gram_sums``
+
+
+def buffer_specs(plan: GramPlan, out_per_group: int, dtype: torch.dtype) -> dict:
+    """The buffers ``gram_sums`` and ``gram_reduce`` write, name -> (shape, dtype):
+
+    * ``partial`` (slots, sums_width) the slots' term sums, in ``dtype`` (the input's);
+    * ``apartial`` (slots, channel_width) f64 the slots' channel sums;
+    * ``chunk_sums`` (chunks, partial_width) f64 the slots summed per chunk;
+    * ``cvals`` (G * CG,) per-channel values the tiles are centred by, in ``dtype``;
+    * ``sums`` (G, T, CG, CG) f64 the term sums;
+    * ``qpart`` (G, OPG, BPG) f64 ``gram_reduce``'s blocks' shares of Q_c."""
+    f64 = torch.float64
+    return {
+        "partial": ((plan.slots, plan.sums_width), dtype),
+        "apartial": ((plan.slots, plan.channel_width), f64),
+        "chunk_sums": ((len(plan.chunks), plan.partial_width), f64),
+        "cvals": ((plan.groups * plan.cg,), dtype),
+        "sums": ((plan.groups, len(plan.terms), plan.cg, plan.cg), f64),
+        "qpart": ((plan.groups, out_per_group, reduce_blocks_per_group(plan)), f64),
+    }
 
 
 def plan_for(geom, batch: int, in_spatial, itemsize: int) -> GramPlan | None:
@@ -646,10 +661,8 @@ def _padded(lists) -> np.ndarray:
     return out
 
 
-def gram_launch(plan: GramPlan, out_per_group: int, device, dtype=torch.float32) -> GramLaunch:
-    """The device tables and buffers of ``plan`` for a convolution of ``out_per_group`` output
-    channels per group (``gram_reduce`` contracts the term sums with its weights)."""
-    width = plan.partial_width
+def gram_launch(plan: GramPlan, device) -> GramLaunch:
+    """The device tables and launch configurations of ``plan``."""
     col = []
     for term in plan.terms:
         task, k = plan.task_index(0, 0, 0, term.offset)
@@ -657,7 +670,6 @@ def gram_launch(plan: GramPlan, out_per_group: int, device, dtype=torch.float32)
     lists = [[k for c in term.cells for k in range(*plan.cell_chunks[c])] for term in plan.terms]
     term_chunks = _padded(lists)
     as_dev = lambda a: pin(torch.from_numpy(np.ascontiguousarray(a)).to(device))  # noqa: E731
-    empty = lambda *shape, dtype: pin(torch.empty(shape, dtype=dtype, device=device))  # noqa: E731
     gstride = plan.nb * plan.nb * plan.planes * plan.hchunks * plan.wchunks
     bpg = reduce_blocks_per_group(plan)
     return GramLaunch(
@@ -667,12 +679,6 @@ def gram_launch(plan: GramPlan, out_per_group: int, device, dtype=torch.float32)
         as_dev(_padded([t.edges for t in plan.terms])), as_dev(plan.chunks),
         as_dev(np.array([(t.a, t.b) for t in plan.terms], np.int32).reshape(-1, 2)),
         as_dev(np.array([t.coef for t in plan.terms], np.float64)),
-        empty(plan.slots, plan.sums_width, dtype=dtype),
-        empty(plan.slots, plan.channel_width, dtype=torch.float64),
-        empty(len(plan.chunks), width, dtype=torch.float64),
-        empty(plan.groups * plan.cg, dtype=dtype),
-        empty(plan.groups, len(plan.terms), plan.cg, plan.cg, dtype=torch.float64),
-        empty(plan.groups, out_per_group, bpg, dtype=torch.float64),
         sums_grid=sums_grid(plan), block=plan.block,
         chunk_grid=-(-len(plan.chunks) * plan.partial_width // REDUCE_BLOCK),
         reduce=reduce_kernel(plan), reduce_grid=plan.groups * bpg,
@@ -702,9 +708,9 @@ def reduce_grid(plan: GramPlan) -> int:
     return plan.groups * reduce_blocks_per_group(plan)
 
 
-def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
-    """Slot totals of ``x`` (N, CI, D, H, W) contiguous, into ``gl.partial`` and ``gl.apartial``
-    (and ``gl.cvals``)."""
+def launch_gram_sums(gl: GramLaunch, dtype: str, x, partial, apartial, cvals) -> None:
+    """Slot totals of ``x`` (N, CI, D, H, W) contiguous, into ``partial`` and ``apartial`` (and
+    ``cvals``): the buffers of ``buffer_specs``."""
     plan = gl.plan
     if not plan.terms:  # no two taps meet inside the output: every sum is zero
         return
@@ -713,24 +719,26 @@ def launch_gram_sums(gl: GramLaunch, dtype: str, x) -> None:
     if kernel is None:
         kernel = gl.sums_kernels[dtype] = make_gram_sums(dtype, plan)
     launch(kernel, gl.sums_grid, gl.block,
-           (x.reshape(-1), gl.tiles, gl.blocks, gl.partial, gl.apartial, gl.cvals, ci, d, h, w),
+           (x.reshape(-1), gl.tiles, gl.blocks, partial, apartial, cvals, ci, d, h, w),
            smem=plan.smem * x.element_size(), max_shared=True)
 
 
-def launch_gram_reduce(gl: GramLaunch, weight) -> None:
-    """Chunk sums, then the term sums (G, T, CG, CG) f64 into ``gl.sums`` and their contraction
-    with ``weight`` (CI, OPG, K), the blocks' shares of Q_c, into ``gl.qpart`` (two launches;
-    with no terms, ``gl.qpart`` is zeroed)."""
+def launch_gram_reduce(gl: GramLaunch, weight, partial, apartial, chunk_sums, cvals, sums,
+                       qpart) -> None:
+    """Chunk sums, then the term sums (G, T, CG, CG) f64 into ``sums`` and their contraction
+    with ``weight`` (CI, OPG, K), the blocks' shares of Q_c, into ``qpart`` (two launches; with
+    no terms, ``qpart`` is zeroed). The buffers are ``buffer_specs``'; ``partial``, ``apartial``
+    and ``cvals`` hold ``launch_gram_sums``' results."""
     plan = gl.plan
-    if weight.shape[1] != gl.qpart.shape[1]:
-        raise ValueError(f"weight has {weight.shape[1]} output channels per group, the plan's "
-                         f"buffers {gl.qpart.shape[1]}")
+    if weight.shape[1] != qpart.shape[1]:
+        raise ValueError(f"weight has {weight.shape[1]} output channels per group, the "
+                         f"buffers {qpart.shape[1]}")
     if not plan.terms:  # no two taps meet inside the output: Q is zero
-        gl.qpart.zero_()
+        qpart.zero_()
         return
     launch(gram_chunk_sums, gl.chunk_grid, REDUCE_BLOCK,
-           (gl.partial, gl.apartial, gl.chunks, gl.chunk_sums), after_prior=True)
+           (partial, apartial, gl.chunks, chunk_sums), after_prior=True)
     launch(gl.reduce, gl.reduce_grid, REDUCE_BLOCK,
-           (gl.chunk_sums, gl.term_col, gl.term_chunks, gl.term_corr, gl.term_edges, gl.cvals,
-            weight, gl.term_taps, gl.term_coef, gl.sums, gl.qpart, gl.reduce_dims),
+           (chunk_sums, gl.term_col, gl.term_chunks, gl.term_corr, gl.term_edges, cvals,
+            weight, gl.term_taps, gl.term_coef, sums, qpart, gl.reduce_dims),
            after_prior=True)
