@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from numba import cuda
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from . import dtypes, folding
 from .geometry import ConvGeometry
@@ -259,10 +260,8 @@ class Pipeline:
         graph, static_x, static_out, _ = entry
         static_x.copy_(x.detach())  # no autograd history kept in the graph's input
         graph.replay()
-        if self.training and self.bn.track_running_stats:
-            # The replay updated the running statistics without bumping their version counters,
-            # so weights folded from them for an eager evaluation call would look current.
-            self.clear_cache()
+        if self._updates(None):
+            self._running_stats_written()  # the replay's kernels updated them
         return static_out.clone()
 
     def clear_cache(self) -> None:
@@ -460,6 +459,15 @@ class Pipeline:
             return plan.scratch.zero_bias
         return self._cached("bias64", self._version(bias), lambda: bias.detach().to(torch.float64))
 
+    def _running_stats_written(self) -> None:
+        """A kernel updated the running statistics in place: count it as an in-place change of
+        each buffer (``increment_version``, as PyTorch's own update does), so everything derived
+        from them (the evaluation's folded weights) is derived afresh."""
+        bn = self.bn
+        for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked):
+            if t is not None:
+                increment_version(t)
+
     def _updates(self, record) -> bool:
         """Whether this call updates the running statistics (training, not a trace)."""
         return self.training and record is None and folding.tracks_running_stats(self.bn)
@@ -482,9 +490,12 @@ class Pipeline:
         centred sums of squares in partials.
         """
         bn, s = self.bn, plan.scratch
+        updates = self._updates(record)
         batch_stats.launch_batch_statistics(
             means, ss, self._bias64(plan), *self._bn_buffers(plan), bn.eps, bn.momentum,
-            plan.batch * plan.volume, self._updates(record), s.scale, s.stats, s.done)
+            plan.batch * plan.volume, updates, s.scale, s.stats, s.done)
+        if updates:
+            self._running_stats_written()
         if record is not None:
             record["batch_statistics"] = s.stats.clone()
             record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer
@@ -602,9 +613,12 @@ class Pipeline:
                                 gb.sums, gb.qpart)
         if record is not None:
             record["gram_reduce"] = gb.sums.clone()
+        updates = self._updates(record)
         batch_stats.launch_gram_statistics(
             gb.qpart, s.means, bias, *bn_buffers, bn.eps, bn.momentum, plan.batch * plan.volume,
-            self._updates(record), s.scale, s.stats, s.done, s.means_scaled)
+            updates, s.scale, s.stats, s.done, s.means_scaled)
+        if updates:
+            self._running_stats_written()
         if record is not None:
             record["batch_statistics"] = s.stats.clone()
         gather.launch_gather(plan.gather, dtype, False, x.view(-1), wph, s.means_scaled,

@@ -37,6 +37,31 @@ def test_modelnew_matches_reference(device, training):
     assert int(new.batch_norm.num_batches_tracked) == int(ref.batch_norm.num_batches_tracked)
 
 
+@pytest.mark.parametrize("conv_impl,graphs", [("gather", False), ("gather", True),
+                                               ("scatter", False)])
+def test_modes_alternate_on_one_shape(device, conv_impl, graphs):
+    """Evaluation, training and evaluation again on one input shape: each evaluation folds the
+    running statistics the training steps before it wrote (the kernels' in-place update counts
+    as one, as PyTorch's does: the buffers' version counters move)."""
+    ref = Model(3, 5, 3, 2, 1).double().to(device)
+    new = ModelNew(3, 5, 3, 2, 1, conv_impl=conv_impl, graphs=graphs).to(device)
+    new.load_state_dict({k: v.float() if v.is_floating_point() else v
+                         for k, v in ref.state_dict().items()})
+    gen = torch.Generator().manual_seed(5)
+    for step, training in enumerate((False, True, True, False, True, False)):
+        ref.train(training)
+        new.train(training)
+        x = (torch.randn(2, 3, 2, 3, 3, generator=gen, dtype=torch.float64) * 3 + 2).to(device)
+        version = new.batch_norm.running_var._version
+        with torch.no_grad():
+            expected = ref(x)
+            got = new(x.float())
+        testing.assert_close(got, expected, 1e-5, f"step {step}")
+        testing.assert_close(new.batch_norm.running_var, ref.batch_norm.running_var, 1e-5,
+                             f"running_var after step {step}")
+        assert (new.batch_norm.running_var._version > version) == training
+
+
 def test_numpy_in_numpy_out(device):
     model = Model(3, 4, 3, 2, 1).eval()
     pipe = Pipeline.from_torch(model.to(device))
