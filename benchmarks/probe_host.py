@@ -8,7 +8,8 @@ each call, one synchronize at the end)?
     PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--cases tiny,default] [--modes eval,train]
         [--providers numba_gather,numba_gather_eager,torch_eager] [--profile]
 
-Per case (``tiny``, ``geometry``, ``default``, or ``batch=N``: the default problem at batch N),
+Per case (a row of ``bench --suite``: ``default``, ``tiny``, ``decoder_k2s2``, ...; or
+``batch=N``: the default problem at batch N),
 mode and provider (``bench.make_provider``'s names), under ``torch.no_grad()``:
 
 * ``b2b ms``: ``bench.time_gpu``, the bench's timing (median of 100 back-to-back calls);
@@ -18,10 +19,10 @@ mode and provider (``bench.make_provider``'s names), under ``torch.no_grad()``:
   replayed: GPU time alone;
 * ``host us``: the host's time to issue one call without waiting (``bench.host_time_us``,
   after a synchronize, so no back-pressure from earlier calls);
-* for numba providers, ``launch us`` / ``launches``: how much of ``host us`` is spent inside
-  ``kernels.launch.launch`` and how many launches a call makes (0 where a call replays a
-  captured graph), and ``rest us``: the host time with every launch a no-op (the pipeline's own
-  Python and torch calls).
+* for numba providers, ``launch us`` / ``launches``: how much of ``host us`` is spent
+  launching (``kernels.launch.launch``, and a prepared call's replayed launches) and how many
+  launches a call makes (0 where a call replays a captured graph), and ``rest us``: the host
+  time with every launch a no-op (the pipeline's own Python and torch calls).
 
 ``--profile`` adds a cProfile of 300 calls per numba provider. Host times differ by up to 2x
 between machines and within a run: compare settings within one run.
@@ -44,6 +45,7 @@ from numba_deconv.kernels import launch
 REPS = 100
 CALLS = 500
 REAL = launch.launch
+REAL_FIRE = launch._Direct.fire
 spent = {"ns": 0, "n": 0}
 
 
@@ -58,14 +60,27 @@ def _noop(*args, **kwargs):
     spent["n"] += 1
 
 
+def _timed_fire(self, stream):
+    t0 = time.perf_counter_ns()
+    REAL_FIRE(self, stream)
+    spent["ns"] += time.perf_counter_ns() - t0
+    spent["n"] += 1
+
+
+def _noop_fire(self, stream):
+    spent["n"] += 1
+
+
 def install(fn) -> None:
-    """Make every package module that imported ``launch.launch`` (under any name) call ``fn``."""
+    """Make every launch call ``fn``: ``launch.launch`` in every package module that imported it
+    (under any name), and a prepared call's replayed launches (``launch._Direct.fire``)."""
     for module in list(sys.modules.values()):
         if module is launch or not getattr(module, "__name__", "").startswith("numba_deconv."):
             continue
         for name, value in list(vars(module).items()):
             if value is REAL or value is _timed or value is _noop:
                 setattr(module, name, fn)
+    launch._Direct.fire = {REAL: REAL_FIRE, _timed: _timed_fire, _noop: _noop_fire}[fn]
 
 
 def host_us(call, calls: int = CALLS) -> tuple[float, float, float]:
@@ -90,8 +105,9 @@ def synchronized_ms(call, reps: int = REPS, warmup: int = 10) -> float:
 def make_case(name: str) -> bench.Case:
     if name.startswith("batch="):
         return bench.default_case(int(name.split("=")[1]), name=name)
-    return {"tiny": bench.tiny_case, "geometry": bench.geometry_case,
-            "default": bench.default_case}[name]()
+    cases = {c.name: c for c in bench.suite_cases()}
+    cases.update(tiny=bench.tiny_case(), geometry=bench.geometry_case())
+    return cases[name]
 
 
 def main() -> None:

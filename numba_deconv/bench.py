@@ -11,8 +11,8 @@ What the main table does, in order:
    checks the output against PyTorch in float64 (``testing.relative_error``; the numba providers
    must be below :data:`NUMBA_RTOL` or the row is marked FAIL), then times it with
    :func:`time_gpu` (warm-up, one CUDA-event pair per call, median with p10/p90 spread).
-   Providers: ``numba_gather`` (the default ``ModelNew``: a captured CUDA graph for small calls,
-   ``graphs="auto"``), ``numba_gather_eager`` (the same kernels, always launched one by one),
+   Providers: ``numba_gather`` (the default ``ModelNew``, ``graphs="auto"``: prepared calls,
+   their launches replayed), ``numba_gather_eager`` (``graphs=False``: the same as the default),
    ``numba_gather_graph`` (always one captured CUDA graph), ``numba_epilogue`` and
    ``numba_gram`` (training's variance from the gather's epilogue or from the Gram sums, forced;
    the default ``variance="auto"`` takes the Gram sums where they fit; in evaluation both run
@@ -541,7 +541,7 @@ def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
     model = copy.deepcopy(base).train(mode == "train")
     if name in ("numba_gather", "numba_deconv"):  # the default ModelNew: graphs="auto"
         return NumbaModel(model, "gather").train(mode == "train")
-    if name == "numba_gather_eager":  # every call launches its kernels one by one
+    if name == "numba_gather_eager":  # graphs=False: the kernels launched (prepared calls)
         return NumbaModel(model, "gather", graphs=False).train(mode == "train")
     if name == "numba_gather_graph":  # the same kernels replayed as one captured CUDA graph
         return NumbaModel(model, "gather", graphs=True).train(mode == "train")

@@ -543,6 +543,10 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         report.notes.append(f"graphs={pipe.graphs!r}: on a GPU, calls of this shape replay one "
                             "captured CUDA graph of these launches (input copied in, output "
                             "cloned out)")
+    else:
+        report.notes.append("from the second call of this shape and mode under unchanged "
+                            "parameters, a call replays these launches with only the input's "
+                            "and output's addresses written (prepared call)")
     if sim:
         report.notes.append(
             "CUDA simulator: regs, smem, local (spill) bytes, occupancy and measured times need a "

@@ -31,17 +31,27 @@ tensors. The input is never modified. An empty batch gives an empty output (and,
 counts a batch as PyTorch does). The operator has no backward: an input that requires grad
 under grad mode is refused, and parameters that require grad get a one-time warning.
 
-Small calls are host-bound (each launch costs the host several µs, the GPU work is a few µs), so
-with ``graphs="auto"`` (the default) a call of the default path whose output has at most
-``AUTO_GRAPH_MAX_OUTPUT`` elements replays a captured CUDA graph of the whole call (the input
-copied in, the output cloned out); ``graphs=True`` always does, ``graphs=False`` never. A call
-made while the caller captures a graph of its own launches its kernels into that graph instead.
+Host time per call: a kind of call (input shape, dtype, device, mode) seen a second time under
+the same parameters (their addresses and version counters, ``_state``) is recorded, and later
+calls of that kind replay its launches with only the input's and the output's addresses written
+(``launch.Replay``): no validation, planning or weight derivation, a few µs per launch. With
+``graphs=True`` a call replays a captured CUDA graph of the whole call instead (the input copied
+in, the output cloned out), which costs more host and GPU time than a replay of the launches on
+every shape measured (docs/performance.md), so ``graphs="auto"`` (the default) and ``False``
+never capture. A call made while the caller captures a graph of its own launches its kernels
+into that graph.
+
+Memory kept between calls: at most ``PLAN_CACHE`` launch plans (scratch buffers of the size of
+the input plus per-channel sums, never of the output), ``PLAN_CACHE`` prepared calls (which keep
+their plan and derived weights alive) and, with ``graphs=True``, 8 graphs with their input and
+output buffers; ``clear_cache()`` releases all of it.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -54,10 +64,24 @@ from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
 from .backend import tensor_device
-from .kernels.launch import block_size, pin
+from .kernels.launch import Replay, block_size, pin, recording
 from .plan import CallPlan, Options, build as build_plan, stages as path_stages
 from .simulator import is_simulator
 
+
+
+@dataclass
+class _Prepared:
+    """A kind of call seen before: the ``Pipeline._state`` it ran under, its launches
+    (``Replay``; None until the same kind of call comes again under that state, and after a
+    recording when the call cannot be replayed), whether it updates the running statistics,
+    its output's shape, and whether it was recorded."""
+
+    state: tuple
+    replay: Replay | None
+    updates: bool
+    out_shape: tuple = ()
+    recorded: bool = False
 
 
 class NoGradientWarning(UserWarning):
@@ -69,10 +93,8 @@ VARIANCE_STRATEGIES = ("auto", "epilogue", "gram")
 # Input shapes whose launch plans (configurations and GPU scratch buffers) a pipeline keeps, least
 # recently used first out: a long fuzzing session does not hold every shape's buffers.
 PLAN_CACHE = 16
-#: ``graphs="auto"``: calls whose output has at most this many elements replay a CUDA graph.
-#: Below it the host's launches cost more than the graph's copy in and clone out; above it the
-#: copy in and the clone out cost more than the launches they save (docs/performance.md).
-AUTO_GRAPH_MAX_OUTPUT = 1 << 24
+#: Captured CUDA graphs a pipeline keeps (``graphs=True``), least recently used first out.
+GRAPH_CACHE = 8
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 #: Bytes per element of the Gram path's sums (``gram.SUMS_DTYPE``), which its tiles must fit.
 GRAM_ITEMSIZE = dtypes.ITEMSIZE[gram.SUMS_DTYPE]
@@ -121,6 +143,13 @@ class Pipeline:
         self._plans: OrderedDict[tuple, CallPlan] = OrderedDict()
         self._shapes: OrderedDict[tuple, tuple] = OrderedDict()  # shape -> (batch, out spatial)
         self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
+        # the parameters and buffers a call reads: (the module's dict, name) (``_state``)
+        self._watched = ((conv._parameters, "weight"), (conv._parameters, "bias"),
+                         (bn._parameters, "weight"), (bn._parameters, "bias"),
+                         (bn._buffers, "running_mean"), (bn._buffers, "running_var"),
+                         (bn._buffers, "num_batches_tracked"))
+        # (input shape, dtype, device, training) -> the call's recorded launches (_Prepared)
+        self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -150,6 +179,17 @@ class Pipeline:
 
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
+        if isinstance(x, torch.Tensor):
+            # a call like one made before, under the same parameters: replay its launches
+            prepared = self._prepared.get((x.shape, x.dtype, x.device, self.training))
+            if (prepared is not None and prepared.replay is not None
+                    and prepared.state == self._state() and x.is_contiguous()
+                    and not (x.requires_grad and torch.is_grad_enabled())
+                    and not self._stream_capturing()):
+                out = self._replay_prepared(prepared, x)
+                if not self._warned_no_grad and torch.is_grad_enabled():
+                    self._warn_no_gradient()
+                return out
         tensor, restore = self._accept(x)
         self._refuse_grad_input(tensor)
         out = restore(self._run(tensor))
@@ -159,7 +199,7 @@ class Pipeline:
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if is_simulator():
-            return self._forward(x, record=None)
+            return self._forward_prepared(x)
         if torch.cuda.is_current_stream_capturing():
             # Inside the caller's own graph capture the launches are captured with it, and so
             # is the derivation of folded weights (as in ``_replay``): a replay sees parameters
@@ -171,7 +211,73 @@ class Pipeline:
                 self._capturing = False
         if self.graph_wanted(tuple(x.shape)):
             return self._replay(x)
-        return self._forward(x, record=None)
+        return self._forward_prepared(x)
+
+    # ---- prepared calls: a call's launches recorded once, replayed with new input and output
+    @staticmethod
+    def _stream_capturing() -> bool:
+        return not is_simulator() and torch.cuda.is_current_stream_capturing()
+
+    def _state(self) -> tuple:
+        """What a prepared call's launches depend on besides the input's shape, dtype and
+        device: the settings, and where every parameter and buffer lives and its version
+        counter (which every in-place change through the tensor bumps, an optimizer step,
+        ``load_state_dict`` or ``copy_`` included; ``.data`` edits need ``clear_cache``).
+
+        Read at every call, so it reads the modules' parameter and buffer dicts directly
+        (``nn.Module.__getattr__`` costs more than the rest together)."""
+        bn = self.bn
+        state = [self.options, self.variance, self.conv_impl, self.poison, self.graphs,
+                 bn.eps, bn.momentum, bn.affine, bn.track_running_stats]
+        for tensors, name in self._watched:
+            t = tensors.get(name)
+            state.append(None if t is None else (t.data_ptr(), t._version))
+        return tuple(state)
+
+    def _module_tensor(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (a view of) one of the modules' parameters or buffers, whose
+        addresses ``_state`` watches."""
+        ptr = t.data_ptr()
+        return any((m := tensors.get(name)) is not None and m.data_ptr() == ptr
+                   for tensors, name in self._watched)
+
+    def _forward_prepared(self, x: torch.Tensor) -> torch.Tensor:
+        """A call, prepared for replay when the same kind of call (input shape, dtype, device,
+        mode) comes a second time under the same ``_state`` (a parameter that changes at every
+        call, a training loop's, never pays for the recording)."""
+        key = (x.shape, x.dtype, x.device, self.training)
+        prepared = self._prepared.get(key)
+        if self.poison or not x.is_contiguous() or x.shape[0] == 0:
+            return self._forward(x, record=None)
+        if prepared is None or prepared.state != self._state():
+            out = self._forward(x, record=None)
+            self._remember(key, _Prepared(self._state(), None, self._updates(None)))
+            return out
+        if prepared.recorded:  # it could not be replayed: a plain call
+            out = self._forward(x, record=None)
+            prepared.state = self._state()
+            return out
+        with recording() as launches:
+            out = self._forward(x, record=None)
+        # the state after the call: a training call bumped the running buffers' versions
+        replay = Replay.build(launches, {"x": x, "out": out}, fixed=self._module_tensor)
+        self._remember(key, _Prepared(self._state(), replay, self._updates(None),
+                                      tuple(out.shape), recorded=True))
+        return out
+
+    def _remember(self, key: tuple, prepared: "_Prepared") -> None:
+        self._prepared[key] = prepared
+        self._prepared.move_to_end(key)
+        if len(self._prepared) > PLAN_CACHE:
+            self._prepared.popitem(last=False)
+
+    def _replay_prepared(self, prepared: "_Prepared", x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
+        prepared.replay({"x": x, "out": out})
+        if prepared.updates:
+            self._running_stats_written()
+            prepared.state = self._state()
+        return out
 
     @property
     def uses_gram(self) -> bool:
@@ -204,21 +310,14 @@ class Pipeline:
         return gram_fits(self.geometry, GRAM_ITEMSIZE)
 
     def graph_wanted(self, input_shape) -> bool:
-        """Whether calls with inputs of ``input_shape`` replay a captured CUDA graph on a GPU.
-
-        ``graphs="auto"``: the gather path (either variance) when the output has at most
-        ``AUTO_GRAPH_MAX_OUTPUT`` elements. An empty batch launches nothing, so never.
+        """Whether calls with inputs of ``input_shape`` replay a captured CUDA graph on a GPU:
+        with ``graphs=True``, except for an empty batch (which launches nothing). ``"auto"``
+        replays the call's launches instead (``_forward_prepared``), measured faster on every
+        shape of the suite, in both modes and both timing methods (docs/performance.md).
         Raises like a call for a bad shape.
         """
-        batch, out_spatial = self._checked_shape(tuple(input_shape))
-        if batch == 0:
-            return False
-        if self.graphs is True or self.graphs is False:
-            return self.graphs
-        if self.conv_impl != "gather":
-            return False
-        volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
-        return batch * self.geometry.out_channels * volume <= AUTO_GRAPH_MAX_OUTPUT
+        batch, _ = self._checked_shape(tuple(input_shape))
+        return batch > 0 and self.graphs is True
 
     # ---- CUDA graphs: the whole call as one replay (a few µs of host time instead of every launch)
     def _graph_key(self, x: torch.Tensor) -> tuple:
@@ -253,7 +352,7 @@ class Pipeline:
             # the graph's kernels use this plan's scratch buffers: the entry keeps them alive
             # even after the plan cache lets the shape go
             self._graphs[key] = (graph, static_x, static_out, self._plans[self._plan_key(x)])
-            if len(self._graphs) > 8:
+            if len(self._graphs) > GRAPH_CACHE:
                 self._graphs.popitem(last=False)
             return out
         self._graphs.move_to_end(key)
@@ -265,12 +364,18 @@ class Pipeline:
         return static_out.clone()
 
     def clear_cache(self) -> None:
-        """Forget weights derived from the modules (folded, transposed).
+        """Forget everything kept between calls: weights derived from the modules (folded,
+        transposed), launch plans and their scratch buffers, prepared calls and captured graphs
+        (their memory is released once no call in flight uses it).
 
-        They are cached per tensor version counter, which every in-place change through the
-        tensor itself bumps; a change made through ``param.data`` does not, so call this after one.
+        What derives from the parameters is cached per tensor version counter, which every
+        in-place change through the tensor itself bumps; a change made through ``param.data``
+        does not, so call this after one.
         """
         self._weights.clear()
+        self._prepared.clear()
+        self._graphs.clear()
+        self._plans.clear()
 
     def trace(self, x) -> dict[str, torch.Tensor]:
         """Run once and return every stage's intermediate (torch tensors), in order.

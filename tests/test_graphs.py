@@ -1,5 +1,6 @@
-"""CUDA graphs: ``Pipeline(graphs=True)`` and the default ``graphs="auto"`` replay exactly what
-eager calls compute; a call inside the caller's own capture is captured with it."""
+"""CUDA graphs: ``Pipeline(graphs=True)`` replays exactly what eager calls compute, the default
+``graphs="auto"`` replays launches instead, and a call inside the caller's own capture is
+captured with it."""
 
 from __future__ import annotations
 
@@ -69,20 +70,22 @@ def test_eager_eval_after_graph_training_sees_the_new_statistics():
     testing.assert_close(pipe(other.float()), testing.reference(conv64, bn64, other), 1e-5)
 
 
-def test_auto_graphs_replay_small_calls_of_the_default_path():
-    """``graphs="auto"`` (the default): a small call of the default path is captured after its
-    first call and replayed from then on, with the same results as eager launches."""
+def test_auto_replays_launches_not_a_graph():
+    """``graphs="auto"`` (the default): from the second call of a kind on, a call replays its
+    recorded launches (a prepared call) and no graph is captured, with the same results."""
     case = testing.Case(testing.ConvGeometry.create(4, 6, 3, 2, 1), testing.BatchNormSettings(),
                         2, (5, 6, 7), True, seed=11)
     conv64, bn64 = testing.build_modules(case, "cuda")
     conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
-    pipe = Pipeline(conv, bn, poison=True)
-    assert pipe.graphs == "auto" and pipe.graph_wanted(case.input_shape)
-    for step in range(3):
+    pipe = Pipeline(conv, bn)
+    assert pipe.graphs == "auto" and not pipe.graph_wanted(case.input_shape)
+    for step in range(4):
         x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
         testing.assert_close(pipe(x.float()), testing.reference(conv64, bn64, x), 1e-5,
                              f"step {step}")
-    assert len(pipe._graphs) == 1
+    assert not pipe._graphs
+    prepared = pipe._prepared[(torch.Size(case.input_shape), torch.float32, x.device, True)]
+    assert prepared.replay is not None
     testing.assert_close(bn.running_var, bn64.running_var, 1e-5, "running_var")
     assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked)
 
@@ -96,9 +99,9 @@ def test_a_call_inside_the_callers_own_capture_is_captured_with_it():
     conv64, bn64 = testing.build_modules(case, "cuda")
     conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
     pipe = Pipeline(conv, bn)
-    assert pipe.graph_wanted(case.input_shape)
     static_x = torch.randn(case.input_shape, device="cuda")
-    pipe(static_x)  # warm-up outside the capture: compiles the kernels, builds the plan
+    for _ in range(3):  # outside the capture: compiles the kernels, builds the plan, and
+        pipe(static_x)  # prepares the call (which a call inside a capture must not replay)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -147,9 +147,10 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     never resizes or re-points: a plan's scratch buffers and tables, weights derived from the
     modules. A copy of the tensor (``copy.deepcopy``, ``torch.load``) carries the attribute but
     lives elsewhere: a launch uses the fields only while the address they hold is the tensor's
-    (one ``data_ptr()`` call), and reads a copy's own. Does nothing under the simulator.
+    (one ``data_ptr()`` call), and reads a copy's own. A view of a pinned tensor holds the
+    same memory for as long as it lives (``Replay`` keeps such views).
     """
-    if not is_simulator() and isinstance(t, torch.Tensor):
+    if isinstance(t, torch.Tensor):
         item = t.element_size()
         setattr(t, _PINNED, ((t.dtype, t.dim(), t.is_contiguous()),
                              (0, 0, t.numel(), item, t.data_ptr(), *t.shape,
@@ -250,34 +251,55 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
         if compiled.debug or compiled.cooperative or compiled.extensions:
             return None
         function = int(compiled._codelibrary.get_cufunc().handle)
-        launch_kernel = cu.cuLaunchKernel
-        success = cu.CUresult.CUDA_SUCCESS
         config = _pdl_config(cu, grid, block, smem) if after_prior else None
         cufunction = cu.CUfunction(function)
     except Exception:  # noqa: BLE001 - any surprise means: use the dispatcher
         return None
-    # per argument: its kind and the slots its parameters fill
-    layout, count = [], 0
-    for v, kind in zip(views, kinds):
-        n = _param_count(v, kind)
-        layout.append((kind, count, count + n))
-        count += n
-    slots = (ctypes.c_int64 * max(1, count))()
-    as_double = (ctypes.c_double * max(1, count)).from_buffer(slots)
-    base = ctypes.addressof(slots)
-    pointers = (ctypes.c_void_p * max(1, count))(*[base + 8 * i for i in range(count)])
-    params = ctypes.addressof(pointers)
-    gx, gy, gz = _dim3(grid)
-    bx, by, bz = _dim3(block)
-    # Per argument, what its slots hold while that cannot change: a weak reference to a pinned
-    # tensor (``pin``: its fields never change) or an int tuple (immutable). Such an argument
-    # passed again, the same object, leaves its slots as they are; the others are written at
-    # every launch. A plan's buffers, tables and weights are most of a launch's arguments.
-    held = [None] * len(layout)
+    return _Direct(views, kinds, grid, block, smem, function, cufunction, config, cu)
 
-    def direct(stream, args):
+
+class _Direct:
+    """``_direct_launcher``'s launcher: a buffer of 8-byte parameter slots, the pointer array
+    the driver reads them through, and the launch shape; ``__call__`` writes the arguments that
+    changed and launches, ``write`` and ``fire`` do the two halves (``Replay``)."""
+
+    def __init__(self, views, kinds, grid, block, smem, function, cufunction, config, cu):
+        # per argument: its kind and the slots its parameters fill
+        self.layout, count = [], 0
+        for v, kind in zip(views, kinds):
+            n = _param_count(v, kind)
+            self.layout.append((kind, count, count + n))
+            count += n
+        self.slots = (ctypes.c_int64 * max(1, count))()
+        self.as_double = (ctypes.c_double * max(1, count)).from_buffer(self.slots)
+        base = ctypes.addressof(self.slots)
+        self.pointers = (ctypes.c_void_p * max(1, count))(*[base + 8 * i for i in range(count)])
+        self.params = ctypes.addressof(self.pointers)
+        self.grid, self.block, self.smem = _dim3(grid), _dim3(block), smem
+        self.function, self.cufunction, self.config, self.cu = function, cufunction, config, cu
+        # Per argument, what its slots hold while that cannot change: a weak reference to a
+        # pinned tensor (``pin``: its fields never change) or an int tuple (immutable). Such an
+        # argument passed again, the same object, leaves its slots as they are; the others are
+        # written at every launch. A plan's buffers, tables and weights are most of a launch's
+        # arguments.
+        self.held = [None] * len(self.layout)
+
+    def __call__(self, stream: int, args) -> None:
+        self.write(args)
+        self.fire(stream)
+
+    def data_slot(self, i: int) -> int:
+        """The slot of array argument ``i``'s data pointer (after meminfo, parent, size,
+        itemsize)."""
+        kind, lo, _ = self.layout[i]
+        if kind is not None:
+            raise ValueError(f"argument {i} is not an array")
+        return lo + 4
+
+    def write(self, args) -> None:
+        slots, held = self.slots, self.held
         for i, arg in enumerate(args):
-            kind, lo, hi = layout[i]
+            kind, lo, hi = self.layout[i]
             if kind is None:
                 ref = held[i]
                 if ref is not None and ref() is arg:
@@ -297,20 +319,22 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
                     slots[lo:hi] = _int_tuple(arg)[1]
                     held[i] = arg
             elif kind is float:  # a float64 parameter: its slot holds the double's bits
-                as_double[lo] = arg
+                self.as_double[lo] = arg
             else:
                 slots[lo] = arg
+
+    def fire(self, stream: int) -> None:
+        """Launch with the slots as they are, on the raw stream handle ``stream``."""
+        config, cu = self.config, self.cu
         if config is None:
-            err, = launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+            (gx, gy, gz), (bx, by, bz) = self.grid, self.block
+            err, = cu.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, self.smem, stream,
+                                     self.params, 0)
         else:
             config.hStream = stream
-            err, = cu.cuLaunchKernelEx(config, cufunction, params, 0)
-        if err != success:
+            err, = cu.cuLaunchKernelEx(config, self.cufunction, self.params, 0)
+        if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"kernel launch failed: {err!r}")
-
-    # keep the buffers alive as long as the launcher
-    direct.buffers = (slots, as_double, pointers)
-    return direct
 
 
 def _pdl_config(cu, grid, block, smem):
@@ -365,6 +389,8 @@ def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = Fals
     (``simulator.quiet_float_errors``). Every other warning, and every other caller's, is left
     alone.
     """
+    if _RECORDING:
+        _RECORDING[-1].append((kernel, grid, block, args, smem, after_prior))
     if is_simulator():
         with simulator.quiet_float_errors():
             kernel[grid, block, 0, smem](*_views(args))
@@ -387,6 +413,109 @@ def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = Fals
         if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (fuzzing, say): start afresh
             _DIRECT.clear()
         _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem, after_prior) or False
+
+
+# ---- recorded calls ----------------------------------------------------------------------------
+# the launch lists of the ``recording`` blocks in progress, innermost last
+_RECORDING: list[list] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Launches made inside the block are made as usual and also appended, as (kernel, grid,
+    block, args, smem, after_prior), to the list this yields (``Replay.build``)."""
+    launches: list = []
+    _RECORDING.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDING.pop()
+
+
+class Replay:
+    """A recorded call's launches, made again with other tensors in the places its named
+    tensors had (a pipeline's input and output).
+
+    ``build`` takes what ``recording`` yielded and the named tensors of that call. Every tensor
+    argument must be (a whole view of) one of them, or a tensor that keeps its memory for as
+    long as the replay lives: pinned (``pin``), or accepted by ``fixed`` (the caller's check,
+    say a module's parameters whose addresses it watches). Anything else (a temporary made
+    during the call) means the call cannot be replayed, and ``build`` returns None.
+
+    On a GPU each launch gets its own direct launcher with every fixed argument written once;
+    a replay writes only the named tensors' data pointers (the same shapes and layouts: the
+    caller's key guarantees it) and launches. Under the simulator, or where the direct path is
+    unavailable, a replay calls ``launch`` with the arguments substituted. The replay keeps
+    every fixed argument alive. It launches on torch's current stream, in the recorded order,
+    each launch with its recorded ``after_prior``.
+    """
+
+    def __init__(self, steps, holds):
+        # per launch: (direct launcher, None, [(slot, name)]) or (None, the recorded launch
+        # without its named tensors, [(argument index, name, shape)])
+        self._steps = steps
+        self._holds = holds  # the fixed arguments, kept alive
+
+    @classmethod
+    def build(cls, launches, named: dict, fixed=lambda t: False) -> "Replay | None":
+        ptrs = {t.data_ptr(): (name, t) for name, t in named.items()}
+        steps, holds = [], []
+        for kernel, grid, block, args, smem, after_prior in launches:
+            holes = []  # (argument index, name, the view's shape)
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                hit = ptrs.get(a.data_ptr())
+                if hit is not None:
+                    name, whole = hit
+                    if not (a.is_contiguous() and a.numel() == whole.numel()
+                            and a.dtype == whole.dtype):
+                        return None
+                    holes.append((i, name, tuple(a.shape)))
+                elif not (_pinned(a) is not None or (a._base is not None and _pinned(a._base))
+                          or fixed(a)):
+                    return None
+            steps.append(cls._step(kernel, grid, block, args, smem, after_prior, holes))
+            # the recorded call's own input and output are not held (their memory is the
+            # caller's to free); every other argument is
+            places = {i for i, _, _ in holes}
+            holds.append(tuple(None if i in places else a for i, a in enumerate(args)))
+        return cls(steps, holds)
+
+    @staticmethod
+    def _step(kernel, grid, block, args, smem, after_prior, holes):
+        direct = None
+        if not is_simulator():
+            device = _current_stream()[0]
+            key = (kernel, device, grid, block, smem, after_prior and _pdl_supported(device),
+                   *map(_kind, args))
+            if _DIRECT.get(key):  # compiled, and the direct path works for it
+                direct = _direct_launcher(kernel, _views(args), grid, block, smem, key[5])
+        if direct is not None:
+            direct.write(args)
+            slots = [(direct.data_slot(i), name) for i, name, _ in holes]
+            return direct, None, slots
+        fixed_args = tuple(None if any(i == j for j, _, _ in holes) else a
+                           for i, a in enumerate(args))
+        return None, (kernel, grid, block, fixed_args, smem, after_prior), holes
+
+    def __call__(self, tensors: dict) -> None:
+        """Launch the recorded sequence with ``tensors`` (name -> tensor) in the named places."""
+        stream = None
+        for direct, recorded, holes in self._steps:
+            if direct is not None:
+                if stream is None:
+                    stream = _current_stream()[1]
+                slots = direct.slots
+                for slot, name in holes:
+                    slots[slot] = tensors[name].data_ptr()
+                direct.fire(stream)
+            else:
+                kernel, grid, block, args, smem, after_prior = recorded
+                args = list(args)
+                for i, name, shape in holes:
+                    args[i] = tensors[name].view(shape)
+                launch(kernel, grid, block, tuple(args), smem=smem, after_prior=after_prior)
 
 
 #: numba's warning for a grid of fewer than 128 blocks (numba-cuda's ``_LaunchConfiguration``;

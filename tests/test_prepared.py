@@ -1,0 +1,144 @@
+"""Prepared calls: a call's launches recorded once and replayed with the next input and output
+(``Pipeline._forward_prepared``, ``launch.Replay``). Every replayed call must be the call it
+stands for: parameters changed through their tensors are seen, the output is a new tensor, and
+nothing of an earlier call is kept alive."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+from numba_deconv import Pipeline, testing
+from numba_deconv.kernels import launch
+from numba_deconv.reference import Model
+
+
+def _models(device, **kwargs):
+    torch.manual_seed(3)
+    ref = Model(3, 4, (3, 2, 3), 2, 1).double().to(device)
+    with torch.no_grad():
+        ref.batch_norm.weight.uniform_(0.5, 1.5)
+        ref.batch_norm.running_var.uniform_(0.5, 2.0)
+    model = copy.deepcopy(ref).float()
+    return ref, model, Pipeline.from_torch(model, **kwargs)
+
+
+def _replayed(pipe, x) -> bool:
+    prepared = pipe._prepared.get((x.shape, x.dtype, x.device, pipe.training))
+    return prepared is not None and prepared.replay is not None
+
+
+def _input(device, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, 3, 2, 3, 3, generator=gen, dtype=torch.float64) * 2 + 1).to(device)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_replayed_calls_see_every_change_through_the_tensors(device, training):
+    """Calls of one shape, replayed from the third on, while the parameters change between them
+    the ways a user changes them: an optimizer-like in-place step, ``load_state_dict``,
+    ``copy_``, a changed ``eps`` and ``momentum``, and a ``.data`` edit with ``clear_cache``."""
+    ref, model, pipe = _models(device, graphs=False)
+    ref.train(training)
+    pipe.train(training)
+
+    def both(change):
+        with torch.no_grad():
+            change(ref)
+            change(model)
+
+    changes = [
+        None, None, None,
+        lambda m: m.conv_transpose.weight.sub_(0.1 * m.conv_transpose.weight.sign()),
+        None,
+        lambda m: m.load_state_dict({k: v * 1.25 if k.endswith("weight") else v
+                                     for k, v in m.state_dict().items()}),
+        lambda m: m.batch_norm.running_var.copy_(m.batch_norm.running_var * 0.5 + 0.25),
+        lambda m: setattr(m.batch_norm, "eps", 1e-2),
+        lambda m: setattr(m.batch_norm, "momentum", None),
+        None,
+    ]
+    replays = 0
+    for step, change in enumerate(changes):
+        if change is not None:
+            both(change)
+        x = _input(device, seed=step)
+        with torch.no_grad():
+            expected = ref(x)
+            got = pipe(x.float())
+        testing.assert_close(got, expected, 1e-5, f"step {step}")
+        testing.assert_close(model.batch_norm.running_var, ref.batch_norm.running_var, 1e-5,
+                             f"running_var after step {step}")
+        testing.assert_close(model.batch_norm.running_mean, ref.batch_norm.running_mean, 1e-5,
+                             f"running_mean after step {step}")
+        assert int(model.batch_norm.num_batches_tracked) == \
+            int(ref.batch_norm.num_batches_tracked)
+        replays += _replayed(pipe, x.float())
+    assert replays >= 4  # the unchanged repeats were replayed
+    with torch.no_grad():  # .data edits bypass the version counters: clear_cache sees them
+        ref.conv_transpose.weight.data.mul_(-1.0)
+        model.conv_transpose.weight.data.mul_(-1.0)
+    pipe.clear_cache()
+    assert not pipe._prepared and not pipe._plans and not pipe._weights
+    x = _input(device, seed=99)
+    with torch.no_grad():
+        testing.assert_close(pipe(x.float()), ref(x), 1e-5, "after clear_cache")
+
+
+def test_a_replay_returns_a_new_tensor_and_keeps_no_call_alive(device):
+    """Each replayed call writes a new output, leaves earlier outputs as they were, and holds
+    neither the input nor the output of the call it was recorded from."""
+    ref, _, pipe = _models(device, graphs=False)
+    ref.eval()
+    pipe.eval()
+    xs = [_input(device, seed=s).float() for s in range(4)]
+    outs = [pipe(x) for x in xs[:2]]  # the second call is recorded
+    recorded = weakref.ref(outs[1]), weakref.ref(xs[1])
+    outs += [pipe(x) for x in xs[2:]]
+    assert _replayed(pipe, xs[0])
+    assert len({o.data_ptr() for o in outs}) == len(outs)
+    with torch.no_grad():
+        for x, out in zip(xs, outs):
+            testing.assert_close(out, ref(x.double()), 1e-5)
+    del outs[1], xs[1]
+    gc.collect()
+    assert recorded[0]() is None and recorded[1]() is None
+
+
+def test_shapes_and_modes_interleaved(device):
+    """Replays of several shapes and both modes, interleaved: each kind of call has its own."""
+    ref, _, pipe = _models(device, graphs=False)
+    plan = [(False, 1), (True, 2), (False, 2), (False, 1), (True, 2), (False, 2), (True, 2),
+            (False, 1), (False, 1), (False, 1)]
+    for step, (training, batch) in enumerate(plan):
+        ref.train(training)
+        pipe.train(training)
+        x = _input(device, batch=batch, seed=step)
+        with torch.no_grad():
+            testing.assert_close(pipe(x.float()), ref(x), 1e-5, f"step {step}")
+    # evaluation folds the running statistics, which each training call changes: its calls
+    # are prepared again; training reads them where they live, so its calls replay
+    pipe.train(True)
+    assert _replayed(pipe, _input(device, batch=2).float())
+
+
+def test_a_call_with_temporaries_is_not_replayed():
+    """``Replay.build`` refuses a launch whose tensor is neither a named one, pinned (or a view
+    of a pinned one), nor accepted by ``fixed``: the memory of a temporary is gone after the
+    call."""
+    kernel = object()
+    x, out = torch.zeros(6), torch.zeros(6)
+    table = launch.pin(torch.arange(6.0))
+    temporary = torch.ones(6)
+    ok = [(kernel, 1, 32, (x.view(2, 3), out, table.view(3, 2), 4, (1, 2)), 0, False)]
+    assert launch.Replay.build(ok, {"x": x, "out": out}) is not None
+    bad = [(kernel, 1, 32, (x, out, temporary), 0, False)]
+    assert launch.Replay.build(bad, {"x": x, "out": out}) is None
+    assert launch.Replay.build(bad, {"x": x, "out": out},
+                               fixed=lambda t: t is temporary) is not None
+    part = [(kernel, 1, 32, (x[:3], out), 0, False)]  # a part of the input: not a whole view
+    assert launch.Replay.build(part, {"x": x, "out": out}) is None
