@@ -6,7 +6,7 @@
 #   (compulsory bytes / bandwidth), from `Pipeline.explain`;
 # * where each kernel sits on a roofline (arithmetic intensity = FLOPs / byte) and so what limits it;
 # * how far measured times are from the floors (from the recorded shape suite,
-#   `benchmarks/results/h100_suite.json`, or measured live on a GPU).
+#   `benchmarks/results/h200_suite.json`, or measured live on a GPU).
 #
 # **Napkin math** (default problem, H100: 67 TFLOP/s fp32, 3.35 TB/s): 6.66 GFLOP / 67 TFLOP/s =
 # 99 µs; 269 MB / 3.35 TB/s = 80 µs. The ridge point is 67e12 / 3.35e12 = 20 FLOP/byte: the gather
@@ -47,14 +47,14 @@ assert all(row.bound == "memory" for row in reports["scatter", "eval"].rows
 # %% [markdown]
 # ## Recorded or live measurements
 # `python -m numba_deconv bench --suite` writes the shape suite's results
-# (`benchmarks/results/h100_suite.json` is the recorded H100 run); this notebook reads the
+# (`benchmarks/results/h200_suite.json` is the recorded H200 run); this notebook reads the
 # default problem's rows, back-to-back medians. Without it, a GPU run measures here
 # (`explain(measure=True)`); without either, the plot shows floors only.
 
 # %%
-BENCH = os.path.join("..", "benchmarks", "results", "h100_suite.json")
+BENCH = os.path.join("..", "benchmarks", "results", "h200_suite.json")
 if not os.path.exists(BENCH):
-    BENCH = os.path.join("benchmarks", "results", "h100_suite.json")
+    BENCH = os.path.join("benchmarks", "results", "h200_suite.json")
 measured = []  # (label, flops, bytes, seconds)
 source = "none"
 if os.path.exists(BENCH):
