@@ -185,7 +185,7 @@ class Pipeline:
             if (prepared is not None and prepared.replay is not None
                     and prepared.state == self._state() and x.is_contiguous()
                     and not (x.requires_grad and torch.is_grad_enabled())
-                    and not self._stream_capturing()):
+                    and not self._stream_capturing() and prepared.replay.ready()):
                 out = self._replay_prepared(prepared, x)
                 if not self._warned_no_grad and torch.is_grad_enabled():
                     self._warn_no_gradient()

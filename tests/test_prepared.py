@@ -142,3 +142,14 @@ def test_a_call_with_temporaries_is_not_replayed():
                                fixed=lambda t: t is temporary) is not None
     part = [(kernel, 1, 32, (x[:3], out), 0, False)]  # a part of the input: not a whole view
     assert launch.Replay.build(part, {"x": x, "out": out}) is None
+
+
+def test_a_replay_runs_only_on_the_device_it_was_built_on(monkeypatch):
+    """Its kernels are loaded in one device's context: with another current device the
+    pipeline takes the plain path (which checks the input's device) instead."""
+    monkeypatch.setattr(launch, "is_simulator", lambda: False)
+    monkeypatch.setattr(launch, "_current_stream", lambda: (0, 7))
+    replay = launch.Replay.build([], {})
+    assert replay.ready()
+    monkeypatch.setattr(launch, "_current_stream", lambda: (1, 7))
+    assert not replay.ready()

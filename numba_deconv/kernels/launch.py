@@ -442,7 +442,8 @@ class Replay:
     say a module's parameters whose addresses it watches). Anything else (a temporary made
     during the call) means the call cannot be replayed, and ``build`` returns None.
 
-    On a GPU each launch gets its own direct launcher with every fixed argument written once;
+    A replay runs only on the device it was built on (``ready``). On a GPU each launch gets its
+    own direct launcher with every fixed argument written once;
     a replay writes only the named tensors' data pointers (the same shapes and layouts: the
     caller's key guarantees it) and launches. Under the simulator, or where the direct path is
     unavailable, a replay calls ``launch`` with the arguments substituted. The replay keeps
@@ -455,6 +456,13 @@ class Replay:
         # without its named tensors, [(argument index, name, shape)])
         self._steps = steps
         self._holds = holds  # the fixed arguments, kept alive
+        # the device whose context holds the compiled kernels (torch's current one when built)
+        self._device = None if is_simulator() else _current_stream()[0]
+
+    def ready(self) -> bool:
+        """Whether the replay can run now: torch's current device is the one it was built on
+        (its kernels are loaded in that device's context)."""
+        return self._device is None or _current_stream()[0] == self._device
 
     @classmethod
     def build(cls, launches, named: dict, fixed=lambda t: False) -> "Replay | None":
