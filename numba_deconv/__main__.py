@@ -1,4 +1,5 @@
-"""Command line: ``python -m numba_deconv [run|bench|explain] ...`` (``run`` when none is given).
+"""Command line: ``python -m numba_deconv [run|bench|explain|cache] ...`` (``run`` when none is
+given).
 
 ``run``      check the operator against PyTorch in float64, in train then eval mode (output and
              running statistics), and time it. Without geometry options it checks ``ModelNew``
@@ -8,6 +9,7 @@
              1e-4.
 ``bench``    the benchmark of :mod:`numba_deconv.bench` (needs a GPU; exits 2 without one).
 ``explain``  the pipeline's report (``Pipeline.explain``) for the default problem or the one given.
+``cache``    the kernel cache on disk (``kernels.disk_cache``): where, entries, size; ``--clear``.
 
 Every option is checked by argparse: a bad value, a geometry PyTorch refuses or an unknown
 command is a usage error (exit 2, one message naming the problem), never a traceback. The help
@@ -31,7 +33,7 @@ from numba_deconv import folding, reference
 from numba_deconv.geometry import ConvGeometry
 from numba_deconv.simulator import is_simulator
 
-COMMANDS = ("run", "bench", "explain")
+COMMANDS = ("run", "bench", "explain", "cache")
 DTYPES = ("float32", "float64")
 RUN_RTOL = 1e-4
 RUN_REPS = 20
@@ -52,6 +54,8 @@ commands:
             exit status 2 without one)
   explain   print the pipeline's plan: stages, kernels, launch shapes, resources
             and performance floors
+  cache     where compiled kernels are kept across processes, and how many;
+            --clear empties it
 
 Without a command, run is used: "python -m numba_deconv --reps 5" is
 "python -m numba_deconv run --reps 5". "python -m numba_deconv COMMAND --help"
@@ -89,6 +93,11 @@ EXPLAIN_DESCRIPTION = _paragraphs(
     "shapes, the work and bytes of each stage and the floors they imply; on a GPU also each "
     "kernel's registers, shared memory and occupancy, and with --measure the measured times.",
     f"The problem is the default one ({DEFAULT_PROBLEM}) unless geometry options say otherwise.")
+CACHE_DESCRIPTION = _paragraphs(
+    "Compiled kernels are kept on disk, so a new process reuses what an earlier one compiled "
+    "instead of compiling for seconds. This prints where they are (NUMBA_DECONV_CACHE_DIR, "
+    "else $XDG_CACHE_HOME/numba_deconv), how many there are and their size; --clear removes "
+    "them. NUMBA_DECONV_CACHE=0 turns the cache off, NUMBA_DECONV_CACHE_MAX_MB bounds it.")
 PROBLEM_DESCRIPTION = _paragraphs(
     "K, S, P, OP and DIL take one integer or three comma-separated ones (depth,height,width), "
     "e.g. --kernel 3 or --kernel 1,4,1. The defaults are the default problem's.", width=77)
@@ -187,7 +196,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     p = argparse.ArgumentParser(prog="python -m numba_deconv", description=DESCRIPTION,
                                 epilog=EPILOG, formatter_class=raw)
     p.add_argument("--version", action="version", version=f"numba_deconv {package_version()}")
-    sub = p.add_subparsers(dest="command", metavar="{run,bench,explain}",
+    sub = p.add_subparsers(dest="command", metavar="{run,bench,explain,cache}",
                            help="the command (run when none is given), described below")
     problem = _problem_options()
 
@@ -217,9 +226,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     e.add_argument("--measure", action="store_true",
                    help="also time the whole call and every launch (GPU only)")
     e.add_argument("--variance", choices=("auto", "epilogue", "gram"), default="auto",
-                   help="training's variance: the Gram sums where they fit (auto, the default), "
+                   help="training's variance: auto (the default: the gather's epilogue), "
                         "the gather's epilogue, or the Gram sums")
-    return p, {"run": run, "bench": b, "explain": e}
+    c = sub.add_parser("cache", formatter_class=raw, description=CACHE_DESCRIPTION)
+    c.add_argument("--clear", action="store_true", help="remove every compiled kernel")
+    return p, {"run": run, "bench": b, "explain": e, "cache": c}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -344,6 +355,18 @@ class PipelineModel(ReferenceModel):
         return self.pipeline.train(self.training)(x)
 
 
+def cache(clear: bool = False) -> int:
+    """``cache``: the kernel cache's place, entries and size (and ``--clear``)."""
+    from numba_deconv.kernels import disk_cache
+
+    if clear:
+        print(f"removed {disk_cache.clear()} files from {disk_cache.directory()}")
+    state = "on" if disk_cache.enabled() else f"off ({disk_cache.ENV_ENABLED}=0)"
+    print(f"kernel cache: {disk_cache.directory()} ({state}), {len(disk_cache.entries())} "
+          f"kernels, {disk_cache.size_bytes() / 1e6:.1f} MB")
+    return 0
+
+
 # ---- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -353,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error("no command given")
+    if args.command == "cache":
+        return cache(clear=args.clear)
     if args.command == "bench":
         from numba_deconv import bench
 

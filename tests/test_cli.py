@@ -149,7 +149,7 @@ def test_eval_allows_one_value_per_channel(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], ["run", "--help"], ["bench", "--help"],
-                                  ["explain", "--help"]])
+                                  ["explain", "--help"], ["cache", "--help"]])
 def test_help_is_plain_text(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
@@ -161,6 +161,18 @@ def test_help_is_plain_text(capsys, argv):
     if argv in (["--help"], ["-h"]):
         for command in cli.COMMANDS:
             assert f"\n  {command} " in out  # the epilog's list of commands
+
+
+def test_cache_reports_and_clears(capsys, tmp_path, monkeypatch):
+    from numba_deconv.kernels import disk_cache
+
+    monkeypatch.setenv(disk_cache.ENV_DIR, str(tmp_path))
+    disk_cache.store("e", b"cubin", {"entry": "k", "size": 5})
+    assert cli.main(["cache"]) == 0
+    assert f"kernel cache: {tmp_path} (on), 1 kernels" in capsys.readouterr().out
+    assert cli.main(["cache", "--clear"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 2 files" in out and "0 kernels" in out and not disk_cache.entries()
 
 
 def test_geometry_options_reach_the_problem(monkeypatch):

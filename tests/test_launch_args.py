@@ -329,6 +329,10 @@ def test_numba_internals_the_direct_path_reads_are_there():
         assert hasattr(compiled, flag), flag
     function = compiled._codelibrary.get_cufunc()
     assert int(function.handle) and hasattr(function, "set_shared_memory_carveout")
+    # the disk cache's: the cubin and entry name, loaded back as a module of the context
+    cubin = compiled._codelibrary.get_cubin()
+    module = cuda.current_context().create_module_image(cubin)
+    assert int(module.get_function(compiled._codelibrary._entry_name).handle)
     launch.launch(double, 1, 64, (x,))
     torch.cuda.synchronize()
     assert torch.equal(x, torch.full_like(x, 4.0))

@@ -25,6 +25,7 @@ from numba import cuda, float64, int32, int64, uint32, uint64
 
 from ..dtypes import NUMBA, name_of
 from ..simulator import is_simulator
+from .disk_cache import kernel_factory
 from .fastdiv import divisor
 from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents, wait_prior_grid
@@ -72,7 +73,7 @@ def needs_wide(in_spatial) -> bool:
     return math.prod(in_spatial) >= 2**32
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool, vec: bool):
     """The ``box_sums`` kernel for one setting (``make_box_sums``).
 

@@ -18,11 +18,11 @@ bytes; fill_channels writes it once.
 
 from __future__ import annotations
 
-import functools
 
 from numba import cuda, float64, uint64
 
 from ..dtypes import NUMBA
+from .disk_cache import kernel_factory
 from .griddep import wait_prior_grid
 from .launch import block_size, grid_for, launch
 
@@ -79,7 +79,7 @@ def make_scale_rows(dtype: str, unroll: int = SCALE_UNROLL, last_first: bool | N
     return _scale_rows(dtype, int(unroll), LAST_FIRST if last_first is None else bool(last_first))
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def _scale_rows(dtype: str, unroll: int, last_first: bool):
     elem = NUMBA[dtype]
 

@@ -29,6 +29,7 @@ from ..geometry import AxisGeometry
 from ..simulator import is_simulator
 from . import fastdiv
 from .async_copy import copy1, copy16, wait_all
+from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, nvvm_inlined
@@ -192,7 +193,7 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
     return nvvm_inlined(namespace["fma_step"])
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
                        wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int,
                        wide: bool, chunked: bool, scaled: bool = False,

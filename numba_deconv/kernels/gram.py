@@ -20,7 +20,6 @@ G(d) = G(-d)^T; the input read once per task group.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ from .. import dtypes
 from ..gram_plan import BLOCK, CB, GramPlan, gram_plan
 from ..simulator import is_simulator
 from .async_copy import copy1, wait_all
+from .disk_cache import kernel_factory
 from .griddep import allow_dependents, wait_prior_grid
 from ..backend import tensor_device
 from .launch import block_size, launch, nvvm_inlined, pin
@@ -65,7 +65,7 @@ def plan_constants(plan: GramPlan, groups: int) -> dict:
     }
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def _make_gram_sums(dtype: str, consts: tuple, max_regs: int):
     """The ``gram_sums`` kernel for one plan's compile-time constants (``plan_constants``).
 
@@ -454,7 +454,7 @@ def gram_chunk_sums(partial, apartial, chunks, out):
         out[k, col] = _slot_sum(apartial, chunks[k, 0], chunks[k, 1], col - w1)
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def make_gram_reduce(corr_width: int, edge_width: int, lanes: int):
     """``gram_reduce`` for terms of at most ``corr_width`` column entries and ``edge_width``
     edges (the widths of ``GramLaunch.term_corr`` and ``term_edges``), ``lanes`` threads per

@@ -37,6 +37,7 @@ from numba import cuda
 
 from .. import simulator
 from ..simulator import is_simulator
+from . import disk_cache
 
 _TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.int32: "<i4", torch.int64: "<i8"}
 
@@ -247,10 +248,7 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
     try:
         from cuda.bindings import driver as cu
 
-        compiled = _overload(kernel, views)
-        if compiled.debug or compiled.cooperative or compiled.extensions:
-            return None
-        function = int(compiled._codelibrary.get_cufunc().handle)
+        function = int(_function(kernel, views).handle)
         config = _pdl_config(cu, grid, block, smem) if after_prior else None
         cufunction = cu.CUfunction(function)
     except Exception:  # noqa: BLE001 - any surprise means: use the dispatcher
@@ -404,15 +402,118 @@ def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = Fals
         direct(handle, args)
         return
     views = _views(args)
+    flat = direct is None and all(isinstance(a, (torch.Tensor, float, int))
+                                  or _int_tuple(a) is not None for a in args)
+    if flat and _from_disk(kernel, views, device) is not None:
+        # compiled in an earlier process: no numba compile, straight to the direct path
+        launcher = _direct_launcher(kernel, views, grid, block, smem, after_prior)
+        if launcher is not None:
+            if max_shared:
+                _prefer_shared(kernel, views)
+            _remember_direct(key, launcher)
+            launcher(handle, args)
+            return
     with _quiet():
         kernel[grid, block, _external_stream(handle), smem](*views)
     if max_shared and direct is None:
         _prefer_shared(kernel, views)
-    if direct is None and all(isinstance(a, (torch.Tensor, float, int))
-                              or _int_tuple(a) is not None for a in args):
-        if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (fuzzing, say): start afresh
-            _DIRECT.clear()
-        _DIRECT[key] = _direct_launcher(kernel, views, grid, block, smem, after_prior) or False
+    if flat:
+        _to_disk(kernel, views)
+        _remember_direct(key, _direct_launcher(kernel, views, grid, block, smem, after_prior)
+                         or False)
+
+
+def _remember_direct(key, launcher) -> None:
+    if len(_DIRECT) >= _DIRECT_LIMIT:  # many shapes (fuzzing, say): start afresh
+        _DIRECT.clear()
+    _DIRECT[key] = launcher
+
+
+# ---- kernels compiled in earlier processes (``disk_cache``) --------------------------------
+# (kernel, argument types, device) -> the function loaded from the disk cache (numba's driver
+# object, which keeps its module loaded)
+_LOADED: dict[tuple, object] = {}
+
+
+def _cache_name(kernel, views) -> str | None:
+    """The disk cache's entry name for ``kernel`` launched with ``views``, or None where the
+    cache is off or the kernel has no identity."""
+    if not disk_cache.enabled():
+        return None
+    ident = disk_cache.identity(kernel)
+    if ident is None:
+        return None
+    try:
+        import numba
+        from importlib.metadata import version
+        from numba.core import config
+
+        argtypes = [str(kernel.typeof_pyval(v)) for v in views]
+        cc = cuda.get_current_device().compute_capability
+        versions = (numba.__version__, version("numba-cuda"), config.OPT,
+                    config.CUDA_DEBUGINFO_DEFAULT)
+    except Exception:  # noqa: BLE001 - anything unexpected: compile as usual
+        return None
+    return disk_cache.key(ident, argtypes, cc, versions, disk_cache.source_digest())
+
+
+def _loaded_key(kernel, views, device: int) -> tuple:
+    return (kernel, tuple(kernel.typeof_pyval(v) for v in views), device)
+
+
+def _from_disk(kernel, views, device: int):
+    """The kernel's function loaded from the disk cache into the current context, or None (no
+    entry: numba compiles it)."""
+    lkey = _loaded_key(kernel, views, device)
+    function = _LOADED.get(lkey)
+    if function is not None or lkey[1] in kernel.overloads:  # (numba compiled it here)
+        return function
+    name = _cache_name(kernel, views)
+    entry = None if name is None else disk_cache.load(name)
+    if entry is None:
+        return None
+    cubin, meta = entry
+    try:
+        module = cuda.current_context().create_module_image(cubin)
+        function = module.get_function(meta["entry"])
+    except Exception as exc:  # noqa: BLE001 - a bad entry costs a compile, never a result
+        warnings.warn(f"numba_deconv: kernel cache entry {name} not loaded ({exc}); "
+                      "compiling instead", RuntimeWarning, stacklevel=3)
+        return None
+    _LOADED[lkey] = function
+    return function
+
+
+def _to_disk(kernel, views) -> None:
+    """Store the kernel numba just compiled for ``views`` (a kernel with debug, cooperative or
+    extension parts is not stored: the direct path does not launch those)."""
+    name = _cache_name(kernel, views)
+    if name is None:
+        return
+    try:
+        compiled = _overload(kernel, views)
+        if compiled.debug or compiled.cooperative or compiled.extensions:
+            return
+        library = compiled._codelibrary
+        cubin = library.get_cubin()
+        disk_cache.store(name, cubin, {"entry": library._entry_name, "size": len(cubin),
+                                       "kernel": list(map(str, disk_cache.identity(kernel)))})
+    except Exception as exc:  # noqa: BLE001 - a cache that cannot be written costs time only
+        warnings.warn(f"numba_deconv: kernel not written to the cache ({exc})", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _function(kernel, views):
+    """The driver function a launch with ``views`` runs: loaded from the disk cache, or numba's
+    compiled overload (which must then have no debug, cooperative or extension parts)."""
+    if _LOADED:
+        loaded = _LOADED.get(_loaded_key(kernel, views, _current_stream()[0]))
+        if loaded is not None:
+            return loaded
+    compiled = _overload(kernel, views)
+    if compiled.debug or compiled.cooperative or compiled.extensions:
+        raise LookupError("not a plain kernel")
+    return compiled._codelibrary.get_cufunc()
 
 
 # ---- recorded calls ----------------------------------------------------------------------------
@@ -559,7 +660,11 @@ def _quiet():
 NUMBA_INTERNALS = ("Dispatcher.overloads", "Dispatcher.typeof_pyval", "_Kernel.debug",
                    "_Kernel.cooperative", "_Kernel.extensions",
                    "_Kernel._codelibrary.get_cufunc().handle",
-                   "CUfunction.set_shared_memory_carveout")
+                   "CUfunction.set_shared_memory_carveout",
+                   # the disk cache (``disk_cache``): a compiled kernel's cubin and entry name,
+                   # loaded back as a module of the current context
+                   "_Kernel._codelibrary.get_cubin", "_Kernel._codelibrary._entry_name",
+                   "Context.create_module_image", "Module.get_function")
 
 
 def _overload(kernel, views):
@@ -571,7 +676,7 @@ def _prefer_shared(kernel, views) -> None:
     """Set the compiled overload's preferred shared-memory carveout to 100% (numba-cuda's
     ``set_shared_memory_carveout``); a numba without it leaves the driver's choice."""
     try:
-        _overload(kernel, views)._codelibrary.get_cufunc().set_shared_memory_carveout(100)
+        _function(kernel, views).set_shared_memory_carveout(100)
     except Exception as exc:  # noqa: BLE001 - a hint: a failure costs speed, not results
         warnings.warn(f"shared-memory carveout not set: {exc}", RuntimeWarning, stacklevel=3)
 

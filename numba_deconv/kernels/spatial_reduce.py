@@ -18,17 +18,17 @@ analytically (``box_sums``) and the squares from the convolution's epilogue (``g
 
 from __future__ import annotations
 
-import functools
 
 from numba import cuda, float64
 
+from .disk_cache import kernel_factory
 from .launch import block_size, launch
 from .warp import MAX_WARPS, WARP_SIZE, block_sum
 
 BLOCK = 256
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def make_spatial_moments(with_css: bool):
     """Kernel factory; ``with_css`` is a compile-time switch for the second (centred) pass."""
 
