@@ -330,8 +330,11 @@ def test_numba_internals_the_direct_path_reads_are_there():
     function = compiled._codelibrary.get_cufunc()
     assert int(function.handle) and hasattr(function, "set_shared_memory_carveout")
     # the disk cache's: the cubin and entry name, loaded back as a module of the context
-    cubin = compiled._codelibrary.get_cubin()
-    module = cuda.current_context().create_module_image(cubin)
+    from numba.cuda.cudadrv.driver import ObjectCode
+
+    cubin = bytes(getattr(compiled._codelibrary.get_cubin(), "code", b""))
+    assert cubin.startswith(b"\x7fELF")
+    module = cuda.current_context().create_module_image(ObjectCode.from_cubin(cubin))
     assert int(module.get_function(compiled._codelibrary._entry_name).handle)
     launch.launch(double, 1, 64, (x,))
     torch.cuda.synchronize()

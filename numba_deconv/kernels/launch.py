@@ -474,7 +474,9 @@ def _from_disk(kernel, views, device: int):
         return None
     cubin, meta = entry
     try:
-        module = cuda.current_context().create_module_image(cubin)
+        from numba.cuda.cudadrv.driver import ObjectCode  # cuda.core's, as numba links
+
+        module = cuda.current_context().create_module_image(ObjectCode.from_cubin(cubin))
         function = module.get_function(meta["entry"])
     except Exception as exc:  # noqa: BLE001 - a bad entry costs a compile, never a result
         warnings.warn(f"numba_deconv: kernel cache entry {name} not loaded ({exc}); "
@@ -496,6 +498,7 @@ def _to_disk(kernel, views) -> None:
             return
         library = compiled._codelibrary
         cubin = library.get_cubin()
+        cubin = bytes(getattr(cubin, "code", cubin))  # cuda.core's ObjectCode, or bytes
         disk_cache.store(name, cubin, {"entry": library._entry_name, "size": len(cubin),
                                        "kernel": list(map(str, disk_cache.identity(kernel)))})
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be written costs time only
@@ -664,7 +667,8 @@ NUMBA_INTERNALS = ("Dispatcher.overloads", "Dispatcher.typeof_pyval", "_Kernel.d
                    # the disk cache (``disk_cache``): a compiled kernel's cubin and entry name,
                    # loaded back as a module of the current context
                    "_Kernel._codelibrary.get_cubin", "_Kernel._codelibrary._entry_name",
-                   "Context.create_module_image", "Module.get_function")
+                   "driver.ObjectCode.from_cubin", "Context.create_module_image",
+                   "Module.get_function")
 
 
 def _overload(kernel, views):
