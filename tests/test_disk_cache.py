@@ -162,14 +162,16 @@ _CALLS = textwrap.dedent("""
                         "sum": float(y.double().abs().sum())}
     result["compiled"] = sum(len(k.overloads) for k in {key[0] for key in launch._DIRECT})
     result["loaded"] = len(launch._LOADED)
+    result["package"] = nd.__file__
     print(json.dumps(result))
 """)
 
 
 def _run(package_root: Path, cache: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(package_root), NUMBA_DECONV_CACHE_DIR=str(cache))
+    # run from the package's own root: ``python -c`` puts the working directory first on the path
     out = subprocess.run([sys.executable, "-c", _CALLS], env=env, capture_output=True,
-                         text=True, check=True, timeout=600)
+                         text=True, check=True, timeout=600, cwd=package_root)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -193,6 +195,7 @@ def test_a_new_process_loads_what_an_earlier_one_compiled(tmp_path):
     warp = copy / "numba_deconv" / "kernels" / "warp.py"
     warp.write_text(warp.read_text() + "\n# changed\n")
     changed = _run(copy, tmp_path / "cache")
+    assert changed["package"].startswith(str(copy))
     assert changed["compiled"] > 0 and changed["loaded"] == 0
     for mode in ("eval", "train"):
         assert changed[mode]["sum"] == cold[mode]["sum"]
