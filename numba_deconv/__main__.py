@@ -216,6 +216,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     b.add_argument("--suite", action="store_true",
                    help="time the shape suite: several geometries, both modes, back to back "
                         "and synchronized after every call")
+    b.add_argument("--first-call", action="store_true",
+                   help="time first calls in new processes: cold and warm kernel cache, and a "
+                        "new geometry in a warm process")
     b.add_argument("--reps", type=positive_int, default=100,
                    help="timed calls per main-table row (default %(default)s)")
 
@@ -378,6 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given")
     if args.command == "cache":
         return cache(clear=args.clear)
+    if args.command == "bench" and args.first_call:
+        from numba_deconv import bench, first_call
+
+        if bench.is_simulator() or not bench.torch.cuda.is_available():
+            print("bench: timing first calls needs a GPU (running under the CUDA simulator); "
+                  "nothing timed.")
+            return 2
+        first_call.measure(args.out)
+        return 0
     if args.command == "bench":
         from numba_deconv import bench
 

@@ -42,8 +42,9 @@ def test_run_fails_loudly_when_errors_are_large(capsys, monkeypatch):
 
 
 @pytest.mark.sim
-def test_bench_needs_a_gpu(capsys, tmp_path):
-    assert cli.main(["bench", "--out", str(tmp_path / "r")]) == 2
+@pytest.mark.parametrize("extra", [[], ["--first-call"]])
+def test_bench_needs_a_gpu(capsys, tmp_path, extra):
+    assert cli.main(["bench", "--out", str(tmp_path / "r"), *extra]) == 2
     out = capsys.readouterr().out
     assert len(out.strip().splitlines()) == 1 and "needs a GPU" in out
     assert not (tmp_path / "r").exists()
@@ -161,6 +162,27 @@ def test_help_is_plain_text(capsys, argv):
     if argv in (["--help"], ["-h"]):
         for command in cli.COMMANDS:
             assert f"\n  {command} " in out  # the epilog's list of commands
+
+
+def test_first_call_rows_and_files(tmp_path, monkeypatch):
+    """``bench --first-call``'s table from its two child processes' times (faked: no GPU)."""
+    from numba_deconv import first_call
+
+    monkeypatch.setattr("numba_deconv.bench.device_name", lambda: "test device")
+    seen = []
+
+    def child(geometries, cache):
+        seen.append(([name for name, _ in geometries], cache))
+        return {f"{name} {mode}": 1.0 + len(seen) for name, _ in geometries
+                for mode in ("eval", "train")}
+
+    monkeypatch.setattr(first_call, "_run_child", child)
+    rows = first_call.measure(str(tmp_path))
+    assert [names for names, _ in seen] == [["default", "other"], ["default", "other", "new"]]
+    assert seen[0][1] == seen[1][1]  # the warm process reads what the cold one wrote
+    assert len(rows) == 8 and {r["seconds"] for r in rows} == {2.0, 3.0}
+    assert "| new process, warm cache: default problem | eval | 3.000 |" in \
+        (tmp_path / "first_call.md").read_text()
 
 
 def test_cache_reports_and_clears(capsys, tmp_path, monkeypatch):
