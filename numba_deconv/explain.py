@@ -49,7 +49,7 @@ from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
 from .kernels import box_sums, epilogue, gather, gram, scatter, spatial_reduce
 from .backend import tensor_device
-from .kernels.launch import block_size, grid_for
+from .kernels.launch import block_size, grid_for, loaded_attributes
 from .simulator import is_simulator
 
 #: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores (no
@@ -383,11 +383,17 @@ def _resources(kernel, block: int, limits, dynamic_shared: int = 0
                ) -> tuple[int | None, int | None, int | None, float | None]:
     """Registers, shared memory (the kernel's static arrays plus the launch's dynamic bytes),
     local memory per thread and theoretical occupancy of a compiled kernel."""
-    if kernel is None or not kernel.overloads:
+    if kernel is None:
         return None, None, None, None
-    regs = _first(kernel.get_regs_per_thread())
-    shared = (_first(kernel.get_shared_mem_per_block()) or 0) + dynamic_shared
-    local = _first(kernel.get_local_mem_per_thread())
+    if kernel.overloads:
+        regs = _first(kernel.get_regs_per_thread())
+        shared = (_first(kernel.get_shared_mem_per_block()) or 0) + dynamic_shared
+        local = _first(kernel.get_local_mem_per_thread())
+    else:  # loaded from the disk cache: numba never compiled it in this process
+        attrs = loaded_attributes(kernel)
+        if attrs is None:
+            return None, None, None, None
+        regs, shared, local = attrs.regs, attrs.shared + dynamic_shared, attrs.local
     occ = theoretical_occupancy(regs, block, shared, limits) if regs is not None else None
     return regs, shared, local, occ
 

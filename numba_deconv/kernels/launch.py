@@ -430,9 +430,10 @@ def _remember_direct(key, launcher) -> None:
 
 
 # ---- kernels compiled in earlier processes (``disk_cache``) --------------------------------
-# (kernel, argument types, device) -> the function loaded from the disk cache (numba's driver
-# object, which keeps its module loaded)
-_LOADED: dict[tuple, object] = {}
+# (id of the kernel, argument types, device) -> (the kernel, the function loaded from the disk
+# cache: numba's driver object, which keeps its module loaded). By identity: a kernel need not
+# be hashable, and the entry keeps it alive, so its id is not reused.
+_LOADED: dict[tuple, tuple] = {}
 
 
 def _cache_name(kernel, views) -> str | None:
@@ -458,14 +459,32 @@ def _cache_name(kernel, views) -> str | None:
 
 
 def _loaded_key(kernel, views, device: int) -> tuple:
-    return (kernel, tuple(kernel.typeof_pyval(v) for v in views), device)
+    return (id(kernel), tuple(kernel.typeof_pyval(v) for v in views), device)
+
+
+def _loaded(lkey, kernel):
+    entry = _LOADED.get(lkey)
+    return entry[1] if entry is not None and entry[0] is kernel else None
+
+
+def loaded_attributes(kernel):
+    """Registers, shared and local memory (numba's ``FuncAttr``) of a kernel loaded from the
+    disk cache on the current device, or None (``explain`` reads a compiled kernel's from
+    numba)."""
+    if not _LOADED:
+        return None
+    device = _current_stream()[0]
+    for (_, _, dev), (k, function) in list(_LOADED.items()):
+        if k is kernel and dev == device:
+            return function.attrs
+    return None
 
 
 def _from_disk(kernel, views, device: int):
     """The kernel's function loaded from the disk cache into the current context, or None (no
     entry: numba compiles it)."""
     lkey = _loaded_key(kernel, views, device)
-    function = _LOADED.get(lkey)
+    function = _loaded(lkey, kernel)
     if function is not None or lkey[1] in kernel.overloads:  # (numba compiled it here)
         return function
     name = _cache_name(kernel, views)
@@ -482,7 +501,7 @@ def _from_disk(kernel, views, device: int):
         warnings.warn(f"numba_deconv: kernel cache entry {name} not loaded ({exc}); "
                       "compiling instead", RuntimeWarning, stacklevel=3)
         return None
-    _LOADED[lkey] = function
+    _LOADED[lkey] = (kernel, function)
     return function
 
 
@@ -510,7 +529,7 @@ def _function(kernel, views):
     """The driver function a launch with ``views`` runs: loaded from the disk cache, or numba's
     compiled overload (which must then have no debug, cooperative or extension parts)."""
     if _LOADED:
-        loaded = _LOADED.get(_loaded_key(kernel, views, _current_stream()[0]))
+        loaded = _loaded(_loaded_key(kernel, views, _current_stream()[0]), kernel)
         if loaded is not None:
             return loaded
     compiled = _overload(kernel, views)
