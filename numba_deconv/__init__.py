@@ -25,9 +25,9 @@ if simulator.is_simulator():
 from . import folding, geometry, reference  # noqa: E402
 from .geometry import ConvGeometry  # noqa: E402
 from .backend import tensor_device  # noqa: E402
-from .module import ModelNew  # noqa: E402
+from .module import ModelNew, convert_sync  # noqa: E402
 from .pipeline import Pipeline  # noqa: E402
 
-__all__ = ["BACKEND", "ConvGeometry", "ModelNew", "Pipeline", "folding", "geometry", "reference",
-           "tensor_device"]
+__all__ = ["BACKEND", "ConvGeometry", "ModelNew", "Pipeline", "convert_sync", "folding",
+           "geometry", "reference", "tensor_device"]
 __version__ = "0.1.0"

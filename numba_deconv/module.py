@@ -8,7 +8,9 @@ Same constructor signature, parameters, buffers and ``state_dict`` keys (``conv_
 works, and ``.train()`` / ``.eval()`` / ``.to(device)`` behave as on the reference. The forward
 records no autograd graph: an input that requires grad is refused under grad mode, and the
 first call whose parameters require grad (any module's, outside ``torch.no_grad()``) warns once
-that no gradient reaches them (``pipeline.NoGradientWarning``).
+that no gradient reaches them (``pipeline.NoGradientWarning``). ``process_group=`` (or
+``convert_sync`` on a model holding ``ModelNew`` modules) takes training's batch statistics over
+a ``torch.distributed`` group's ranks, as ``nn.SyncBatchNorm`` does (``Pipeline.synchronize``).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from .pipeline import Pipeline
 
 class ModelNew(nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride, padding, bias=True,
-                 *, conv_impl: str = "gather", graphs: bool | str = "auto"):
+                 *, conv_impl: str = "gather", graphs: bool | str = "auto", process_group=None):
         super().__init__()
         self.conv_transpose = nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
         self.batch_norm = nn.BatchNorm3d(out_channels)
         # The pipeline holds references to the two modules above, never copies of them.
         self._pipeline = Pipeline(self.conv_transpose, self.batch_norm, conv_impl=conv_impl,
-                                  graphs=graphs)
+                                  graphs=graphs, process_group=process_group)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -35,3 +37,18 @@ class ModelNew(nn.Module):
 
     def forward(self, x):
         return self._pipeline.train(self.training)(x)
+
+
+def convert_sync(module: nn.Module, process_group=None) -> nn.Module:
+    """Synchronize the batch statistics of every ``ModelNew`` in ``module`` over
+    ``process_group`` (the default group, ``torch.distributed.group.WORLD``, when None), in
+    place, as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does for batch norms; returns
+    ``module``. See ``Pipeline.synchronize``."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if process_group is None else process_group
+    for m in module.modules():
+        if isinstance(m, ModelNew):
+            m.pipeline.synchronize(group)
+    return module
+

@@ -59,7 +59,7 @@ from numba import cuda
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from . import dtypes, folding
+from . import dtypes, folding, sync
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
@@ -110,7 +110,7 @@ class Pipeline:
 
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
                  variance: str = "auto", poison: bool = False, graphs: bool | str = "auto",
-                 options: Options | None = None):
+                 options: Options | None = None, process_group=None):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -136,6 +136,10 @@ class Pipeline:
         if graphs is not True and graphs is not False and graphs != "auto":
             raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
         self.graphs = graphs  # replay a captured CUDA graph of the whole call (GPU only)
+        # training's batch statistics over this torch.distributed group's ranks (``sync``)
+        self.process_group = None
+        if process_group is not None:
+            self.synchronize(process_group)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._capturing = False
         self._warned_no_grad = False
@@ -247,7 +251,8 @@ class Pipeline:
         call, a training loop's, never pays for the recording)."""
         key = (x.shape, x.dtype, x.device, self.training)
         prepared = self._prepared.get(key)
-        if self.poison or not x.is_contiguous() or x.shape[0] == 0:
+        if self.poison or not x.is_contiguous() or x.shape[0] == 0 \
+                or self.process_group is not None:  # (a collective is no kernel launch)
             return self._forward(x, record=None)
         if prepared is None or prepared.state != self._state():
             out = self._forward(x, record=None)
@@ -317,7 +322,7 @@ class Pipeline:
         Raises like a call for a bad shape.
         """
         batch, _ = self._checked_shape(tuple(input_shape))
-        return batch > 0 and self.graphs is True
+        return batch > 0 and self.graphs is True and self.process_group is None
 
     # ---- CUDA graphs: the whole call as one replay (a few µs of host time instead of every launch)
     def _graph_key(self, x: torch.Tensor) -> tuple:
@@ -531,7 +536,7 @@ class Pipeline:
             return self._empty_batch(x, out_spatial, record)
         batch_stats = folding.uses_batch_statistics(bn, self.training)
         volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
-        if batch_stats:
+        if batch_stats and not self._synced():  # synchronized: the pooled count is checked
             folding.check_batch_size(batch, volume, geom.out_channels)
         x = x.detach().contiguous()
         plan = self._plan(x, out_spatial, batch_stats)
@@ -548,7 +553,11 @@ class Pipeline:
     def _empty_batch(self, x: torch.Tensor, out_spatial, record) -> torch.Tensor:
         """An empty batch, as PyTorch treats it: an empty output, the running statistics kept,
         and in training the batch counted in ``num_batches_tracked``."""
-        if self._updates(record) and self.bn.num_batches_tracked is not None:
+        if self._synced():  # the other ranks' statistics still reach the running ones
+            empty = torch.empty((0, self.geometry.out_channels), dtype=torch.float64,
+                                device=x.device)
+            self._finish_synced(empty, empty, 1, record)
+        elif self._updates(record) and self.bn.num_batches_tracked is not None:
             self.bn.num_batches_tracked.add_(1)
         return torch.empty((0, self.geometry.out_channels, *out_spatial), dtype=x.dtype,
                            device=x.device)
@@ -563,6 +572,40 @@ class Pipeline:
         if bias is None:
             return plan.scratch.zero_bias
         return self._cached("bias64", self._version(bias), lambda: bias.detach().to(torch.float64))
+
+    # ---- synchronized batch statistics (``sync``) ---------------------------------------------
+    def synchronize(self, process_group) -> "Pipeline":
+        """Take training's batch statistics over the ranks of ``process_group`` (a
+        ``torch.distributed`` group; ``torch.distributed.group.WORLD`` for all), as
+        ``nn.SyncBatchNorm`` does: every rank of the group must make the same calls, and each
+        training call exchanges the ranks' per-channel moments once (``sync.all_moments``).
+        Evaluation exchanges nothing. Not with ``variance="gram"``."""
+        if self.variance == "gram" and self.conv_impl == "gather":
+            raise ValueError("synchronized statistics take the epilogue's variance: "
+                             "variance='gram' cannot be synchronized")
+        self.process_group = process_group
+        return self
+
+    def _synced(self) -> bool:
+        return self.process_group is not None and self.training
+
+    def _finish_synced(self, means, css, volume: int, record) -> torch.Tensor:
+        """The batch statistics of every rank's slice together: the scale (float64) and, in a
+        call that updates them, the running statistics."""
+        count, mu, m2 = sync.all_moments(*sync.local_moments(means, css, volume),
+                                         self.process_group)
+        total = int(count.item())
+        if total <= 1:
+            raise ValueError("Expected more than 1 value per channel when training, got "
+                             f"{total} over the process group's ranks")
+        var = m2 / total
+        bias = self.conv.bias
+        mean = mu if bias is None else mu + bias.detach().to(torch.float64)
+        if self._updates(record):
+            folding.update_running_stats(self.bn, mean, var, total)
+        if record is not None:
+            record["batch_statistics"] = torch.stack([mean, var])
+        return folding.bn_scale(self.bn, var)
 
     def _running_stats_written(self) -> None:
         """A kernel updated the running statistics in place: count it as an in-place change of
@@ -595,6 +638,12 @@ class Pipeline:
         centred sums of squares in partials.
         """
         bn, s = self.bn, plan.scratch
+        if self._synced():
+            scale = self._finish_synced(means, ss.sum(dim=2), plan.volume, record)
+            s.scale.copy_(scale)
+            if record is not None:
+                record["scale"] = scale
+            return s.scale
         updates = self._updates(record)
         batch_stats.launch_batch_statistics(
             means, ss, self._bias64(plan), *self._bn_buffers(plan), bn.eps, bn.momentum,
