@@ -74,6 +74,7 @@ __all__ = [
     "is_simulator",
     "is_installed",
     "quiet_float_errors",
+    "warp_exchange",
     "warp_timeout",
 ]
 
@@ -347,6 +348,22 @@ def _rendezvous(op, mask, value):
         raise RuntimeError(rv.error)
     # Every lane the rendezvous waited for arrived: those are the participants.
     return rv, lane, rv.arrived
+
+
+def warp_exchange(op: str, value) -> tuple[list, int]:
+    """(every lane's ``value``, the calling lane) for a whole-warp ``.aligned`` operation such as
+    ``mma.sync``: a rendezvous of all 32 lanes of the calling lane's warp, which must all exist
+    and take part (on hardware anything else is undefined). Used by the Python stand-ins of
+    such instructions (``kernels.mma``); the list is shared, read-only."""
+    thread, warp, lane = _current()
+    if warp.exists != FULL_MASK:
+        raise RuntimeError(f"{op}: {_where(thread, warp)} has lanes {_fmt_lanes(warp.exists)} "
+                           f"only; the operation needs a whole warp of {WARP_SIZE} lanes")
+    rv, lane, live = _rendezvous(op, FULL_MASK, value)
+    if live != FULL_MASK:
+        raise RuntimeError(f"{op}: lanes {_fmt_lanes(FULL_MASK & ~live)} of "
+                           f"{_where(thread, warp)} exited before it; every lane must take part")
+    return rv.values, lane
 
 
 def _on_thread_exit(thread):

@@ -19,8 +19,12 @@
                       finishes and waits for it only where it reads its results (Hopper).
 * ``ptx``           - what ``async_copy`` and ``griddep`` share: the device's capability,
                       operand-free PTX intrinsics.
+* ``mma``           - tensor-core multiply-accumulate (``mma.sync``, TF32 m16n8k8) and TF32
+                      rounding from inline PTX, with the simulator's stand-ins.
 * ``launch``        - how a kernel is launched: tensors as arguments, torch's stream, the direct
-                      path past numba's dispatcher, and what differs under the simulator.
+                      path past numba's dispatcher, recorded calls replayed, and what differs
+                      under the simulator.
+* ``disk_cache``    - compiled kernels kept on disk across processes, and their keys.
 
 The math behind them is in docs/design.md.
 """

@@ -1,0 +1,96 @@
+"""Tensor-core intrinsics (``kernels.mma``): TF32 rounding, the fragment layout, and one warp's
+16x8x8 tile against numpy, on the GPU and through the simulator's stand-ins."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_deconv.kernels import mma
+from numba_deconv.simulator import is_simulator
+
+
+def _f32(bits: int) -> np.float32:
+    return np.array([bits], np.uint32).view(np.float32)[0]
+
+
+@pytest.mark.parametrize("x, want", [
+    (1.0, 1.0),
+    (1 + 2**-11, 1 + 2**-10),                       # a tie: away from zero
+    (-(1 + 2**-11), -(1 + 2**-10)),
+    (1 + 2**-11 - 2**-23, 1.0),                     # just below the tie
+    (1 + 3 * 2**-11, 1 + 2 * 2**-10),               # a tie above an odd value: still away
+    (float(_f32(0x7F7FFFFF)), np.inf),              # the largest float32 rounds past TF32's
+    (-np.inf, -np.inf),
+    (float(_f32(0x00000001)), 0.0),                 # the smallest subnormal: below half an ulp
+    (float(_f32(0x00001000)), float(_f32(0x00002000))),  # a subnormal tie: away from zero
+])
+def test_rounding_to_tf32(x, want):
+    got = mma.round_tf32(np.float32(x))
+    assert got == np.float32(want) and np.signbit(got) == np.signbit(np.float32(want))
+    assert int(mma.round_tf32_bits(np.float32(x))) & 0x1FFF == 0
+
+
+def test_rounding_keeps_nan_and_is_within_half_an_ulp():
+    assert np.isnan(mma.round_tf32(np.float32(np.nan)))
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(100_000) * 10.0 ** rng.integers(-30, 30, 100_000)).astype(np.float32)
+    r = mma.round_tf32(x).astype(np.float64)
+    ulp = np.spacing(np.abs(x).astype(np.float32)).astype(np.float64) * 2**13
+    assert (np.abs(r - x.astype(np.float64)) <= ulp / 2).all()
+
+
+def test_fragments_cover_every_element_once():
+    for matrix, shape in (("A", (16, 8)), ("B", (8, 8)), ("C", (16, 8))):
+        seen = np.zeros(shape, int)
+        for matrix_of, at in mma.FRAGMENTS.values():
+            if matrix_of == matrix:
+                for lane in range(32):
+                    seen[at(lane >> 2, lane & 3)] += 1
+        assert (seen == 1).all(), matrix
+
+
+def _tiles(warps: int, seed: int):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((warps, 16, 8)).astype(np.float32)
+    b = rng.standard_normal((warps, 8, 8)).astype(np.float32)
+    c = (rng.standard_normal((warps, 16, 8)) * 4).astype(np.float32)
+    return a, b, c
+
+
+def test_one_warp_per_tile_against_numpy():
+    """Each of two warps computes its own tile; every element of A, B and C distinct, so a
+    fragment in the wrong place changes the result. The simulator's stand-in computes exactly
+    ``mma_reference``; the hardware's accumulation order may differ in the last bits."""
+    a, b, c = _tiles(2, 7)
+    d = np.full_like(c, np.nan)
+    d_dev = cuda.to_device(d)
+    mma.mma_tile[1, 64](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d_dev)
+    d = d_dev.copy_to_host()
+    want = np.stack([mma.mma_reference(a[w], b[w], c[w]) for w in range(2)])
+    if is_simulator():
+        np.testing.assert_array_equal(d, want)
+    else:
+        scale = np.abs(a).max() * np.abs(b).max() * 8 + np.abs(c).max()
+        np.testing.assert_allclose(d, want, rtol=0, atol=4 * 2**-24 * scale)
+    # and TF32's own error against float64: ~1e-3 relative, never the float32 product's
+    exact = np.einsum("wmk,wkn->wmn", a.astype(np.float64), b.astype(np.float64)) + c
+    assert 0 < np.abs(d - exact).max() / np.abs(exact).max() < 4e-3
+
+
+@pytest.mark.sim
+def test_a_partial_warp_is_refused():
+    a, b, c = _tiles(1, 3)
+    with pytest.raises(Exception, match="whole warp"):
+        mma.mma_tile[1, 16](a, b, c, np.empty_like(c))
+
+
+@pytest.mark.gpu
+def test_the_ptx_has_the_instructions():
+    a, b, c = _tiles(1, 5)
+    mma.mma_tile[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c),
+                        cuda.to_device(np.empty_like(c)))
+    ptx = next(iter(mma.mma_tile.inspect_asm().values()))
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
+    assert "cvt.rna.tf32.f32" in ptx
