@@ -75,13 +75,16 @@ class _Prepared:
     """A kind of call seen before: the ``Pipeline._state`` it ran under, its launches
     (``Replay``; None until the same kind of call comes again under that state, and after a
     recording when the call cannot be replayed), whether it updates the running statistics,
-    its output's shape, and whether it was recorded."""
+    its output's shape, whether it was recorded, and how its input was aligned."""
 
     state: tuple
     replay: Replay | None
     updates: bool
     out_shape: tuple = ()
     recorded: bool = False
+    #: the recorded input's address modulo 16: kernels chosen by alignment (``box_sums``' 16-byte
+    #: rows) serve only inputs aligned alike
+    x_offset16: int = 0
 
 
 class NoGradientWarning(UserWarning):
@@ -188,6 +191,7 @@ class Pipeline:
             prepared = self._prepared.get((x.shape, x.dtype, x.device, self.training))
             if (prepared is not None and prepared.replay is not None
                     and prepared.state == self._state() and x.is_contiguous()
+                    and x.data_ptr() % 16 == prepared.x_offset16
                     and not (x.requires_grad and torch.is_grad_enabled())
                     and not self._stream_capturing() and prepared.replay.ready()):
                 out = self._replay_prepared(prepared, x)
@@ -232,7 +236,7 @@ class Pipeline:
         (``nn.Module.__getattr__`` costs more than the rest together)."""
         bn = self.bn
         state = [self.options, self.variance, self.conv_impl, self.poison, self.graphs,
-                 bn.eps, bn.momentum, bn.affine, bn.track_running_stats]
+                 self.process_group, bn.eps, bn.momentum, bn.affine, bn.track_running_stats]
         for tensors, name in self._watched:
             t = tensors.get(name)
             state.append(None if t is None else (t.data_ptr(), t._version))
@@ -267,7 +271,8 @@ class Pipeline:
         # the state after the call: a training call bumped the running buffers' versions
         replay = Replay.build(launches, {"x": x, "out": out}, fixed=self._module_tensor)
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),
-                                      tuple(out.shape), recorded=True))
+                                      tuple(out.shape), recorded=True,
+                                      x_offset16=x.data_ptr() % 16))
         return out
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:

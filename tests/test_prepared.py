@@ -153,3 +153,28 @@ def test_a_replay_runs_only_on_the_device_it_was_built_on(monkeypatch):
     assert replay.ready()
     monkeypatch.setattr(launch, "_current_stream", lambda: (1, 7))
     assert not replay.ready()
+
+
+def test_an_input_aligned_otherwise_is_not_replayed(device, monkeypatch):
+    """Kernels are chosen by the input's alignment (``box_sums`` reads 16-byte rows where it
+    can): a call recorded with an aligned input serves only inputs aligned alike; one at
+    another offset (a contiguous view into a larger buffer) takes the plain path, correctly."""
+    ref, _, pipe = _models(device, graphs=False)
+    ref.eval()
+    pipe.eval()
+    replays = []
+    real = pipe._replay_prepared
+    monkeypatch.setattr(pipe, "_replay_prepared", lambda p, x: replays.append(x) or real(p, x))
+    shape = (2, 3, 2, 4, 4)  # rows of 4 float32: whole 16-byte quads
+    aligned = [torch.randn(shape, generator=torch.Generator().manual_seed(s)).to(device)
+               for s in range(3)]  # fresh allocations: 16-byte aligned
+    for x in aligned[:2]:
+        pipe(x)
+    buffer = torch.randn(1 + 2 * 3 * 2 * 4 * 4, device=device)
+    shifted = buffer[1:].view(shape)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != aligned[0].data_ptr() % 16
+    with torch.no_grad():
+        testing.assert_close(pipe(shifted), ref(shifted.double()), 1e-5, "shifted input")
+        assert not replays
+        testing.assert_close(pipe(aligned[2]), ref(aligned[2].double()), 1e-5, "aligned again")
+    assert len(replays) == 1
