@@ -87,10 +87,64 @@ def test_a_partial_warp_is_refused():
 
 
 @pytest.mark.gpu
-def test_the_ptx_has_the_instructions():
+def test_the_ptx_has_the_instructions():  # (tf32; the half tiles below)
     a, b, c = _tiles(1, 5)
     mma.mma_tile[1, 32](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c),
                         cuda.to_device(np.empty_like(c)))
     ptx = next(iter(mma.mma_tile.inspect_asm().values()))
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
     assert "cvt.rna.tf32.f32" in ptx
+
+
+@pytest.mark.parametrize("x, want", [
+    (1 + 2**-8, 1.0),                  # a tie between 1 and 1 + 2^-7: to even (1)
+    (1 + 3 * 2**-8, 1 + 2 * 2**-7),    # a tie above an odd value: to even (up)
+    (-(1 + 2**-8 + 2**-20), -(1 + 2**-7)),  # past the tie: to nearest
+    (float(_f32(0x7F7FFFFF)), np.inf),
+])
+def test_rounding_to_bfloat16(x, want):
+    assert mma.round_half(np.float32(x), "bfloat16") == np.float32(want)
+    assert np.isnan(mma.round_half(np.float32(np.nan), "bfloat16"))
+
+
+def test_fragments_k16_cover_every_element_once():
+    seen = {"A": np.zeros((16, 16), int), "B": np.zeros((16, 8), int)}
+    for matrix, at in mma.FRAGMENTS_K16.values():
+        for lane in range(32):
+            row, col = at(lane >> 2, lane & 3)
+            seen[matrix][row, col] += 1
+            seen[matrix][(row, col + 1) if matrix == "A" else (row + 1, col)] += 1
+    assert all((s == 1).all() for s in seen.values())
+
+
+@pytest.mark.parametrize("dtype", mma.HALF_DTYPES)
+def test_half_precision_tile_against_numpy(dtype):
+    """m16n8k16: operands rounded to the half dtype and packed in pairs, float32 accumulation."""
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((2, 16, 16)).astype(np.float32)
+    b = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    c = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    d_dev = cuda.to_device(np.full_like(c, np.nan))
+    mma.HALF_TILES[dtype][1, 64](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), d_dev)
+    d = d_dev.copy_to_host()
+    want = np.stack([mma.mma_half_reference(a[w], b[w], c[w], dtype) for w in range(2)])
+    if is_simulator():
+        np.testing.assert_array_equal(d, want)
+    else:
+        scale = np.abs(a).max() * np.abs(b).max() * 16 + np.abs(c).max()
+        np.testing.assert_allclose(d, want, rtol=0, atol=4 * 2**-24 * scale)
+    exact = np.einsum("wmk,wkn->wmn", a.astype(np.float64), b.astype(np.float64)) + c
+    assert 0 < np.abs(d - exact).max() / np.abs(exact).max() < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, kind", [("bfloat16", "bf16"), ("float16", "f16")])
+def test_the_half_ptx_has_the_instructions(dtype, kind):
+    kernel = mma.HALF_TILES[dtype]
+    a = np.zeros((1, 16, 16), np.float32)
+    c = np.zeros((1, 16, 8), np.float32)
+    kernel[1, 32](cuda.to_device(a), cuda.to_device(c.copy()), cuda.to_device(c),
+                  cuda.to_device(c.copy()))
+    ptx = next(iter(kernel.inspect_asm().values()))
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32" in ptx
+    assert f"cvt.rn.{kind}x2.f32" in ptx

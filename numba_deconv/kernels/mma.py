@@ -23,6 +23,14 @@ with the same semantics, so kernels built on them run and are tested on a CPU.
   rounded once to float32: at least as accurate as the hardware, whose accumulation order is
   unspecified. ``mma_reference`` is the same rule on whole numpy matrices, the reference the
   kernels' tests compare with.
+* ``pack_bf16x2(lo, hi)`` / ``pack_f16x2(lo, hi)``: two float32 values rounded to nearest
+  (ties to even) to bfloat16 / float16 and packed in one 32-bit register, ``lo`` in the low
+  half (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``).
+* ``mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)`` / ``mma_f16(...)``: the same for
+  ``m16n8k16`` with half-precision operands and float32 accumulation: A 16x16, B 16x8. Each A
+  and B register holds two consecutive k of one row (A) or column (B), the lower k in the low
+  half (``FRAGMENTS_K16``): a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10],
+  a3 = A[g+8, 2t+8:2t+10]; b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]; C and D as above.
 """
 
 from __future__ import annotations
@@ -43,6 +51,52 @@ FRAGMENTS = {
     "c0": ("C", lambda g, t: (g, 2 * t)), "c1": ("C", lambda g, t: (g, 2 * t + 1)),
     "c2": ("C", lambda g, t: (g + 8, 2 * t)), "c3": ("C", lambda g, t: (g + 8, 2 * t + 1)),
 }
+
+
+#: m16n8k16 (half precision): fragment -> (matrix, (row, column) of its low half); the high
+#: half is the next k (column of A, row of B)
+FRAGMENTS_K16 = {
+    "a0": ("A", lambda g, t: (g, 2 * t)), "a1": ("A", lambda g, t: (g + 8, 2 * t)),
+    "a2": ("A", lambda g, t: (g, 2 * t + 8)), "a3": ("A", lambda g, t: (g + 8, 2 * t + 8)),
+    "b0": ("B", lambda g, t: (2 * t, g)), "b1": ("B", lambda g, t: (2 * t + 8, g)),
+}
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def round_bf16_bits(x) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), to nearest, ties to even; NaN stays NaN."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = ((bits & 0x7F800000) == 0x7F800000) & ((bits & 0x007FFFFF) != 0)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return np.where(nan, (bits >> 16) | 0x0040, rounded).astype(np.uint16)
+
+
+def half_bits(x, dtype: str) -> np.ndarray:
+    """float32 -> the 16-bit pattern of ``dtype`` ("bfloat16" or "float16"), rounded to nearest
+    even."""
+    if dtype == "bfloat16":
+        return round_bf16_bits(x)
+    return np.asarray(x, dtype=np.float32).astype(np.float16).view(np.uint16)
+
+
+def half_value(bits, dtype: str) -> np.ndarray:
+    """The float32 value of 16-bit patterns of ``dtype``."""
+    bits = np.asarray(bits, dtype=np.uint16)
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
+
+
+def round_half(x, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` ("bfloat16" or "float16"), as float32 values."""
+    return half_value(half_bits(x, dtype), dtype)
+
+
+def mma_half_reference(a: np.ndarray, b: np.ndarray, c: np.ndarray, dtype: str) -> np.ndarray:
+    """``mma_reference`` for half-precision operands: A and B rounded to ``dtype``."""
+    a64 = round_half(a, dtype).astype(np.float64)
+    b64 = round_half(b, dtype).astype(np.float64)
+    return (a64 @ b64 + np.asarray(c, dtype=np.float64)).astype(np.float32)
 
 
 def round_tf32_bits(x) -> np.ndarray:
@@ -94,12 +148,56 @@ if is_simulator():
             g, t = src >> 2, src & 3
             for (name, (matrix, at)), v in zip(FRAGMENTS.items(), values[src]):
                 mats[matrix][at(g, t)] = (tf32_value(v) if matrix != "C" else np.float32(v))
+        return _lane_result(a, b, c, lane)
+
+    def _lane_result(a, b, c, lane):
         g, t = lane >> 2, lane & 3
         out = []
         for name in ("c0", "c1", "c2", "c3"):
             row, col = FRAGMENTS[name][1](g, t)
             out.append(np.float32(a[row] @ b[:, col] + c[row, col]))
         return tuple(out)
+
+    def _pack(lo, hi, dtype):
+        return np.uint32(int(half_bits(np.float32(lo), dtype))
+                         | int(half_bits(np.float32(hi), dtype)) << 16)
+
+    def pack_bf16x2(lo, hi):
+        """``cvt.rn.bf16x2.f32`` (the simulator's stand-in)."""
+        return _pack(lo, hi, "bfloat16")
+
+    def pack_f16x2(lo, hi):
+        """``cvt.rn.f16x2.f32`` (the simulator's stand-in)."""
+        return _pack(lo, hi, "float16")
+
+    def _mma_k16(dtype, regs):
+        values, lane = simulator.warp_exchange(f"mma.sync.m16n8k16.{dtype}", regs)
+        a = np.empty((M, 16), np.float64)
+        b = np.empty((16, N), np.float64)
+        c = np.empty((M, N), np.float64)
+        for src in range(32):
+            g, t = src >> 2, src & 3
+            v = values[src]
+            for (name, (matrix, at)), reg in zip(FRAGMENTS_K16.items(), v[:6]):
+                row, col = at(g, t)
+                reg = int(reg)
+                lo = half_value(reg & 0xFFFF, dtype)
+                hi = half_value(reg >> 16, dtype)
+                if matrix == "A":
+                    a[row, col], a[row, col + 1] = lo, hi
+                else:
+                    b[row, col], b[row + 1, col] = lo, hi
+            for name, reg in zip(("c0", "c1", "c2", "c3"), v[6:]):
+                c[FRAGMENTS[name][1](g, t)] = np.float32(reg)
+        return _lane_result(a, b, c, lane)
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` (the simulator's stand-in)."""
+        return _mma_k16("bfloat16", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` (the simulator's stand-in)."""
+        return _mma_k16("float16", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
 
 else:
     from llvmlite import ir
@@ -118,27 +216,53 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32``: four uint32 A fragments, two
-        B fragments and four float32 C fragments in, the four D fragments out (a tuple)."""
-        u32, f32 = types.uint32, types.float32
-        sig = types.UniTuple(f32, 4)(u32, u32, u32, u32, u32, u32, f32, f32, f32, f32)
+    def _mma_intrinsic(shape: str, kind: str):
+        """An intrinsic ``mma.sync.aligned.{shape}.row.col.f32.{kind}.{kind}.f32``: four uint32
+        A fragments, two B fragments and four float32 C fragments in, the four D fragments out
+        (a tuple)."""
+        text = (f"mma.sync.aligned.{shape}.row.col.f32.{kind}.{kind}.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
 
-        def codegen(context, builder, signature, args):
-            fl, i32 = ir.FloatType(), ir.IntType(32)
-            result = ir.LiteralStructType([fl] * 4)
-            fty = ir.FunctionType(result, [i32] * 6 + [fl] * 4)
-            asm = ir.InlineAsm(
-                fty,
-                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
-                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
-            r = builder.call(asm, list(args))
-            return context.make_tuple(builder, signature.return_type,
-                                      [builder.extract_value(r, i) for i in range(4)])
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            u32, f32 = types.uint32, types.float32
+            sig = types.UniTuple(f32, 4)(u32, u32, u32, u32, u32, u32, f32, f32, f32, f32)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                fl, i32 = ir.FloatType(), ir.IntType(32)
+                fty = ir.FunctionType(ir.LiteralStructType([fl] * 4), [i32] * 6 + [fl] * 4)
+                asm = ir.InlineAsm(fty, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                                   side_effect=False)
+                r = builder.call(asm, list(args))
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(r, i) for i in range(4)])
+
+            return sig, codegen
+
+        mma.__name__ = f"mma_{kind}"
+        return intrinsic(mma)
+
+    def _pack_intrinsic(kind: str):
+        """An intrinsic ``cvt.rn.{kind}x2.f32``: (lo, hi) float32 -> one uint32, lo in the low
+        half (PTX's operand order is high, then low)."""
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, signature, args):
+                fty = ir.FunctionType(ir.IntType(32), [ir.FloatType(), ir.FloatType()])
+                asm = ir.InlineAsm(fty, f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f",
+                                   side_effect=False)
+                return builder.call(asm, [args[1], args[0]])
+
+            return sig, codegen
+
+        pack.__name__ = f"pack_{kind}x2"
+        return intrinsic(pack)
+
+    mma_tf32 = _mma_intrinsic("m16n8k8", "tf32")
+    mma_bf16 = _mma_intrinsic("m16n8k16", "bf16")
+    mma_f16 = _mma_intrinsic("m16n8k16", "f16")
+    pack_bf16x2 = _pack_intrinsic("bf16")
+    pack_f16x2 = _pack_intrinsic("f16")
 
 
 @cuda.jit
@@ -160,3 +284,32 @@ def mma_tile(a, b, c, d):
     d[w, g, 2 * t + 1] = d1
     d[w, g + 8, 2 * t] = d2
     d[w, g + 8, 2 * t + 1] = d3
+
+
+def _half_tile(mma_fn, pack_fn):
+    @cuda.jit
+    def mma_half_tile(a, b, c, d):
+        """One warp per 16x8 tile, k = 16, half-precision operands packed in pairs (tests):
+        a (W, 16, 16), b (W, 16, 8) as (k, n), c and d (W, 16, 8), all float32."""
+        w = cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        g = lane >> 2
+        t = lane & 3
+        k0 = 2 * t
+        d0, d1, d2, d3 = mma_fn(
+            pack_fn(a[w, g, k0], a[w, g, k0 + 1]), pack_fn(a[w, g + 8, k0], a[w, g + 8, k0 + 1]),
+            pack_fn(a[w, g, k0 + 8], a[w, g, k0 + 9]),
+            pack_fn(a[w, g + 8, k0 + 8], a[w, g + 8, k0 + 9]),
+            pack_fn(b[w, k0, g], b[w, k0 + 1, g]), pack_fn(b[w, k0 + 8, g], b[w, k0 + 9, g]),
+            c[w, g, 2 * t], c[w, g, 2 * t + 1], c[w, g + 8, 2 * t], c[w, g + 8, 2 * t + 1])
+        d[w, g, 2 * t] = d0
+        d[w, g, 2 * t + 1] = d1
+        d[w, g + 8, 2 * t] = d2
+        d[w, g + 8, 2 * t + 1] = d3
+
+    return mma_half_tile
+
+
+#: ``mma_half_tile`` per half dtype (tests, notebook)
+HALF_TILES = {"bfloat16": _half_tile(mma_bf16, pack_bf16x2),
+              "float16": _half_tile(mma_f16, pack_f16x2)}
