@@ -85,6 +85,7 @@ class _Prepared:
     #: the recorded input's address modulo 16: kernels chosen by alignment (``box_sums``' 16-byte
     #: rows) serve only inputs aligned alike
     x_offset16: int = 0
+    holds: tuple = ()  # the parameters and buffers ``state`` names, kept alive
 
 
 class NoGradientWarning(UserWarning):
@@ -155,6 +156,8 @@ class Pipeline:
                          (bn._parameters, "weight"), (bn._parameters, "bias"),
                          (bn._buffers, "running_mean"), (bn._buffers, "running_var"),
                          (bn._buffers, "num_batches_tracked"))
+        # plans whose buffers a graph the caller captured uses (kept for the pipeline's life)
+        self._captured_plans: list[CallPlan] = []
         # (input shape, dtype, device, training) -> the call's recorded launches (_Prepared)
         self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
 
@@ -194,6 +197,7 @@ class Pipeline:
                     and x.data_ptr() % 16 == prepared.x_offset16
                     and not (x.requires_grad and torch.is_grad_enabled())
                     and not self._stream_capturing() and prepared.replay.ready()):
+                self._prepared.move_to_end((x.shape, x.dtype, x.device, self.training))
                 out = self._replay_prepared(prepared, x)
                 if not self._warned_no_grad and torch.is_grad_enabled():
                     self._warn_no_gradient()
@@ -214,9 +218,15 @@ class Pipeline:
             # changed in place, and nothing computed only at replay time enters the cache.
             self._capturing = True
             try:
-                return self._forward(x, record=None)
+                out = self._forward(x, record=None)
             finally:
                 self._capturing = False
+            # the caller's graph writes this plan's buffers at every replay: they must outlive
+            # the plan cache's evictions and ``clear_cache``
+            plan = self._plans.get(self._plan_key(x))
+            if plan is not None and all(p is not plan for p in self._captured_plans):
+                self._captured_plans.append(plan)
+            return out
         if self.graph_wanted(tuple(x.shape)):
             return self._replay(x)
         return self._forward_prepared(x)
@@ -239,7 +249,9 @@ class Pipeline:
                  self.process_group, bn.eps, bn.momentum, bn.affine, bn.track_running_stats]
         for tensors, name in self._watched:
             t = tensors.get(name)
-            state.append(None if t is None else (t.data_ptr(), t._version))
+            # the object too: a new parameter may take a freed one's address and version
+            # (``_Prepared.holds`` keeps the recorded ones alive, so their ids stay theirs)
+            state.append(None if t is None else (id(t), t.data_ptr(), t._version))
         return tuple(state)
 
     def _module_tensor(self, t: torch.Tensor) -> bool:
@@ -272,7 +284,8 @@ class Pipeline:
         replay = Replay.build(launches, {"x": x, "out": out}, fixed=self._module_tensor)
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),
                                       tuple(out.shape), recorded=True,
-                                      x_offset16=x.data_ptr() % 16))
+                                      x_offset16=x.data_ptr() % 16,
+                                      holds=tuple(d.get(n) for d, n in self._watched)))
         return out
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
@@ -376,7 +389,8 @@ class Pipeline:
     def clear_cache(self) -> None:
         """Forget everything kept between calls: weights derived from the modules (folded,
         transposed), launch plans and their scratch buffers, prepared calls and captured graphs
-        (their memory is released once no call in flight uses it).
+        (their memory is released once no call in flight uses it). The buffers of graphs the
+        caller captured around its own calls stay: those graphs still write them.
 
         What derives from the parameters is cached per tensor version counter, which every
         in-place change through the tensor itself bumps; a change made through ``param.data``
@@ -750,6 +764,9 @@ class Pipeline:
         lets the next start at once and waits for the one before only where it reads its
         results, so the gather's first blocks run their multiply-adds while the statistics are
         finished (nothing before its epilogue depends on them)."""
+        if self._synced():
+            raise ValueError("synchronized statistics take the epilogue's variance: "
+                             "variance='gram' cannot be synchronized")
         bn, options, gl, s, gb = self.bn, self.options, plan.gram, plan.scratch, plan.gram_buffers
         # Anything that may launch a torch kernel (the bias in float64 when it changed) comes
         # first: between two kernels of the chain it would break the overlap.

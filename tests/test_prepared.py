@@ -61,6 +61,9 @@ def test_replayed_calls_see_every_change_through_the_tensors(device, training):
         lambda m: setattr(m.batch_norm, "eps", 1e-2),
         lambda m: setattr(m.batch_norm, "momentum", None),
         None,
+        lambda m: setattr(m.conv_transpose, "weight",  # a new parameter object
+                          torch.nn.Parameter(m.conv_transpose.weight.detach() * 0.5)),
+        None,
     ]
     replays = 0
     for step, change in enumerate(changes):
@@ -142,6 +145,9 @@ def test_a_call_with_temporaries_is_not_replayed():
                                fixed=lambda t: t is temporary) is not None
     part = [(kernel, 1, 32, (x[:3], out), 0, False)]  # a part of the input: not a whole view
     assert launch.Replay.build(part, {"x": x, "out": out}) is None
+    with launch.recording() as launches:  # work other than launches was done (a torch op)
+        launch.unreplayable()
+    assert launch.Replay.build(launches + ok, {"x": x, "out": out}) is None
 
 
 def test_a_replay_runs_only_on_the_device_it_was_built_on(monkeypatch):

@@ -33,7 +33,7 @@ from .async_copy import copy1, wait_all
 from .disk_cache import kernel_factory
 from .griddep import allow_dependents, wait_prior_grid
 from ..backend import tensor_device
-from .launch import block_size, launch, nvvm_inlined, pin
+from .launch import block_size, launch, nvvm_inlined, pin, unreplayable
 from .warp import FULL_MASK
 
 REDUCE_BLOCK = 128
@@ -735,6 +735,7 @@ def launch_gram_reduce(gl: GramLaunch, weight, partial, apartial, chunk_sums, cv
                          f"buffers {qpart.shape[1]}")
     if not plan.terms:  # no two taps meet inside the output: Q is zero
         qpart.zero_()
+        unreplayable()  # a torch op, not a launch: a replay would not repeat it
         return
     launch(gram_chunk_sums, gl.chunk_grid, REDUCE_BLOCK,
            (partial, apartial, gl.chunks, chunk_sums), after_prior=True)

@@ -445,17 +445,30 @@ def _cache_name(kernel, views) -> str | None:
     if ident is None:
         return None
     try:
-        import numba
-        from importlib.metadata import version
-        from numba.core import config
-
         argtypes = [str(kernel.typeof_pyval(v)) for v in views]
         cc = cuda.get_current_device().compute_capability
-        versions = (numba.__version__, version("numba-cuda"), config.OPT,
-                    config.CUDA_DEBUGINFO_DEFAULT)
+        versions = _compiler_versions()
     except Exception:  # noqa: BLE001 - anything unexpected: compile as usual
         return None
     return disk_cache.key(ident, argtypes, cc, versions, disk_cache.source_digest())
+
+
+@functools.lru_cache(maxsize=1)
+def _compiler_versions() -> tuple:
+    """What besides the sources decides the code numba compiles: numba's and numba-cuda's
+    versions, NVVM's, and the settings that change code generation."""
+    import numba
+    from importlib.metadata import version
+    from numba.core import config
+    from numba.cuda.cudadrv import nvvm
+
+    return (numba.__version__, version("numba-cuda"), tuple(nvvm.NVVM().get_version()),
+            config.OPT, config.CUDA_DEBUGINFO_DEFAULT,
+            getattr(config, "CUDA_ENABLE_NRT", None), getattr(config, "FASTMATH", None))
+
+
+# entry names this process has written or found written (``_to_disk`` stores each once)
+_STORED: set[str] = set()
 
 
 def _loaded_key(kernel, views, device: int) -> tuple:
@@ -509,13 +522,16 @@ def _to_disk(kernel, views) -> None:
     """Store the kernel numba just compiled for ``views`` (a kernel with debug, cooperative or
     extension parts is not stored: the direct path does not launch those)."""
     name = _cache_name(kernel, views)
-    if name is None:
+    if name is None or name in _STORED:
         return
+    _STORED.add(name)
     try:
         compiled = _overload(kernel, views)
         if compiled.debug or compiled.cooperative or compiled.extensions:
             return
         library = compiled._codelibrary
+        if library._setup_functions or library._teardown_functions:
+            return  # module callbacks a load from disk would not run
         cubin = library.get_cubin()
         cubin = bytes(getattr(cubin, "code", cubin))  # cuda.core's ObjectCode, or bytes
         disk_cache.store(name, cubin, {"entry": library._entry_name, "size": len(cubin),
@@ -555,6 +571,14 @@ def recording():
         _RECORDING.pop()
 
 
+def unreplayable() -> None:
+    """Called where a call does work other than kernel launches that a replay would have to
+    repeat (a buffer reset by a torch op): the recording in progress, if any, cannot be
+    replayed (``Replay.build`` returns None)."""
+    if _RECORDING:
+        _RECORDING[-1].append(None)
+
+
 class Replay:
     """A recorded call's launches, made again with other tensors in the places its named
     tensors had (a pipeline's input and output).
@@ -591,6 +615,8 @@ class Replay:
     def build(cls, launches, named: dict, fixed=lambda t: False) -> "Replay | None":
         ptrs = {t.data_ptr(): (name, t) for name, t in named.items()}
         steps, holds = [], []
+        if any(entry is None for entry in launches):  # ``unreplayable``
+            return None
         for kernel, grid, block, args, smem, after_prior in launches:
             holes = []  # (argument index, name, the view's shape)
             for i, a in enumerate(args):
@@ -686,6 +712,7 @@ NUMBA_INTERNALS = ("Dispatcher.overloads", "Dispatcher.typeof_pyval", "_Kernel.d
                    # the disk cache (``disk_cache``): a compiled kernel's cubin and entry name,
                    # loaded back as a module of the current context
                    "_Kernel._codelibrary.get_cubin", "_Kernel._codelibrary._entry_name",
+                   "_Kernel._codelibrary._setup_functions", "nvvm.NVVM().get_version",
                    "driver.ObjectCode.from_cubin", "Context.create_module_image",
                    "Module.get_function")
 

@@ -230,8 +230,10 @@ else:
             def codegen(context, builder, signature, args):
                 fl, i32 = ir.FloatType(), ir.IntType(32)
                 fty = ir.FunctionType(ir.LiteralStructType([fl] * 4), [i32] * 6 + [fl] * 4)
+                # side effects: a warp-collective instruction must not be moved, merged or
+                # speculated into divergent code (CUTLASS's asm volatile)
                 asm = ir.InlineAsm(fty, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-                                   side_effect=False)
+                                   side_effect=True)
                 r = builder.call(asm, list(args))
                 return context.make_tuple(builder, signature.return_type,
                                           [builder.extract_value(r, i) for i in range(4)])
