@@ -550,9 +550,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
                             "captured CUDA graph of these launches (input copied in, output "
                             "cloned out)")
     else:
-        report.notes.append("from the second call of this shape and mode under unchanged "
-                            "parameters, a call replays these launches with only the input's "
-                            "and output's addresses written (prepared call)")
+        report.notes.append("the second call of this shape and mode under unchanged parameters "
+                            "is recorded, and later calls replay these launches with only the "
+                            "input's and output's addresses written (prepared calls)")
     if sim:
         report.notes.append(
             "CUDA simulator: regs, smem, local (spill) bytes, occupancy and measured times need a "

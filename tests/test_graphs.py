@@ -71,7 +71,7 @@ def test_eager_eval_after_graph_training_sees_the_new_statistics():
 
 
 def test_auto_replays_launches_not_a_graph():
-    """``graphs="auto"`` (the default): from the second call of a kind on, a call replays its
+    """``graphs="auto"`` (the default): after the second call of a kind, a call replays its
     recorded launches (a prepared call) and no graph is captured, with the same results."""
     case = testing.Case(testing.ConvGeometry.create(4, 6, 3, 2, 1), testing.BatchNormSettings(),
                         2, (5, 6, 7), True, seed=11)
