@@ -120,6 +120,19 @@ def test_the_least_recently_used_entries_go_first(cache_dir, monkeypatch):
     assert "e4" in [p.stem for p in disk_cache.entries()] and disk_cache.size_bytes() <= 2500
 
 
+def test_dead_temporary_files_are_removed_and_live_ones_kept(cache_dir):
+    cache_dir.mkdir(parents=True)
+    dead, live = cache_dir / "x.cubin.1.tmp", cache_dir / "y.cubin.2.tmp"
+    for path in (dead, live):
+        path.write_bytes(b"partial")
+    old = dead.stat().st_mtime - disk_cache.STALE_TMP_S - 1
+    os.utime(dead, (old, old))
+    disk_cache.trim(1e9)
+    assert not dead.exists() and live.exists()
+    os.utime(live, (old, old))
+    assert disk_cache.clear() == 1 and not live.exists()
+
+
 def _fill(args):
     where, seed = args
     os.environ[disk_cache.ENV_DIR] = where

@@ -21,7 +21,8 @@ The key of an entry hashes everything that changes the compiled code:
 
 Kernels that no key can describe (a closure not made by a ``kernel_factory``) are never cached.
 Entries are written to a temporary file and renamed into place, so processes filling the cache
-at once never read a partial entry. Where: ``$NUMBA_DECONV_CACHE_DIR``, else
+at once never read a partial entry (the temporary files of writes that died are removed after
+``STALE_TMP_S``). Where: ``$NUMBA_DECONV_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/numba_deconv`` (``~/.cache/numba_deconv``); ``NUMBA_DECONV_CACHE=0`` turns
 the cache off; ``clear()`` (``python -m numba_deconv cache --clear``) empties it. It holds at
 most ``MAX_MB`` megabytes (``$NUMBA_DECONV_CACHE_MAX_MB``), the entries used least recently
@@ -61,16 +62,30 @@ def directory() -> Path:
     return Path(base) / "numba_deconv"
 
 
+#: a temporary file this old is a write that died (a killed process), not one in flight
+STALE_TMP_S = 600
+
+
 def clear() -> int:
-    """Remove every entry; returns how many files were removed."""
+    """Remove every entry (and dead temporary files; writes in flight finish); returns how many
+    files were removed."""
     removed = 0
     root = directory()
     if root.is_dir():
         for path in root.iterdir():
-            if path.suffix in (".cubin", ".json", ".tmp"):
+            if path.suffix in (".cubin", ".json") or _dead_tmp(path):
                 path.unlink(missing_ok=True)
                 removed += 1
     return removed
+
+
+def _dead_tmp(path: Path) -> bool:
+    import time
+
+    try:
+        return path.suffix == ".tmp" and time.time() - path.stat().st_mtime > STALE_TMP_S
+    except OSError:  # gone meanwhile
+        return False
 
 
 def entries() -> list[Path]:
@@ -149,6 +164,9 @@ def trim(limit: float) -> None:
     """Remove the entries used least recently until the cache holds at most ``limit`` bytes
     (``load`` marks an entry used)."""
     root = directory()
+    for tmp in root.glob("*.tmp"):  # writes that died leave these; nothing else removes them
+        if _dead_tmp(tmp):
+            tmp.unlink(missing_ok=True)
     found = []
     for meta in root.glob("*.json"):
         cubin = meta.with_suffix(".cubin")
