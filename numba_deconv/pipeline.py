@@ -100,6 +100,9 @@ PLAN_CACHE = 16
 #: Captured CUDA graphs a pipeline keeps (``graphs=True``), least recently used first out.
 GRAPH_CACHE = 8
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
+#: The Gram path's statistics are not synchronized across processes (``Pipeline.synchronize``).
+GRAM_NOT_SYNCED = "synchronized statistics take the epilogue's variance: variance='gram' " \
+    "cannot be synchronized"
 #: Bytes per element of the Gram path's sums (``gram.SUMS_DTYPE``), which its tiles must fit.
 GRAM_ITEMSIZE = dtypes.ITEMSIZE[gram.SUMS_DTYPE]
 
@@ -191,13 +194,14 @@ class Pipeline:
     def __call__(self, x):
         if isinstance(x, torch.Tensor):
             # a call like one made before, under the same parameters: replay its launches
-            prepared = self._prepared.get((x.shape, x.dtype, x.device, self.training))
+            key = self._call_key(x)
+            prepared = self._prepared.get(key)
             if (prepared is not None and prepared.replay is not None
                     and prepared.state == self._state() and x.is_contiguous()
                     and x.data_ptr() % 16 == prepared.x_offset16
                     and not (x.requires_grad and torch.is_grad_enabled())
                     and not self._stream_capturing() and prepared.replay.ready()):
-                self._prepared.move_to_end((x.shape, x.dtype, x.device, self.training))
+                self._prepared.move_to_end(key)
                 out = self._replay_prepared(prepared, x)
                 if not self._warned_no_grad and torch.is_grad_enabled():
                     self._warn_no_gradient()
@@ -265,7 +269,7 @@ class Pipeline:
         """A call, prepared for replay when the same kind of call (input shape, dtype, device,
         mode) comes a second time under the same ``_state`` (a parameter that changes at every
         call, a training loop's, never pays for the recording)."""
-        key = (x.shape, x.dtype, x.device, self.training)
+        key = self._call_key(x)
         prepared = self._prepared.get(key)
         if self.poison or not x.is_contiguous() or x.shape[0] == 0 \
                 or self.process_group is not None:  # (a collective is no kernel launch)
@@ -287,6 +291,11 @@ class Pipeline:
                                       x_offset16=x.data_ptr() % 16,
                                       holds=tuple(d.get(n) for d, n in self._watched)))
         return out
+
+    def _call_key(self, x: torch.Tensor) -> tuple:
+        """The kind of a call, which prepared calls are kept by: input shape, dtype, device and
+        the mode."""
+        return (x.shape, x.dtype, x.device, self.training)
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
@@ -600,8 +609,7 @@ class Pipeline:
         training call exchanges the ranks' per-channel moments once (``sync.all_moments``).
         Evaluation exchanges nothing. Not with ``variance="gram"``."""
         if self.variance == "gram" and self.conv_impl == "gather":
-            raise ValueError("synchronized statistics take the epilogue's variance: "
-                             "variance='gram' cannot be synchronized")
+            raise ValueError(GRAM_NOT_SYNCED)
         self.process_group = process_group
         return self
 
@@ -765,8 +773,7 @@ class Pipeline:
         results, so the gather's first blocks run their multiply-adds while the statistics are
         finished (nothing before its epilogue depends on them)."""
         if self._synced():
-            raise ValueError("synchronized statistics take the epilogue's variance: "
-                             "variance='gram' cannot be synchronized")
+            raise ValueError(GRAM_NOT_SYNCED)
         bn, options, gl, s, gb = self.bn, self.options, plan.gram, plan.scratch, plan.gram_buffers
         # Anything that may launch a torch kernel (the bias in float64 when it changed) comes
         # first: between two kernels of the chain it would break the overlap.

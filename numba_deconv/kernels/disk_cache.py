@@ -42,7 +42,7 @@ ENV_DIR = "NUMBA_DECONV_CACHE_DIR"
 ENV_ENABLED = "NUMBA_DECONV_CACHE"
 ENV_MAX_MB = "NUMBA_DECONV_CACHE_MAX_MB"
 #: the cache's size bound unless ``$NUMBA_DECONV_CACHE_MAX_MB`` says otherwise: past it, the
-#: entries used least recently are removed (a fuzzing session compiles hundreds of geometries)
+#: entries used least recently are removed (fuzzing compiles hundreds of geometries)
 MAX_MB = 2048
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 #: the attribute under which a kernel keeps its identity (``kernel_factory``)

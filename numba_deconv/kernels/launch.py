@@ -527,7 +527,7 @@ def _to_disk(kernel, views) -> None:
     _STORED.add(name)
     try:
         compiled = _overload(kernel, views)
-        if compiled.debug or compiled.cooperative or compiled.extensions:
+        if not _plain(compiled):
             return
         library = compiled._codelibrary
         if library._setup_functions or library._teardown_functions:
@@ -549,9 +549,15 @@ def _function(kernel, views):
         if loaded is not None:
             return loaded
     compiled = _overload(kernel, views)
-    if compiled.debug or compiled.cooperative or compiled.extensions:
+    if not _plain(compiled):
         raise LookupError("not a plain kernel")
     return compiled._codelibrary.get_cufunc()
+
+
+def _plain(compiled) -> bool:
+    """Whether numba's compiled kernel has no debug, cooperative or extension parts: what the
+    direct path launches and the disk cache stores."""
+    return not (compiled.debug or compiled.cooperative or compiled.extensions)
 
 
 # ---- recorded calls ----------------------------------------------------------------------------
