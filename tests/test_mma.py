@@ -10,6 +10,11 @@ from numba import cuda
 from numba_deconv.kernels import mma
 from numba_deconv.simulator import is_simulator
 
+# one warp's tile per launch, on purpose: numba's low-occupancy warning for a grid of one block
+# says nothing here
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*Grid size 1 will likely result in GPU under-utilization")
+
 
 def _f32(bits: int) -> np.float32:
     return np.array([bits], np.uint32).view(np.float32)[0]
