@@ -231,6 +231,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     e.add_argument("--variance", choices=("auto", "epilogue", "gram"), default="auto",
                    help="training's variance: auto (the default: the gather's epilogue), "
                         "the gather's epilogue, or the Gram sums")
+    e.add_argument("--generic", action="store_true",
+                   help="plan the generic tier (Pipeline(specialize=False)): kernels that take "
+                        "the geometry at run time")
     c = sub.add_parser("cache", formatter_class=raw, description=CACHE_DESCRIPTION)
     c.add_argument("--clear", action="store_true", help="remove every compiled kernel")
     return p, {"run": run, "bench": b, "explain": e, "cache": c}
@@ -406,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as err:
         command.error(str(err))
     if explaining:
+        if args.generic and args.variance == "gram":
+            command.error("--variance gram runs the specialised kernels: not with --generic")
         if args.variance == "gram":
             from numba_deconv.gram_plan import gram_fits
             from numba_deconv.pipeline import GRAM_ITEMSIZE
@@ -413,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             if not gram_fits(problem.geometry, GRAM_ITEMSIZE):  # the sums are float64
                 command.error("--variance gram: this geometry's Gram tiles do not fit shared "
                               "memory (too many input channels for its offsets)")
-        return explain(problem, args.mode, measure=args.measure, variance=args.variance)
+        return explain(problem, args.mode, measure=args.measure, variance=args.variance,
+                       specialize=not args.generic)
     return run(args.reps, problem)
 
 
@@ -530,7 +536,7 @@ def run(reps: int = RUN_REPS, problem: Problem | None = None) -> int:
 
 # ---- explain ------------------------------------------------------------------------------------
 def explain(problem: Problem | None = None, mode: str = "train", *, measure: bool = False,
-            variance: str = "auto") -> int:
+            variance: str = "auto", specialize: bool = True) -> int:
     """Print ``Pipeline.explain`` for ``problem`` (default: the default problem) in ``mode``."""
     from numba_deconv import Pipeline
     from numba_deconv import tensor_device
@@ -538,7 +544,8 @@ def explain(problem: Problem | None = None, mode: str = "train", *, measure: boo
     problem = problem or default_problem(False)
     dtype = problem.torch_dtype()
     model = ReferenceModel(problem.geometry).to(device=tensor_device(), dtype=dtype)
-    pipe = Pipeline.from_modules(model.conv_transpose, model.batch_norm, variance=variance)
+    pipe = Pipeline.from_modules(model.conv_transpose, model.batch_norm, variance=variance,
+                                 specialize=specialize)
     pipe.train(mode == "train")
     print(pipe.explain(problem.input_shape, dtype=dtype, measure=measure))
     return 0

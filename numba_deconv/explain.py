@@ -1,14 +1,16 @@
 """``explain``: what a :class:`~numba_deconv.Pipeline` will launch for one input shape, and what it costs.
 
-For the pipeline's current strategy (``pipe.conv_impl``) and mode (``pipe.training``, batch
-statistics as ``folding.uses_batch_statistics`` decides), one row per stage of ``pipe.stages``
-(``output`` excluded): the kernel it launches (or ``host`` for the small per-channel torch
-algebra), the launch shape the pipeline's own launchers compute, and napkin math:
+For the pipeline's current strategy (``pipe.conv_impl``, and its tier: ``pipe.specialize``) and
+mode (``pipe.training``, batch statistics as ``folding.uses_batch_statistics`` decides), one row
+per stage of ``pipe.stages`` (``output`` excluded): the kernel it launches (or ``host`` for the
+small per-channel torch algebra), the launch shape the pipeline's own launchers compute, and
+napkin math:
 
 =======================  ==================================  ====================================
 kernel                   FLOPs                               bytes (DRAM, compulsory for the stage)
 =======================  ==================================  ====================================
 fill_channels            0                                   write y
+gather_simple_kernel     2 * macs (tests every tap)          read x, w; write y (generic tier)
 conv_transpose3d_scatter 2 * macs (one atomic per MAC)       read x, w; read+write y (atomics)
 spatial_moments_warp     S per row (+3 S with css)           read y once (twice with css)
 scale_centered           2 per element                       read + write y
@@ -47,7 +49,7 @@ from . import folding
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
-from .kernels import box_sums, epilogue, gather, gram, scatter, spatial_reduce
+from .kernels import box_sums, epilogue, gather, gather_simple, gram, scatter, spatial_reduce
 from .backend import tensor_device
 from .kernels.launch import block_size, grid_for, loaded_attributes
 from .simulator import is_simulator
@@ -234,7 +236,13 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     rows_nc = batch * geom.out_channels
     macs = geom.macs(batch, in_spatial)
     out = []
-    if pipe.conv_impl == "scatter":
+    stored = pipe.path() in ("scatter", "generic")  # the convolution stored, then its moments
+    if pipe.path() == "generic":
+        blk = block_size(gather_simple.BLOCK)
+        out.append(("conv_transpose3d_gather_simple", "gather_simple_kernel",
+                    gather_simple.gather_simple_kernel, (grid_for(n_out, blk, cap=2**31 - 1),),
+                    blk, 2 * macs, x_bytes + w_bytes + n_out * e))
+    elif stored:
         blk = block_size(epilogue.BLOCK)
         out.append(("fill_zero", "fill_channels", epilogue.fill_channels,
                     _elementwise_grid(rows_nc, vol, blk), blk, 0, n_out * e))
@@ -243,6 +251,7 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
         out.append(("conv_transpose3d_scatter", "conv_transpose3d_scatter",
                     scatter.conv_transpose3d_scatter, (grid_for(work, blk),), blk,
                     2 * macs, x_bytes + w_bytes + 2 * n_out * e))
+    if stored:
         blk = block_size(spatial_reduce.BLOCK)
         passes = 2 if batch_stats else 1
         out.append(("spatial_moments_warp", "spatial_moments_warp",
@@ -289,16 +298,16 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                     _gather_label(launch, ",train" if batch_stats else ""),
                     kernel, (launch.grid,), t.block, flops, nbytes, launch.smem))
     if batch_stats:
-        slots = launch.slots if pipe.conv_impl == "gather" else 1
+        slots = 1 if stored else launch.slots
         out.append(("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
                     (batch_stats_kernels.grid_size(geom.out_channels),),
                     block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
                     rows_nc * (slots + 1) * 8 + geom.out_channels * 6 * 8))
-    if pipe.conv_impl == "gather" and batch_stats:  # the output is centred already
+    if not stored and batch_stats:  # the output is centred already
         blk = block_size(epilogue.BLOCK)
         out.append(("scale", "scale_rows (per channel, in place)", epilogue.make_scale_rows(name),
                     epilogue.scale_rows_grid(rows_nc, vol, blk), blk, n_out, 2 * n_out * e))
-    elif pipe.conv_impl == "scatter":
+    elif stored:
         blk = block_size(epilogue.BLOCK)
         out.append(("scale", "scale_centered", epilogue.scale_centered,
                     _elementwise_grid(rows_nc, vol, blk), blk, 2 * n_out, 2 * n_out * e))
@@ -424,11 +433,20 @@ _LAUNCHERS = {
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
                 (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
                 (epilogue, "launch_scale_centered", "scale")),
+    "generic": ((gather_simple, "launch_gather_simple", "conv_transpose3d_gather_simple"),
+                (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
+                (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
+                (epilogue, "launch_scale_centered", "scale")),
 }
 
 
+def _launcher_kind(pipe) -> str:
+    """Which launchers a pipeline's calls go through (``_LAUNCHERS``)."""
+    return "generic" if pipe.path() == "generic" else pipe.conv_impl
+
+
 @contextlib.contextmanager
-def _timed_launchers(conv_impl: str, samples: dict[str, list]):
+def _timed_launchers(kind: str, samples: dict[str, list]):
     """Wrap the pipeline's launch functions with CUDA events on torch's current stream."""
     originals = []
 
@@ -443,7 +461,7 @@ def _timed_launchers(conv_impl: str, samples: dict[str, list]):
         return timed
 
     try:
-        for module, attr, stage in _LAUNCHERS[conv_impl]:
+        for module, attr, stage in _LAUNCHERS[kind]:
             fn = getattr(module, attr)
             originals.append((module, attr, fn))
             setattr(module, attr, wrap(fn, stage))
@@ -476,7 +494,7 @@ def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
         samples: dict[str, list] = {}
         graphs, pipe.graphs = pipe.graphs, False  # per-launch events need the launches run eagerly
         try:
-            with _timed_launchers(pipe.conv_impl, samples):
+            with _timed_launchers(_launcher_kind(pipe), samples):
                 for _ in range(repeats):
                     pipe(x)
         finally:
@@ -537,7 +555,14 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         peaks=peaks, macs=int(macs), rows=rows, compulsory_bytes=int(compulsory),
         arithmetic_floor_us=2 * macs / flops_peak * 1e6, memory_floor_us=compulsory / bw * 1e6)
 
-    if batch_stats and pipe.conv_impl == "gather":
+    if pipe.path() == "generic":
+        report.notes.append("tier: generic (specialize=False): kernels that take the geometry at "
+                            "run time, compiled once per dtype and mode, so a new geometry "
+                            "compiles nothing new; slower than the specialised kernels")
+    elif pipe.conv_impl == "gather":
+        report.notes.append("tier: specialised: kernels compiled for this geometry (tap "
+                            "patterns, tile, sizes' shape), or loaded from the kernel cache")
+    if batch_stats and pipe.path() in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()
         if gram_path:
             report.notes.append(f"training's variance: from the input's Gram sums before the "

@@ -8,7 +8,10 @@ Each measurement runs in a new Python process with its own, initially empty kern
    compiled), then another geometry in the same (warm) process;
 2. new process, warm cache: the same calls again (every kernel loaded from disk);
 3. a new geometry in a warm process: a geometry no process has run, after the default problem
-   (its kernels compiled; the process has numba's and the package's own start-up behind it).
+   (its kernels compiled; the process has numba's and the package's own start-up behind it);
+4. the generic tier (``Pipeline(specialize=False)``): a new process with a cold cache (its
+   kernels compiled once), new geometries in that process (nothing to compile), and a new
+   geometry in a new process with a warm cache.
 
 It writes ``first_call.json`` and ``first_call.md`` and prints the table.
 """
@@ -26,9 +29,10 @@ import time
 DEFAULT = (16, 32, 3, 2, 1, 16, (16, 32, 32))
 OTHER = (8, 12, (3, 2, 3), 2, 0, 2, (6, 7, 8))
 NEW = (6, 10, (2, 3, 2), (1, 2, 2), 1, 2, (5, 6, 7))
+NEWER = (5, 7, 3, 3, 0, 3, (4, 5, 6))
 
 
-def _child(geometries: list) -> dict:
+def _child(geometries: list, specialize: bool = True) -> dict:
     """In the child process: first-call seconds per (geometry, mode), in order."""
     import torch
     from torch import nn
@@ -46,7 +50,7 @@ def _child(geometries: list) -> dict:
         bn = nn.BatchNorm3d(cout).cuda()
         x = torch.randn(batch, cin, *spatial, device="cuda")
         for mode in ("eval", "train"):
-            pipe = nd.Pipeline(conv, bn).train(mode == "train")
+            pipe = nd.Pipeline(conv, bn, specialize=specialize).train(mode == "train")
             start = time.perf_counter()
             with torch.no_grad():
                 pipe(x)
@@ -55,11 +59,13 @@ def _child(geometries: list) -> dict:
     return times
 
 
-def _run_child(geometries: list, cache: str) -> dict:
+def _run_child(geometries: list, cache: str, specialize: bool = True) -> dict:
     env = dict(os.environ, NUMBA_DECONV_CACHE_DIR=cache, NUMBA_DECONV_CACHE="1")
     code = ("import json, sys; from numba_deconv import first_call; "
-            "print(json.dumps(first_call._child(json.loads(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(geometries)], env=env,
+            "print(json.dumps(first_call._child(json.loads(sys.argv[1]), "
+            "sys.argv[2] == 'True')))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(geometries), str(specialize)],
+                         env=env,
                          capture_output=True, text=True, check=True, timeout=900)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -69,6 +75,10 @@ def measure(out_dir: str) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="numba_deconv_cache_") as cache:
         cold = _run_child([("default", DEFAULT), ("other", OTHER)], cache)
         warm = _run_child([("default", DEFAULT), ("other", OTHER), ("new", NEW)], cache)
+    with tempfile.TemporaryDirectory(prefix="numba_deconv_cache_") as cache:
+        generic = _run_child([("default", DEFAULT), ("other", OTHER), ("new", NEW)], cache,
+                             specialize=False)
+        generic_warm = _run_child([("newer", NEWER)], cache, specialize=False)
     rows = []
     for mode in ("eval", "train"):
         rows += [
@@ -80,11 +90,18 @@ def measure(out_dir: str) -> list[dict]:
              "seconds": warm[f"other {mode}"]},
             {"what": "warm process, new geometry (compiles)", "mode": mode,
              "seconds": warm[f"new {mode}"]},
+            {"what": "generic tier, new process, cold cache: default problem", "mode": mode,
+             "seconds": generic[f"default {mode}"]},
+            {"what": "generic tier, same process, new geometries (slowest of two)",
+             "mode": mode, "seconds": max(generic[f"other {mode}"], generic[f"new {mode}"])},
+            {"what": "generic tier, new process, warm cache: new geometry", "mode": mode,
+             "seconds": generic_warm[f"newer {mode}"]},
         ]
     os.makedirs(out_dir, exist_ok=True)
     from .bench import device_name
 
-    meta = {"device": device_name(), "default": DEFAULT, "other": OTHER, "new": NEW}
+    meta = {"device": device_name(), "default": DEFAULT, "other": OTHER, "new": NEW,
+            "newer": NEWER}
     with open(os.path.join(out_dir, "first_call.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"## First calls on {meta['device']}", "",

@@ -25,6 +25,12 @@ launch configurations (cached per input shape), and hands the small per-channel 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
 
+The generic tier (``specialize=False``, with ``conv_impl="gather"``)
+    conv_transpose3d_gather_simple -> spatial_moments_warp -> scale_centered: kernels that
+    take the geometry at run time, compiled once per dtype and mode (then served from the
+    kernel cache, §8), so a new geometry runs at once; deterministic, and slower than the
+    specialised kernels, whose compile they skip.
+
 Inputs: torch tensors (zero copy, launches on torch's current stream), numba device arrays and
 numpy arrays; the output is of the same kind. Under the CUDA simulator "device" tensors are CPU
 tensors. The input is never modified. An empty batch gives an empty output (and, in training,
@@ -62,7 +68,8 @@ from torch.autograd.graph import increment_version
 from . import dtypes, folding, sync
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
-from .kernels import batch_stats, box_sums, epilogue, gather, gram, scatter, spatial_reduce
+from .kernels import (batch_stats, box_sums, epilogue, gather, gather_simple, gram, scatter,
+                      spatial_reduce)
 from .backend import tensor_device
 from .kernels.launch import Replay, block_size, pin, recording
 from .plan import CallPlan, Options, build as build_plan, stages as path_stages
@@ -117,7 +124,7 @@ class Pipeline:
 
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
                  variance: str = "auto", poison: bool = False, graphs: bool | str = "auto",
-                 options: Options | None = None, process_group=None):
+                 options: Options | None = None, process_group=None, specialize: bool = True):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -136,6 +143,13 @@ class Pipeline:
         self.options = Options() if options is None else options  # kernel arrangements (plan)
         self.conv_impl = conv_impl
         self.variance = variance
+        if specialize is not True and specialize is not False:
+            raise ValueError(f"specialize must be True or False, got {specialize!r}")
+        # False: the generic tier, kernels that take the geometry at run time (``path``)
+        self.specialize = specialize
+        if variance == "gram" and not specialize:
+            raise ValueError("variance='gram' runs the specialised kernels: not with "
+                             "specialize=False")
         if variance == "gram" and conv_impl == "gather" and not self.gram_tiles_fit():
             raise ValueError("variance='gram': this geometry's Gram tiles do not fit "
                              "shared memory (too many input channels for its offsets)")
@@ -249,8 +263,9 @@ class Pipeline:
         Read at every call, so it reads the modules' parameter and buffer dicts directly
         (``nn.Module.__getattr__`` costs more than the rest together)."""
         bn = self.bn
-        state = [self.options, self.variance, self.conv_impl, self.poison, self.graphs,
-                 self.process_group, bn.eps, bn.momentum, bn.affine, bn.track_running_stats]
+        state = [self.options, self.variance, self.conv_impl, self.specialize, self.poison,
+                 self.graphs, self.process_group, bn.eps, bn.momentum, bn.affine,
+                 bn.track_running_stats]
         for tensors, name in self._watched:
             t = tensors.get(name)
             # the object too: a new parameter may take a freed one's address and version
@@ -332,6 +347,8 @@ class Pipeline:
         """
         if self.conv_impl != "gather":
             return False, "the scatter path has its own finish"
+        if not self.specialize:
+            return False, "the generic tier (specialize=False) has the scatter path's finish"
         if self.variance != "auto":
             return self.variance == "gram", f"variance={self.variance!r}"
         return False, ("variance='auto': the epilogue path (centred sums of squares of the "
@@ -427,6 +444,8 @@ class Pipeline:
         settings and ``variance``."""
         if self.conv_impl == "scatter":
             return "scatter"
+        if not self.specialize:
+            return "generic"
         if not folding.uses_batch_statistics(self.bn, self.training):
             return "eval"
         return "gram" if self.variance == "gram" else "epilogue"  # as variance_path() says
@@ -572,8 +591,8 @@ class Pipeline:
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
             for t in (out, *plan.poisonable()):
                 t.fill_(float("nan"))
-        if plan.path == "scatter":
-            self._scatter(x, out, plan, batch_stats, record)
+        if plan.path in ("scatter", "generic"):
+            self._stored(x, out, plan, batch_stats, record)
         else:
             self._gather(x, out, plan, batch_stats, record)
         return out
@@ -682,7 +701,10 @@ class Pipeline:
             record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer
         return s.scale
 
-    def _scatter(self, x, out, plan: CallPlan, batch_stats: bool, record) -> None:
+    def _stored(self, x, out, plan: CallPlan, batch_stats: bool, record) -> None:
+        """The scatter path and the generic tier: the convolution stored in ``out`` (scatter's
+        atomics, or ``gather_simple``: kernels that take the geometry at run time), then its
+        per-(n, c) moments, the statistics, and one pass that centres and scales."""
         geom, conv = self.geometry, self.conv
         rows = out.view(plan.batch * geom.out_channels, plan.volume)
         weight = conv.weight.detach()
@@ -690,17 +712,23 @@ class Pipeline:
             scale = self._eval_scale()
             key = (self._version(conv.weight), self._version(self.bn.running_var),
                    self._version(self.bn.weight), self.bn.eps)
-            weight = self._cached("scatter_folded", key,
+            weight = self._cached("stored_folded", key,
                                   lambda: folding.fold_weights(weight, scale, geom.groups))
         # The bias shifts a whole channel, so the mean subtraction removes it (docs/design.md §2.1):
         # accumulate from zero. Accumulated onto the bias, a channel whose bias dwarfs its spread
         # lost that spread to float32 rounding (a case hypothesis found: 4e-5 relative error).
-        epilogue.launch_fill_channels(rows, plan.scratch.zero_bias)
-        if record is not None:
-            record["fill_zero"] = out.clone()
-        scatter.launch_scatter(x, weight, out, geom.stride, geom.padding, geom.dilation)
-        if record is not None:
-            record["conv_transpose3d_scatter"] = out.clone()
+        if plan.path == "generic":
+            gather_simple.launch_gather_simple(x, weight, plan.scratch.zero_bias_x, out,
+                                               geom.stride, geom.padding, geom.dilation)
+            if record is not None:
+                record["conv_transpose3d_gather_simple"] = out.clone()
+        else:
+            epilogue.launch_fill_channels(rows, plan.scratch.zero_bias)
+            if record is not None:
+                record["fill_zero"] = out.clone()
+            scatter.launch_scatter(x, weight, out, geom.stride, geom.padding, geom.dilation)
+            if record is not None:
+                record["conv_transpose3d_scatter"] = out.clone()
         means = plan.scratch.means.view(-1)
         css = plan.scratch.css.view(-1)
         spatial_reduce.spatial_moments(rows, means, css, with_css=batch_stats)

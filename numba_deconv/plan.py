@@ -12,6 +12,9 @@ Paths (``PATHS``):
 * ``"epilogue"`` - gather, batch statistics from the output's centred sums of squares: box_sums,
   the gather with its sums-of-squares epilogue, batch_statistics, an in-place scale.
 * ``"gram"``     - gather, batch statistics from the input's Gram sums before the convolution.
+* ``"generic"``  - the generic tier (``Pipeline(specialize=False)``), either statistics: a gather
+  that takes the geometry at run time (``gather_simple``, compiled once per dtype), then the
+  scatter path's finish over the stored convolution.
 * ``"scatter"``  - the teaching baseline, either statistics.
 """
 
@@ -27,7 +30,7 @@ from .geometry import ConvGeometry
 from .kernels import gather, gram
 from .kernels.launch import pin
 
-PATHS = ("eval", "epilogue", "gram", "scatter")
+PATHS = ("eval", "epilogue", "gram", "generic", "scatter")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ def stages(path: str, batch_statistics: bool, options: Options) -> tuple[str, ..
     if path == "scatter":
         return ("fill_zero", "conv_transpose3d_scatter", "spatial_moments_warp", *finish,
                 "scale", "output")
+    if path == "generic":
+        return ("conv_transpose3d_gather_simple", "spatial_moments_warp", *finish, "scale",
+                "output")
     box = ("box_sums", "mean_from_box_sums")
     if path == "gram":
         sums = ("gram_sums", *box) if options.box_sums_in_tail else (*box, "gram_sums")
@@ -80,6 +86,7 @@ class Scratch:
     contrib: torch.Tensor | None = None       # (N, CI, OPG) each input plane's share of the means
     wph_index: torch.Tensor | None = None     # the gather's weight arrangement
     ss: torch.Tensor | None = None            # (N, C, slots) the gather's sums of squares
+    zero_bias_x: torch.Tensor | None = None   # (C,) zeros in the input's dtype (generic tier)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -144,7 +151,9 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         done=torch.zeros(1, dtype=torch.int32, device=dev),
         scale=empty(channels, dtype=x.dtype), stats=empty(2, channels))
     launch = layout = None
-    if path != "scatter":
+    if path == "generic":
+        common["zero_bias_x"] = torch.zeros(channels, dtype=x.dtype, device=dev)
+    if path not in ("scatter", "generic"):
         in_spatial = tuple(x.shape[2:])
         kmax = max(geom.kernel_size)
         lo = np.ones((3, kmax), np.int32)

@@ -87,6 +87,11 @@ def test_wrong_module_types():
         Pipeline.from_torch(nn.Sequential(nn.ConvTranspose3d(4, 6, 3)))
     with pytest.raises(ValueError, match="conv_impl"):
         Pipeline(nn.ConvTranspose3d(4, 6, 3), nn.BatchNorm3d(6), conv_impl="fft")
+    with pytest.raises(ValueError, match="specialize"):
+        Pipeline(nn.ConvTranspose3d(4, 6, 3), nn.BatchNorm3d(6), specialize="sometimes")
+    with pytest.raises(ValueError, match="specialize=False"):
+        Pipeline(nn.ConvTranspose3d(4, 6, 3), nn.BatchNorm3d(6), variance="gram",
+                 specialize=False)
 
 
 def test_output_too_small(device):

@@ -171,18 +171,22 @@ def test_first_call_rows_and_files(tmp_path, monkeypatch):
     monkeypatch.setattr("numba_deconv.bench.device_name", lambda: "test device")
     seen = []
 
-    def child(geometries, cache):
-        seen.append(([name for name, _ in geometries], cache))
+    def child(geometries, cache, specialize=True):
+        seen.append(([name for name, _ in geometries], cache, specialize))
         return {f"{name} {mode}": 1.0 + len(seen) for name, _ in geometries
                 for mode in ("eval", "train")}
 
     monkeypatch.setattr(first_call, "_run_child", child)
     rows = first_call.measure(str(tmp_path))
-    assert [names for names, _ in seen] == [["default", "other"], ["default", "other", "new"]]
+    assert [names for names, _, _ in seen] == [["default", "other"], ["default", "other", "new"],
+                                               ["default", "other", "new"], ["newer"]]
+    assert [tier for _, _, tier in seen] == [True, True, False, False]
     assert seen[0][1] == seen[1][1]  # the warm process reads what the cold one wrote
-    assert len(rows) == 8 and {r["seconds"] for r in rows} == {2.0, 3.0}
-    assert "| new process, warm cache: default problem | eval | 3.000 |" in \
-        (tmp_path / "first_call.md").read_text()
+    assert seen[2][1] == seen[3][1] != seen[0][1]  # the generic tier's own cache
+    assert len(rows) == 14 and {r["seconds"] for r in rows} == {2.0, 3.0, 4.0, 5.0}
+    table = (tmp_path / "first_call.md").read_text()
+    assert "| new process, warm cache: default problem | eval | 3.000 |" in table
+    assert "| generic tier, new process, warm cache: new geometry | train | 5.000 |" in table
 
 
 def test_cache_reports_and_clears(capsys, tmp_path, monkeypatch):
@@ -379,8 +383,17 @@ def test_explain_flags_reach_the_report(monkeypatch):
     monkeypatch.setattr(cli, "explain", lambda problem, mode, **kw: seen.append(kw) or 0)
     assert cli.main(["explain", "--measure"]) == 0 and cli.main(["explain"]) == 0
     assert cli.main(["explain", "--variance", "gram"]) == 0
-    assert [k["measure"] for k in seen] == [True, False, False]
-    assert [k["variance"] for k in seen] == ["auto", "auto", "gram"]
+    assert cli.main(["explain", "--generic"]) == 0
+    assert [k["measure"] for k in seen] == [True, False, False, False]
+    assert [k["variance"] for k in seen] == ["auto", "auto", "gram", "auto"]
+    assert [k["specialize"] for k in seen] == [True, True, True, False]
+
+
+def test_explain_generic_refuses_the_gram_path(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["explain", "--generic", "--variance", "gram"])
+    assert exc.value.code == 2
+    assert "specialised kernels" in capsys.readouterr().err
 
 
 def test_explain_shows_the_gram_path(capsys):

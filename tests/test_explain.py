@@ -28,6 +28,20 @@ def make_pipe(conv_impl: str, training: bool, dtype=torch.float32, **conv_kwargs
                                     variance=variance).train(training)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_the_generic_tier_says_so(training):
+    """``specialize=False``: one run-time-geometry gather, the stored path's finish, and a note
+    naming the tier (the specialised plan's note names its own)."""
+    pipe = make_pipe("gather", training)
+    generic = nd.Pipeline.from_modules(pipe.conv, pipe.bn, specialize=False).train(training)
+    report = generic.explain(SHAPE)
+    assert [r.stage for r in report.rows] == [s for s in generic.stages if s != "output"]
+    assert report.rows[0].stage == "conv_transpose3d_gather_simple"
+    assert report.rows[0].flops == 2 * generic.geometry.macs(SHAPE[0], SHAPE[2:])
+    assert any(n.startswith("tier: generic") for n in report.notes)
+    assert any(n.startswith("tier: specialised") for n in pipe.explain(SHAPE).notes)
+
+
 @pytest.mark.parametrize("conv_impl", ["gather", "scatter", "gram"])
 @pytest.mark.parametrize("training", [True, False])
 def test_rows_follow_stages_and_flops(conv_impl, training):

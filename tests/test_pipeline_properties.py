@@ -40,6 +40,16 @@ def test_matches_pytorch_any_geometry(impl, variance, data, limits, device):
     testing.check_case(case, _pipeline(impl, variance), device)
 
 
+@settings(max_examples=min(8, settings().max_examples) if SIM else settings().max_examples)
+@given(data=st.data())
+def test_generic_tier_matches_pytorch(data, limits, device):
+    """The generic tier (``specialize=False``: kernels that take the geometry at run time) on
+    any geometry, both modes and dtypes, held to the same tolerance as the specialised paths."""
+    case = data.draw(testing.cases(limits, dtypes=(torch.float32, torch.float64)))
+    testing.check_case(case, lambda conv, bn: Pipeline.from_modules(
+        conv, bn, specialize=False, poison=True), device)
+
+
 @pytest.mark.parametrize("training", [False, True])
 @given(data=st.data())
 def test_float64_matches_pytorch(training, data, limits, device):

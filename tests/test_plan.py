@@ -14,16 +14,19 @@ from numba_deconv.plan import PATHS, CallPlan, Options, stages
 
 SHAPE = (2, 3, 2, 3, 2)
 
-# (conv_impl, variance, training, affine batch statistics in eval: track_running_stats)
+# (conv_impl, variance, training, affine batch statistics in eval: track_running_stats);
+# "generic": the gather's generic tier (specialize=False)
 CALLS = [("gather", "auto", False, True), ("gather", "auto", True, True),
          ("gather", "gram", True, True), ("gather", "auto", False, False),
-         ("scatter", "auto", False, True), ("scatter", "auto", True, True)]
+         ("scatter", "auto", False, True), ("scatter", "auto", True, True),
+         ("generic", "auto", False, True), ("generic", "auto", True, True)]
 
 
 def _pipe(device, impl, variance, training, track, options=None):
     conv = nn.ConvTranspose3d(3, 4, (2, 3, 2), stride=2, padding=(0, 1, 0)).to(device)
     bn = nn.BatchNorm3d(4, track_running_stats=track).to(device)
-    return Pipeline(conv, bn, conv_impl=impl, variance=variance, options=options).train(training)
+    return Pipeline(conv, bn, conv_impl=impl.replace("generic", "gather"), variance=variance,
+                    options=options, specialize=impl != "generic").train(training)
 
 
 @pytest.mark.parametrize("impl,variance,training,track", CALLS)
@@ -58,5 +61,8 @@ def test_stages_follow_the_options():
     assert stages("gram", True, tail)[:3] == ("gram_sums", "box_sums", "mean_from_box_sums")
     assert stages("gram", True, head)[:3] == ("box_sums", "mean_from_box_sums", "gram_sums")
     assert "batch_statistics" not in stages("eval", False, tail)
+    assert stages("generic", True, tail) == ("conv_transpose3d_gather_simple",
+                                             "spatial_moments_warp", "batch_statistics", "scale",
+                                             "output")
     with pytest.raises(ValueError, match="path"):
         stages("fft", False, tail)

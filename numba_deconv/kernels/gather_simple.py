@@ -78,8 +78,16 @@ def conv_transpose3d_gather_simple(x: torch.Tensor, weight: torch.Tensor,
     if not (weight.dtype == bias.dtype == x.dtype):
         raise TypeError(f"x, weight and bias must share one dtype, got {x.dtype}, "
                         f"{weight.dtype}, {bias.dtype}")
+    launch_gather_simple(x.contiguous(), weight.contiguous(), bias.contiguous(), y, geom.stride,
+                         geom.padding, geom.dilation, block=block)
+    return y
+
+
+def launch_gather_simple(x, w, b, y, stride, padding, dilation, *, block: int | None = None) -> None:
+    """Write the transposed convolution of ``x`` (N, CI, D, H, W) with ``w`` (CI, OPG, KD, KH,
+    KW) plus ``b`` (CO,) into ``y`` (N, CO, OD, OH, OW), all contiguous: one kernel for every
+    geometry (the pipeline's generic tier, ``Pipeline(specialize=False)``, which passes a zero
+    bias: the mean subtraction removes the bias, docs/design.md §2.1)."""
     block = block_size(BLOCK) if block is None else block
     launch(gather_simple_kernel, grid_for(y.numel(), block, cap=2**31 - 1), block,
-           (x.contiguous(), weight.contiguous(), bias.contiguous(), y,
-            geom.stride, geom.padding, geom.dilation))
-    return y
+           (x, w, b, y, tuple(stride), tuple(padding), tuple(dilation)))
