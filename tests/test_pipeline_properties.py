@@ -58,7 +58,9 @@ def test_float64_matches_pytorch(training, data, limits, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@settings(max_examples=min(6, settings().max_examples) if SIM else settings().max_examples)
+# (4 examples a dtype under the simulator, where each costs ~12 s: the Gram path runs only on
+# request; the GPU profile draws the full count)
+@settings(max_examples=min(4, settings().max_examples) if SIM else settings().max_examples)
 @given(data=st.data())
 def test_gram_variance_matches_pytorch(dtype, data, limits, device):
     """Training with the variance from the input's Gram sums (``variance="gram"``), held to the
