@@ -10,7 +10,8 @@ Cost: 2 * ConvGeometry.macs FLOPs, but each thread tests all Cin/groups * KD*KH*
 an integer division per axis, and keeps about 1/(sd*sh*sw) of them (1/8 at stride 2). Bytes:
 x, w and y once each from DRAM; each kept tap loads one x and one w value (cached, neighbours
 share them): about 0.25 FLOP per loaded byte. Slow, but short enough to check by eye against
-the definition, hence the oracle of notebook 02 and the tests. The fast path (``gather``)
+the definition, hence the oracle of notebook 02 and the tests; and one compiled kernel serves
+every geometry, hence the pipeline's generic tier (``Pipeline(specialize=False)``). The fast path (``gather``)
 visits only the taps of each output's phase; ``scatter`` loops over inputs and needs atomics.
 """
 
