@@ -217,8 +217,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                    help="time the shape suite: several geometries, both modes, back to back "
                         "and synchronized after every call")
     b.add_argument("--first-call", action="store_true",
-                   help="time first calls in new processes: cold and warm kernel cache, and a "
-                        "new geometry in a warm process")
+                   help="time first calls in new processes: cold and warm kernel cache, a "
+                        "new geometry in a warm process, and the same for the generic tier")
     b.add_argument("--reps", type=positive_int, default=100,
                    help="timed calls per main-table row (default %(default)s)")
 

@@ -49,6 +49,7 @@ from . import folding
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
+from .plan import STORED_PATHS
 from .kernels import box_sums, epilogue, gather, gather_simple, gram, scatter, spatial_reduce
 from .backend import tensor_device
 from .kernels.launch import block_size, grid_for, loaded_attributes
@@ -236,8 +237,9 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     rows_nc = batch * geom.out_channels
     macs = geom.macs(batch, in_spatial)
     out = []
-    stored = pipe.path() in ("scatter", "generic")  # the convolution stored, then its moments
-    if pipe.path() == "generic":
+    path = pipe.path()
+    stored = path in STORED_PATHS  # the convolution stored, then its moments
+    if path == "generic":
         blk = block_size(gather_simple.BLOCK)
         out.append(("conv_transpose3d_gather_simple", "gather_simple_kernel",
                     gather_simple.gather_simple_kernel, (grid_for(n_out, blk, cap=2**31 - 1),),

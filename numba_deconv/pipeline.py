@@ -72,7 +72,7 @@ from .kernels import (batch_stats, box_sums, epilogue, gather, gather_simple, gr
                       spatial_reduce)
 from .backend import tensor_device
 from .kernels.launch import Replay, block_size, pin, recording
-from .plan import CallPlan, Options, build as build_plan, stages as path_stages
+from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages as path_stages
 from .simulator import is_simulator
 
 
@@ -591,7 +591,7 @@ class Pipeline:
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
             for t in (out, *plan.poisonable()):
                 t.fill_(float("nan"))
-        if plan.path in ("scatter", "generic"):
+        if plan.path in STORED_PATHS:
             self._stored(x, out, plan, batch_stats, record)
         else:
             self._gather(x, out, plan, batch_stats, record)

@@ -31,6 +31,8 @@ from .kernels import gather, gram
 from .kernels.launch import pin
 
 PATHS = ("eval", "epilogue", "gram", "generic", "scatter")
+#: The paths that store the convolution and then reduce it (no box sums, no gather epilogue).
+STORED_PATHS = ("generic", "scatter")
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
     launch = layout = None
     if path == "generic":
         common["zero_bias_x"] = torch.zeros(channels, dtype=x.dtype, device=dev)
-    if path not in ("scatter", "generic"):
+    if path not in STORED_PATHS:
         in_spatial = tuple(x.shape[2:])
         kmax = max(geom.kernel_size)
         lo = np.ones((3, kmax), np.int32)
