@@ -5,18 +5,20 @@ Same constructor signature, parameters, buffers and ``state_dict`` keys (``conv_
 
     new = ModelNew(*get_init_inputs()); new.load_state_dict(Model(*get_init_inputs()).state_dict())
 
-works, and ``.train()`` / ``.eval()`` / ``.to(device)`` behave as on the reference. The forward
-records no autograd graph: an input that requires grad is refused under grad mode, and the
-first call whose parameters require grad (any module's, outside ``torch.no_grad()``) warns once
-that no gradient reaches them (``pipeline.NoGradientWarning``). ``process_group=`` (or
+works, and ``.train()`` / ``.eval()`` / ``.to(device)`` behave as on the reference. It trains:
+under grad mode a call records its backward through the ``numba_deconv::forward`` custom op
+(``autograd``), and under torch.compile the forward is that op and nothing else, so the
+compiled graph does not break at it. ``process_group=`` (or
 ``convert_sync`` on a model holding ``ModelNew`` modules) takes training's batch statistics over
 a ``torch.distributed`` group's ranks, as ``nn.SyncBatchNorm`` does (``Pipeline.synchronize``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from . import autograd
 from .pipeline import Pipeline
 
 
@@ -36,7 +38,10 @@ class ModelNew(nn.Module):
         return self._pipeline
 
     def forward(self, x):
-        return self._pipeline.train(self.training)(x)
+        pipe = self._pipeline.train(self.training)
+        if torch.compiler.is_compiling():  # what dynamo traces: the op alone
+            return autograd.apply(pipe, x)
+        return pipe(x)
 
 
 def convert_sync(module: nn.Module, process_group=None) -> nn.Module:

@@ -65,7 +65,7 @@ from numba import cuda
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from . import dtypes, folding, sync
+from . import autograd, dtypes, folding, sync
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gather_simple, gram, scatter,
@@ -93,10 +93,6 @@ class _Prepared:
     #: rows) serve only inputs aligned alike
     x_offset16: int = 0
     holds: tuple = ()  # the parameters and buffers ``state`` names, kept alive
-
-
-class NoGradientWarning(UserWarning):
-    """Parameters that require grad meet an operator without a backward: no gradient flows."""
 
 
 CONV_STRATEGIES = ("gather", "scatter")
@@ -163,7 +159,8 @@ class Pipeline:
             self.synchronize(process_group)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._capturing = False
-        self._warned_no_grad = False
+        self._saving = False  # a call whose backward will run (``forward_saving``)
+        self._handle = autograd.register(self)
         self.training = bn.training
         self._plans: OrderedDict[tuple, CallPlan] = OrderedDict()
         self._shapes: OrderedDict[tuple, tuple] = OrderedDict()  # shape -> (batch, out spatial)
@@ -207,25 +204,31 @@ class Pipeline:
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
         if isinstance(x, torch.Tensor):
+            if torch.is_grad_enabled() and self._wants_grad(x):
+                # through the custom op, which records the backward (``autograd``)
+                return autograd.apply(self, x)
             # a call like one made before, under the same parameters: replay its launches
             key = self._call_key(x)
             prepared = self._prepared.get(key)
             if (prepared is not None and prepared.replay is not None
                     and prepared.state == self._state() and x.is_contiguous()
                     and x.data_ptr() % 16 == prepared.x_offset16
-                    and not (x.requires_grad and torch.is_grad_enabled())
                     and not self._stream_capturing() and prepared.replay.ready()):
                 self._prepared.move_to_end(key)
-                out = self._replay_prepared(prepared, x)
-                if not self._warned_no_grad and torch.is_grad_enabled():
-                    self._warn_no_gradient()
-                return out
+                return self._replay_prepared(prepared, x)
         tensor, restore = self._accept(x)
-        self._refuse_grad_input(tensor)
-        out = restore(self._run(tensor))
-        if not self._warned_no_grad and torch.is_grad_enabled():
-            self._warn_no_gradient()
-        return out
+        return restore(self._run(tensor))
+
+    def _wants_grad(self, x: torch.Tensor) -> bool:
+        """Whether a call under grad mode must record its backward: the input or a parameter
+        requires grad (read from the modules' dicts: a few hundred ns)."""
+        if x.requires_grad:
+            return True
+        for tensors, name in self._watched[:4]:
+            p = tensors.get(name)
+            if p is not None and p.requires_grad:
+                return True
+        return False
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if is_simulator():
@@ -434,7 +437,6 @@ class Pipeline:
         notebook between real steps.
         """
         tensor, _ = self._accept(x)
-        self._refuse_grad_input(tensor)
         record: dict[str, torch.Tensor] = {"input": tensor.detach().clone()}
         record["output"] = self._forward(tensor, record=record)
         return record
@@ -448,7 +450,9 @@ class Pipeline:
             return "generic"
         if not folding.uses_batch_statistics(self.bn, self.training):
             return "eval"
-        return "gram" if self.variance == "gram" else "epilogue"  # as variance_path() says
+        # as variance_path() says; a call that keeps the convolution for its backward takes
+        # the epilogue path (``forward_saving``)
+        return "gram" if self.variance == "gram" and not self._saving else "epilogue"
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -485,26 +489,6 @@ class Pipeline:
         raise TypeError(
             "input must be a torch.Tensor, a numpy.ndarray or a numba device array, "
             f"got {type(x).__name__}")
-
-    @staticmethod
-    def _refuse_grad_input(x: torch.Tensor) -> None:
-        """The operator has no backward: an input that would need one is refused."""
-        if x.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(
-                "numba_deconv has no backward: the input requires grad, but no gradient would "
-                "flow through this operator; call it under torch.no_grad() or pass x.detach()")
-
-    def _warn_no_gradient(self) -> None:
-        """Once per pipeline: parameters that require grad get none through this operator
-        (forward-only use outside ``no_grad`` keeps working)."""
-        if any(p is not None and p.requires_grad
-               for p in (self.conv.weight, self.conv.bias, self.bn.weight, self.bn.bias)):
-            self._warned_no_grad = True
-            warnings.warn(
-                "numba_deconv has no backward: the convolution's and batch norm's parameters "
-                "require grad, but no gradient flows to them through this operator (the output "
-                "does not require grad); call it under torch.no_grad() for forward-only use",
-                NoGradientWarning, stacklevel=3)
 
     def _check(self, x: torch.Tensor):
         weight = self.conv.weight
@@ -576,12 +560,44 @@ class Pipeline:
     # ---- the forward pass -------------------------------------------------------------------
     # No ``torch.no_grad()`` around a call (~3-8 µs of host time): the kernels record nothing,
     # ``x`` is detached, and whatever derives from parameters does so in ``_cached``.
-    def _forward(self, x: torch.Tensor, record: dict | None) -> torch.Tensor:
+    def forward_saving(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A call whose backward will run (``autograd``'s custom op): ``(out, yc, rows,
+        stats)``, what ``backward.backward`` needs besides the input and the parameters, and
+        no running-statistics update (the op's caller makes it, ``autograd.apply``):
+
+        * ``yc``: with batch statistics the convolution (bias-free; centred per (n, c) on the
+          gather path), the one full-size tensor kept, the counterpart of what eager batch norm
+          saves (its input); written where the forward writes it anyway, so keeping it costs
+          memory and no traffic. Empty in evaluation, whose backward needs no ``y``.
+        * ``rows`` (2, N, C) float64: what centres ``yc`` per (n, c) (zeros on the gather
+          path, the means on the stored paths) and the means of the bias-free convolution.
+        * ``stats`` (3, C) float64: the batch mean (with the bias) and biased variance (the
+          running ones' update), and sigma = sqrt(var + eps) with the variance the call
+          normalised with.
+
+        On the Gram path (``variance="gram"``) such a call takes the epilogue path: the Gram
+        path never stores the unscaled convolution."""
+        if self._synced():
+            raise NotImplementedError("synchronized batch statistics have no backward yet: "
+                                      "call a pipeline with a process group under "
+                                      "torch.no_grad()")
+        save: dict = {}
+        self._saving = True
+        try:
+            out = self._forward(x.detach(), record=None, save=save)
+        finally:
+            self._saving = False
+        return out, save["yc"], save["rows"], save["stats"]
+
+    def _forward(self, x: torch.Tensor, record: dict | None,
+                 save: dict | None = None) -> torch.Tensor:
         batch, out_spatial = self._check(x)
         bn, geom = self.bn, self.geometry
-        if batch == 0:
-            return self._empty_batch(x, out_spatial, record)
         batch_stats = folding.uses_batch_statistics(bn, self.training)
+        if batch == 0:
+            if save is not None:
+                self._save(save, x, batch_stats, None, None)
+            return self._empty_batch(x, out_spatial, record)
         volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
         if batch_stats and not self._synced():  # synchronized: the pooled count is checked
             folding.check_batch_size(batch, volume, geom.out_channels)
@@ -591,11 +607,35 @@ class Pipeline:
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
             for t in (out, *plan.poisonable()):
                 t.fill_(float("nan"))
+        # with batch statistics a saving call keeps the unscaled convolution (``forward_saving``)
+        conv_out = torch.empty_like(out) if save is not None and batch_stats else out
         if plan.path in STORED_PATHS:
-            self._stored(x, out, plan, batch_stats, record)
+            self._stored(x, out, plan, batch_stats, record, conv_out)
         else:
-            self._gather(x, out, plan, batch_stats, record)
+            self._gather(x, out, plan, batch_stats, record, conv_out)
+        if save is not None:
+            self._save(save, x, batch_stats, plan, conv_out)
         return out
+
+    def _save(self, save: dict, x: torch.Tensor, batch_stats: bool, plan: CallPlan | None,
+              conv_out: torch.Tensor | None) -> None:
+        """What ``forward_saving`` returns, from a call's plan (None: an empty batch)."""
+        bn, c = self.bn, self.geometry.out_channels
+        f64 = dict(dtype=torch.float64, device=x.device)
+        batch = x.shape[0]
+        stats = torch.zeros((3, c), **f64)
+        rows = torch.zeros((2, batch if batch_stats else 0, c), **f64)
+        yc = x.new_empty(0)
+        if batch_stats and plan is not None:
+            stats[:2] = plan.scratch.stats
+            rows[1] = plan.scratch.means
+            if plan.path in STORED_PATHS:  # the stored convolution is not centred
+                rows[0] = plan.scratch.means
+            yc = conv_out
+        elif not batch_stats:
+            stats[1] = bn.running_var.detach()
+        stats[2] = torch.sqrt(stats[1] + bn.eps)
+        save.update(yc=yc, rows=rows, stats=stats)
 
     def _empty_batch(self, x: torch.Tensor, out_spatial, record) -> torch.Tensor:
         """An empty batch, as PyTorch treats it: an empty output, the running statistics kept,
@@ -664,7 +704,8 @@ class Pipeline:
 
     def _updates(self, record) -> bool:
         """Whether this call updates the running statistics (training, not a trace)."""
-        return self.training and record is None and folding.tracks_running_stats(self.bn)
+        return (self.training and record is None and not self._saving
+                and folding.tracks_running_stats(self.bn))
 
     def _bn_buffers(self, plan: CallPlan) -> tuple:
         """(gamma, running_mean, running_var, num_batches_tracked) for the statistics kernels:
@@ -701,11 +742,14 @@ class Pipeline:
             record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer
         return s.scale
 
-    def _stored(self, x, out, plan: CallPlan, batch_stats: bool, record) -> None:
+    def _stored(self, x, out, plan: CallPlan, batch_stats: bool, record,
+                conv_out: torch.Tensor) -> None:
         """The scatter path and the generic tier: the convolution stored in ``out`` (scatter's
         atomics, or ``gather_simple``: kernels that take the geometry at run time), then its
         per-(n, c) moments, the statistics, and one pass that centres and scales."""
         geom, conv = self.geometry, self.conv
+        final = out.view(plan.batch * geom.out_channels, plan.volume)
+        out = conv_out  # where the convolution goes (``out`` itself unless a call saves it)
         rows = out.view(plan.batch * geom.out_channels, plan.volume)
         weight = conv.weight.detach()
         if not batch_stats:  # evaluation: fold a_c into the weights, then only centre
@@ -743,9 +787,10 @@ class Pipeline:
             scale = plan.scratch.ones  # the BN scale is folded into the weights
             if record is not None:
                 record["scale"] = self._eval_scale().clone()
-        epilogue.launch_scale_centered(rows, means, scale, rows)
+        epilogue.launch_scale_centered(rows, means, scale, final)
 
-    def _gather(self, x, out, plan: CallPlan, batch_stats: bool, record) -> None:
+    def _gather(self, x, out, plan: CallPlan, batch_stats: bool, record,
+                conv_out: torch.Tensor) -> None:
         geom, conv = self.geometry, self.conv
         launch = plan.gather
         weight = conv.weight.detach()
@@ -769,7 +814,7 @@ class Pipeline:
         self._box_sums(x, plan, flat_w, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since
         gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.scratch.means,
-                             out.view(-1), plan.scratch.ss, after_prior=record is None)
+                             conv_out.view(-1), plan.scratch.ss, after_prior=record is None)
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()
@@ -779,8 +824,15 @@ class Pipeline:
             record["conv_transpose3d_gather"] = out.clone()
         scale = self._finish_batch_stats(plan, plan.scratch.means, plan.scratch.ss, record)
         # The output is already centred: what is left is one per-channel multiply, in place
-        # (epilogue.scale_rows runs at the copy rate, faster than torch's broadcast mul_).
-        epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)
+        # (epilogue.scale_rows runs at the copy rate, faster than torch's broadcast mul_), or
+        # into ``out`` when the call keeps the centred convolution
+        if conv_out is out:
+            epilogue.launch_scale_rows(out.view(-1), scale, plan.volume, dtype)
+        else:
+            rows = plan.batch * self.geometry.out_channels
+            epilogue.launch_scale_centered(conv_out.view(rows, plan.volume),
+                                           plan.scratch.zero_rows, scale,
+                                           out.view(rows, plan.volume))
 
     def _box_sums(self, x, plan: CallPlan, flat_w, record, after_prior: bool = False,
                   block: int | None = None) -> None:

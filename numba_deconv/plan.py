@@ -81,6 +81,7 @@ class Scratch:
     done: torch.Tensor         # (1,) int32 block counter of the statistics kernels
     scale: torch.Tensor        # (C,) the batch statistics' scale, in the input's dtype
     stats: torch.Tensor        # (2, C) batch mean (with the bias) and biased variance
+    zero_rows: torch.Tensor    # (N*C,) zeros: per-(n, c) means of a tensor already centred
     box_lo: torch.Tensor | None = None        # (3, K) int32 per-tap input boxes (gather)
     box_hi: torch.Tensor | None = None
     boxes: torch.Tensor | None = None         # (N, CI, kD, kH, kW) box sums
@@ -151,7 +152,8 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         ones=torch.ones(channels, dtype=f64, device=dev),
         counter=torch.zeros(1, dtype=torch.int64, device=dev),
         done=torch.zeros(1, dtype=torch.int32, device=dev),
-        scale=empty(channels, dtype=x.dtype), stats=empty(2, channels))
+        scale=empty(channels, dtype=x.dtype), stats=empty(2, channels),
+        zero_rows=torch.zeros(batch * channels, dtype=f64, device=dev))
     launch = layout = None
     if path == "generic":
         common["zero_bias_x"] = torch.zeros(channels, dtype=x.dtype, device=dev)

@@ -326,3 +326,105 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
                      atol=atol)
         assert_close(bn.running_var, bn64.running_var, tol.running_var, "running_var", atol=atol)
         assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"
+
+
+#: the gradients ``check_gradients`` compares: (name, the module holding it, its attribute)
+GRADIENTS = (("input", None, None), ("conv.weight", "conv", "weight"),
+             ("bn.weight", "bn", "weight"))
+#: gradients that are zero in exact arithmetic (the mean subtraction removes both shifts)
+ZERO_GRADIENTS = (("conv.bias", "conv", "bias"), ("bn.bias", "bn", "bias"))
+
+
+def incoming_gradient(case: Case, shape, device) -> torch.Tensor:
+    """A random ``dL/d out`` in float64 with a per-(n, c) and a per-channel offset, so that the
+    backward's centring matters (never zero)."""
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    g += 3.0 * torch.randn((shape[0], shape[1], 1, 1, 1), generator=gen, dtype=torch.float64)
+    g += 5.0 * torch.randn((1, shape[1], 1, 1, 1), generator=gen, dtype=torch.float64)
+    return g.to(device)
+
+
+def _grads(conv: nn.Module, bn: nn.Module, x: torch.Tensor, out: torch.Tensor,
+           g: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Every gradient of ``out`` for ``g``, by name (None where no gradient exists)."""
+    owners = {"conv": conv, "bn": bn}
+    named = [(name, x if owner is None else getattr(owners[owner], attr))
+             for name, owner, attr in GRADIENTS + ZERO_GRADIENTS]
+    named = [(n, t) for n, t in named if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, [t for _, t in named], g.to(out.dtype), allow_unused=True)
+    return {n: gr for (n, _), gr in zip(named, grads)}
+
+
+def reference_gradients(conv: nn.Module, bn: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    """``(output, gradients by name, terms)`` of PyTorch's own modules (autograd, any dtype);
+    ``terms``: the largest per-channel sum of ``|dL/dy|`` (y the convolution's output), the
+    magnitude of the terms whose sum is the shifts' zero gradients."""
+    x = x.detach().clone().requires_grad_(True)
+    conv_out = conv(x)
+    y = bn(conv_out)
+    out = y - y.mean(dim=(2, 3, 4), keepdim=True)
+    (dy,) = torch.autograd.grad(out, conv_out, g.to(out.dtype), retain_graph=True)
+    terms = dy.abs().sum(dim=(0, 2, 3, 4)).max().item() if dy.numel() else 0.0
+    return out, _grads(conv, bn, x, out, g), terms
+
+
+def check_gradients(case: Case, make: Callable, device: torch.device | str | None = None,
+                    rtol: float | None = None) -> None:
+    """``make(conv, bn)(x)`` and its backward against PyTorch's autograd in float64.
+
+    The output and the running statistics as ``check_case`` holds them; every gradient (the
+    input's, the convolution's weight, batch norm's weight) within ``RTOL`` of the float64
+    reference, or for float32 within ``TORCH_FACTOR`` times PyTorch's own strict-fp32 error on
+    the same values, whichever is larger (``rtol`` overrides both); the shifts' gradients
+    (the convolution's bias, batch norm's beta), zero in exact arithmetic, within
+    ``RTOL`` times the largest reference gradient (PyTorch's own, the rounding of a sum of
+    terms that cancel, within 1e-12 times the sum of the terms' magnitudes).
+    """
+    if device is None:
+        from .backend import tensor_device
+
+        device = tensor_device()
+    conv64, bn64 = build_modules(case, device)
+    conv, bn = (copy.deepcopy(m).to(case.dtype) for m in (conv64, bn64))
+    x64 = make_input(case, device)
+    tol = tolerance(case, conv64, bn64, x64) if rtol is None else Tolerance(rtol, rtol, rtol)
+    torch32 = None
+    if case.dtype != torch.float64 and rtol is None:  # PyTorch's own modules in strict fp32
+        torch32 = tuple(copy.deepcopy(m).cpu().to(case.dtype) for m in (conv64, bn64))
+    x = x64.to(case.dtype).requires_grad_(True)
+    out = make(conv, bn)(x)
+    g = incoming_gradient(case, tuple(out.shape), device)
+    ours = _grads(conv, bn, x, out, g)
+    expected_out, expected, terms = reference_gradients(conv64, bn64, x64, g)
+    atol = ATOL[case.dtype] * min(1.0, case.inputs.scale)
+    assert_close(out, expected_out.detach(), tol.output, atol=atol)
+    if case.bn.track_running_stats:
+        assert_close(bn.running_mean, bn64.running_mean, tol.running_mean, "running_mean",
+                     atol=atol)
+        assert_close(bn.running_var, bn64.running_var, tol.running_var, "running_var", atol=atol)
+        assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"
+    floor = RTOL[case.dtype] if rtol is None else rtol
+    factors: dict[str, float] = {}
+    if torch32 is not None:
+        _, theirs, _ = reference_gradients(*torch32, x64.cpu().to(case.dtype), g.cpu())
+        factors = {n: TORCH_FACTOR * relative_error(t, expected[n]) for n, t in theirs.items()
+                   if t is not None and expected.get(n) is not None}
+    scale = max((t.abs().max().item() for t in expected.values() if t is not None), default=1.0)
+    for name, _, _ in GRADIENTS:
+        if expected.get(name) is None:
+            assert ours.get(name) is None, f"d/d {name}: a gradient where PyTorch has none"
+            continue
+        assert ours.get(name) is not None, f"d/d {name}: no gradient"
+        margin = factors.get(name, 0.0)
+        assert_close(ours[name], expected[name],
+                     max(floor, margin) if math.isfinite(margin) else floor, f"d/d {name}",
+                     atol=ATOL[case.dtype] * scale)
+    for name, _, _ in ZERO_GRADIENTS:
+        if expected.get(name) is None:
+            continue
+        assert ours.get(name) is not None, f"d/d {name}: no gradient"
+        assert expected[name].abs().max().item() <= 1e-12 * terms, \
+            f"d/d {name}: PyTorch's is not zero"
+        assert ours[name].abs().max().item() <= RTOL[case.dtype] * scale, \
+            f"d/d {name} is not zero"

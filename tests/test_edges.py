@@ -12,9 +12,9 @@ very large values (1e15)                   within that tolerance
 very large values (1e19, float32)          *deliberate difference*: PyTorch's float32 batch
                                            variance overflows (inf, then a zero scale); ours sums in
                                            float64 and matches the float64 reference
-input that requires grad, grad mode        ``NotImplementedError`` (no backward yet); under
-                                           ``torch.no_grad()`` it runs
-parameters that require grad, grad mode    one ``NoGradientWarning`` per pipeline; the call runs
+input or parameters that require grad      an output that requires grad, its backward recorded
+(grad mode)                                (tests/test_backward.py); under ``torch.no_grad()``
+                                           nothing is recorded
 float16 / bfloat16 input                   ``TypeError`` naming half precision (not supported yet)
 one value per channel in training          ``ValueError``, as PyTorch (tests/test_bad_input.py)
 a tensor on another CUDA device            runs there if it is the current device, else a clear
@@ -33,7 +33,6 @@ import pytest
 import torch
 
 from numba_deconv import Pipeline, testing
-from numba_deconv.pipeline import NoGradientWarning
 from numba_deconv.reference import Model
 
 IMPLS = [("gather", "auto"), ("gather", "gram"), ("scatter", "auto")]
@@ -144,34 +143,20 @@ def test_values_that_overflow_pytorchs_float32_variance(device, training):
     testing.assert_close(got, expected, 1e-5)
 
 
-def test_input_requiring_grad_is_refused(device):
+def test_grad_mode_records_a_backward(device):
+    """Under grad mode an input or parameters that require grad give an output with a
+    backward (``tests/test_backward.py`` checks the gradients); no warning either way."""
     _, ours = _models(device, True)
-    before = _buffers(ours)
+    pipe = Pipeline.from_torch(ours)
     x = torch.randn(SHAPE, device=device, requires_grad=True)
-    pipe = Pipeline.from_torch(ours)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        pipe(x)
-    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
-    with torch.no_grad():
-        assert pipe(x).shape == (2, 4, 3, 5, 5)
-
-
-def test_parameters_requiring_grad_warn_once(device):
-    _, ours = _models(device, False)
-    pipe = Pipeline.from_torch(ours)
-    x = torch.randn(1, 3, 2, 3, 3, device=device)
-    with pytest.warns(NoGradientWarning, match="no gradient flows"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = pipe(x)
-    assert not out.requires_grad
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pipe(x)  # once per pipeline
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with torch.no_grad():
-            Pipeline.from_torch(ours)(x)  # forward-only use says so: no warning
-        ours.requires_grad_(False)
-        Pipeline.from_torch(ours)(x)  # nothing requires grad: no warning
+        assert out.requires_grad and out.grad_fn is not None
+        out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    with torch.no_grad():
+        assert not pipe(x).requires_grad
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -23,7 +23,9 @@ def _models(device, **kwargs):
     with torch.no_grad():
         ref.batch_norm.weight.uniform_(0.5, 1.5)
         ref.batch_norm.running_var.uniform_(0.5, 2.0)
-    model = copy.deepcopy(ref).float()
+    # forward-only parameters: under grad mode, parameters that require grad make every call
+    # record its backward instead (tests/test_backward.py)
+    model = copy.deepcopy(ref).float().requires_grad_(False)
     return ref, model, Pipeline.from_torch(model, **kwargs)
 
 

@@ -1,0 +1,200 @@
+"""The operator as ``torch.library`` custom ops, so that autograd and torch.compile see it.
+
+Three ops, all in the ``numba_deconv`` namespace:
+
+``forward(x, weight, bias, gamma, beta, running_mean, running_var, handle, training)``
+    ``-> (out, yc, rows, stats)``: functional (it mutates nothing: an op with an autograd formula
+    must not), runs the pipeline ``handle`` names on the tensors it is given
+    (``Pipeline.forward_saving``) and returns what the backward needs beside the output.
+``update_running_stats(running_mean!, running_var!, num_batches_tracked!, stats, count, momentum)``
+    PyTorch's running-statistics update from the batch statistics ``forward`` returned, in place
+    (declared mutated, so torch.compile functionalises it).
+``backward(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
+batch_stats, needs)``
+    ``-> (dx, dw, dgamma)``: ``backward.backward`` (docs/design.md §2.8). It has no backward of
+    its own: double backward raises.
+
+``apply(pipe, x)`` is what ``Pipeline.__call__`` runs when the call must record its backward
+(grad mode, and the input or a parameter requires grad) and what ``ModelNew.forward`` runs under
+torch.compile; calls that record nothing never reach the dispatcher. The pipeline is named by
+an integer handle (``register``): an op's arguments can only be tensors and plain values. The
+convolution's bias and batch norm's beta get gradients of zeros: the mean subtraction removes
+both exactly (§2.8).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .backward import backward as run_backward
+from . import folding
+
+_PIPELINES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def register(pipe) -> int:
+    """A handle naming ``pipe`` in the ops' arguments (the registry holds it weakly)."""
+    handle = next(_HANDLES)
+    _PIPELINES[handle] = pipe
+    return handle
+
+
+def _pipeline(handle: int):
+    pipe = _PIPELINES.get(handle)
+    if pipe is None:
+        raise RuntimeError(f"numba_deconv: no live pipeline has handle {handle}")
+    return pipe
+
+
+@contextmanager
+def _bound(pipe, weight, bias, gamma, beta, running_mean, running_var):
+    """Run ``pipe`` on the tensors an op was given (under torch.compile they may be copies of
+    the modules' own), restoring the modules' own afterwards."""
+    slots = ((pipe.conv._parameters, "weight", weight), (pipe.conv._parameters, "bias", bias),
+             (pipe.bn._parameters, "weight", gamma), (pipe.bn._parameters, "bias", beta),
+             (pipe.bn._buffers, "running_mean", running_mean),
+             (pipe.bn._buffers, "running_var", running_var))
+    saved = [(d, name, d.get(name)) for d, name, _ in slots]
+    try:
+        for d, name, t in slots:
+            if d.get(name) is not None and t is not None:
+                d[name] = t
+        yield
+    finally:
+        for d, name, t in saved:
+            d[name] = t
+
+
+@torch.library.custom_op("numba_deconv::forward", mutates_args=())
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[Tensor],
+            beta: Optional[Tensor], running_mean: Optional[Tensor],
+            running_var: Optional[Tensor], handle: int,
+            training: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    pipe = _pipeline(handle)
+    was = pipe.training
+    pipe.training = training
+    try:
+        with _bound(pipe, weight, bias, gamma, beta, running_mean, running_var):
+            return pipe.forward_saving(x)
+    finally:
+        pipe.training = was
+
+
+def _batch_stats(running_mean, training: bool) -> bool:
+    return training or running_mean is None
+
+
+@forward.register_fake
+def _(x, weight, bias, gamma, beta, running_mean, running_var, handle, training):
+    geom = _pipeline(handle).geometry
+    batch, spatial = geom.check_input_shape(tuple(x.shape))
+    out = x.new_empty((batch, geom.out_channels, *spatial))
+    batch_stats = _batch_stats(running_mean, training)
+    yc = torch.empty_like(out) if batch_stats and batch else x.new_empty(0)
+    rows = x.new_empty((2, batch if batch_stats else 0, geom.out_channels), dtype=torch.float64)
+    return out, yc, rows, x.new_empty((3, geom.out_channels), dtype=torch.float64)
+
+
+@torch.library.custom_op("numba_deconv::update_running_stats",
+                         mutates_args=("running_mean", "running_var", "num_batches_tracked"))
+def update_running_stats(running_mean: Tensor, running_var: Tensor,
+                         num_batches_tracked: Optional[Tensor], stats: Tensor, count: int,
+                         momentum: Optional[float]) -> None:
+    """``folding.update_running_stats`` on the given buffers; an empty batch (``count`` 0) only
+    counts the batch, as PyTorch does."""
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if count == 0:
+        return
+    if momentum is None:  # cumulative average
+        factor = 1.0 / num_batches_tracked.to(torch.float64)
+    else:
+        factor = float(momentum)
+    var = stats[1]
+    unbiased = var * (count / (count - 1)) if count > 1 else var
+    running_mean.copy_((1 - factor) * running_mean.to(torch.float64) + factor * stats[0])
+    running_var.copy_((1 - factor) * running_var.to(torch.float64) + factor * unbiased)
+
+
+@update_running_stats.register_fake
+def _(running_mean, running_var, num_batches_tracked, stats, count, momentum):
+    return None
+
+
+@torch.library.custom_op("numba_deconv::backward", mutates_args=())
+def backward(grad: Tensor, x: Tensor, weight: Tensor, gamma: Optional[Tensor], yc: Tensor,
+             rows: Tensor, stats: Tensor, stride: list[int], padding: list[int],
+             dilation: list[int], groups: int, batch_stats: bool,
+             needs: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, dgamma = run_backward((tuple(stride), tuple(padding), tuple(dilation), groups),
+                                  grad, x, weight, gamma, yc, rows, stats, batch_stats,
+                                  tuple(needs))
+    return tuple(x.new_empty(0) if t is None else t for t in (dx, dw, dgamma))
+
+
+@backward.register_fake
+def _(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups, batch_stats,
+      needs):
+    return (torch.empty_like(x) if needs[0] else x.new_empty(0),
+            torch.empty_like(weight) if needs[1] else x.new_empty(0),
+            torch.empty_like(gamma) if needs[2] and gamma is not None else x.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, gamma, beta, running_mean, running_var, handle, training = inputs
+    _, yc, rows, stats = output
+    ctx.save_for_backward(x, weight, gamma, yc, rows, stats)
+    geom = _pipeline(handle).geometry  # the backward needs the geometry, not the pipeline
+    ctx.conv = (list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups)
+    ctx.batch_stats = _batch_stats(running_mean, training)
+    ctx.has_bias, ctx.has_beta = bias is not None, beta is not None
+    ctx.mark_non_differentiable(yc, rows, stats)
+
+
+def _backward(ctx, grad_out, *_):
+    x, weight, gamma, yc, rows, stats = ctx.saved_tensors
+    need_x, need_w, need_b, need_gamma, need_beta = ctx.needs_input_grad[:5]
+    dx = dw = dgamma = None
+    if need_x or need_w or need_gamma:
+        dx, dw, dgamma = backward(grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv,
+                                  ctx.batch_stats, [need_x, need_w, need_gamma])
+    # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8)
+    zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
+    return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,
+            dgamma if need_gamma else None, zeros() if need_beta else None,
+            None, None, None, None)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("numba_deconv: double backward (a gradient of the backward, "
+                              "create_graph=True) is not supported")
+
+
+forward.register_autograd(_backward, setup_context=_setup_context)
+backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def apply(pipe, x: Tensor) -> Tensor:
+    """One call of ``pipe`` on ``x`` through the ops: the output, with its backward recorded,
+    and in training the running statistics updated."""
+    conv, bn = pipe.conv, pipe.bn
+    if not torch.compiler.is_compiling():
+        pipe._check(x)  # bad input fails here, on any device (meta tensors run no kernel)
+    tracks = folding.tracks_running_stats(bn)
+    training = pipe.training
+    out, _, _, stats = forward(x, conv.weight, conv.bias, bn.weight, bn.bias,
+                               bn.running_mean if tracks else None,
+                               bn.running_var if tracks else None, pipe._handle, training)
+    if training and tracks:
+        count = math.prod(out.shape[:1] + out.shape[2:])
+        update_running_stats(bn.running_mean, bn.running_var, bn.num_batches_tracked, stats,
+                             count, bn.momentum)
+    return out

@@ -1,0 +1,122 @@
+"""The backward's passes over the incoming gradient, row by row: its sums, and ``dL/dy``.
+
+A row r = (n, c) is one sample's channel, ``S`` contiguous output voxels (docs/design.md §2.8).
+
+``grad_row_sums``: for every row
+
+    gsum[r] = sum_s g[r, s]
+    gy[r]   = sum_s g[r, s] * (yc[r, s] - off[r])        (only with ``with_y``)
+
+``gsum / S`` is the per-(n, c) mean the projection's backward subtracts; ``gy`` summed over the
+batch is the one per-channel reduction that remains of batch norm's two (``A_c``), where ``yc``
+is the forward's convolution that the backward keeps and ``off`` what centres it per (n, c).
+
+``form_grad``: ``dy[r, s] = a[c] * g[r, s] + e[c] * yc[r, s] + b[r]`` (``yc`` only with
+``with_y``), the gradient at the convolution's output with every per-channel and per-(n, c)
+constant folded into three coefficients by the host (``backward``).
+
+Thread mapping: ``grad_row_sums`` gives each row one block (grid-stride over rows); threads
+stride over the row (coalesced), accumulate in float64 and reduce with ``warp.block_sum``:
+deterministic, no atomics. ``form_grad`` strides over rows with the grid's y dimension (the
+row's constants loaded once) and over a row's voxels with the x dimension, in float64
+arithmetic (free: memory-bound). Cost: one read of ``g`` (and ``yc``) per kernel, one write of
+``dy``: memory-bound.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float64
+
+from .disk_cache import kernel_factory
+from .launch import block_size, grid_for, launch
+from .warp import MAX_WARPS, WARP_SIZE, block_sum
+
+BLOCK = 256
+MAX_ROW_BLOCKS = 65535
+
+
+@kernel_factory
+def make_grad_row_sums(with_y: bool):
+    """``grad_row_sums``; ``with_y`` is a compile-time switch for ``gy`` (batch statistics)."""
+
+    @cuda.jit
+    def grad_row_sums(g, yc, off, gsum, gy):
+        # g, yc: (R, S); off, gsum, gy: (R,) float64 (yc, off and gy untouched without with_y)
+        scratch = cuda.shared.array(MAX_WARPS, float64)
+        rows, size = g.shape
+        for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            acc = float64(0.0)
+            acc_y = float64(0.0)
+            o = off[row] if with_y else 0.0
+            for s in range(cuda.threadIdx.x, size, cuda.blockDim.x):
+                v = float64(g[row, s])
+                acc += v
+                if with_y:
+                    acc_y += v * (float64(yc[row, s]) - o)
+            total = block_sum(acc, scratch)
+            if cuda.threadIdx.x == 0:
+                gsum[row] = total
+            if with_y:
+                total = block_sum(acc_y, scratch)
+                if cuda.threadIdx.x == 0:
+                    gy[row] = total
+
+    return grad_row_sums
+
+
+@kernel_factory
+def make_form_grad(with_y: bool):
+    """``form_grad``; ``with_y`` is a compile-time switch for the ``e[c] * yc`` term."""
+
+    @cuda.jit
+    def form_grad(g, yc, a, e, b, dy):
+        # g, yc, dy: (R, S); a, e: (C,) float64; b: (R,) float64
+        rows, size = g.shape
+        channels = a.shape[0]
+        for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+            ac = a[row % channels]
+            ec = e[row % channels] if with_y else 0.0
+            br = b[row]
+            for s in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, size,
+                           cuda.gridDim.x * cuda.blockDim.x):
+                v = ac * float64(g[row, s]) + br
+                if with_y:
+                    v += ec * float64(yc[row, s])
+                dy[row, s] = v
+
+    return form_grad
+
+
+def _check_block(block: int) -> None:
+    if block % WARP_SIZE or not WARP_SIZE <= block <= WARP_SIZE * MAX_WARPS:
+        raise ValueError(f"block must be a multiple of {WARP_SIZE} up to 1024, got {block}")
+
+
+def launch_grad_row_sums(g, gsum, yc=None, off=None, gy=None, *, block: int | None = None) -> None:
+    """``g`` (R, S); ``gsum`` (R,) float64; with ``yc`` (R, S), ``off`` and ``gy`` (R,) float64
+    also ``gy`` (all three or none)."""
+    with_y = yc is not None
+    if with_y != (off is not None) or with_y != (gy is not None):
+        raise ValueError("yc, off and gy go together")
+    block = block_size(BLOCK) if block is None else block
+    _check_block(block)
+    rows = g.shape[0]
+    if not with_y:  # placeholders the kernel never reads or writes
+        yc, off, gy = g, gsum, gsum
+    launch(make_grad_row_sums(with_y), max(1, min(rows, MAX_ROW_BLOCKS)), block,
+           (g, yc, off, gsum, gy))
+
+
+def launch_form_grad(g, a, b, dy, yc=None, e=None, *, block: int | None = None) -> None:
+    """``dy = a[c] * g + b[r]`` (+ ``e[c] * yc`` with ``yc`` and ``e``); ``g``, ``yc``, ``dy``
+    (R, S) of one dtype, ``a``, ``e`` (C,) and ``b`` (R,) float64."""
+    with_y = yc is not None
+    if with_y != (e is not None):
+        raise ValueError("yc and e go together")
+    block = block_size(BLOCK) if block is None else block
+    rows, size = g.shape
+    if not with_y:
+        yc, e = g, a
+    row_blocks = max(1, min(rows, MAX_ROW_BLOCKS))
+    grid = (grid_for(size, block, cap=max(1, 4096 // row_blocks)), row_blocks)
+    launch(make_form_grad(with_y), grid, block, (g, yc, a, e, b, dy))
