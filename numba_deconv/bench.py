@@ -69,6 +69,10 @@ from .testing import relative_error
 #: Relative error (vs float64) above which a numba provider's row is marked FAIL.
 NUMBA_RTOL = 1e-5
 MODES = ("train", "eval")
+#: The suite's modes: the forward in each of ``MODES``, and a training step's forward and
+#: backward (``TRAIN_STEP``: every gradient, the input's included, of a fixed incoming gradient)
+TRAIN_STEP = "train+backward"
+SUITE_MODES = (*MODES, TRAIN_STEP)
 PROVIDERS = ("numba_gather", "numba_gather_eager", "numba_gather_graph", "numba_epilogue",
              "numba_gram", "numba_scatter", "torch_eager", "torch_strict_fp32", "torch_compile")
 MAIN_REPS = 100
@@ -538,7 +542,8 @@ def geometry_case() -> Case:
 
 def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
     """A fresh copy of ``base`` in ``mode``, wrapped as provider ``name``."""
-    model = copy.deepcopy(base).train(mode == "train")
+    model = copy.deepcopy(base).train(mode in ("train", TRAIN_STEP))
+    mode = "train" if mode == TRAIN_STEP else mode
     if name in ("numba_gather", "numba_deconv"):  # the default ModelNew: graphs="auto"
         return NumbaModel(model, "gather").train(mode == "train")
     if name == "numba_gather_eager":  # graphs=False: the kernels launched (prepared calls)
@@ -600,7 +605,7 @@ def compulsory_bytes(model: nn.Module, x: torch.Tensor, out_shape) -> int:
 
 
 def float64_reference(base: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
-    model64 = copy.deepcopy(base).double().train(mode == "train")
+    model64 = copy.deepcopy(base).double().train(mode in ("train", TRAIN_STEP))
     with torch.no_grad():
         return model64(x.double())
 
@@ -1045,8 +1050,11 @@ def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: s
                     m.status = "FAIL"
             out = None
 
-            def call():
-                return fn(x)
+            if mode == TRAIN_STEP:
+                call = _train_step(fn, x)
+            else:
+                def call():
+                    return fn(x)
 
             m.back_to_back = time_back_to_back(call, warmup=warmup, reps=reps, clock=clock,
                                                budget_s=budget_s)
@@ -1061,6 +1069,29 @@ def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: s
         if name == "torch_compile":
             _reset_dynamo()
     return m
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    """A training step's operator work: forward under grad mode with an input that requires
+    grad (a layer inside a network), then backward of a fixed incoming gradient into every
+    parameter and the input (each ``.grad`` reset first, as ``zero_grad(set_to_none=True)``)."""
+    x = x.detach().requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad] \
+        if isinstance(model, nn.Module) else []
+    with torch.enable_grad():
+        shape = model(x).shape
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+    g = g.to(x.device)
+
+    def call():
+        for t in (x, *params):
+            t.grad = None
+        with torch.enable_grad():
+            out = model(x)
+            out.backward(g)
+        return out
+
+    return call
 
 
 def _new_row(case: Case, mode: str) -> SuiteRow:
@@ -1113,7 +1144,7 @@ def run_suite(out_dir: str, *, cases: Sequence[Case] | None = None, reps: int = 
     gb_per_s, bw_source = bandwidth if bandwidth is not None else suite_bandwidth()
     meta = suite_metadata(reps=reps, warmup=warmup, budget_s=budget_s, gb_per_s=gb_per_s,
                           bandwidth_source=bw_source)
-    say(f"{len(cases)} rows x {len(MODES)} modes on {meta['device']}, {reps} timed calls per "
+    say(f"{len(cases)} rows x {len(SUITE_MODES)} modes on {meta['device']}, {reps} timed calls per "
         f"provider and method; memory bandwidth {gb_per_s:.0f} GB/s ({bw_source})")
     rows: list[SuiteRow] = []
 
@@ -1133,7 +1164,7 @@ def run_suite(out_dir: str, *, cases: Sequence[Case] | None = None, reps: int = 
                 build_error = ""
             except Exception as exc:  # noqa: BLE001
                 build_error = _one_line(exc)
-            for mode in MODES:
+            for mode in SUITE_MODES:
                 t_row = time.perf_counter()
                 row = _new_row(case, mode)
                 say(f"row {index}/{len(cases)} {case.name} {mode}: {row.description}")
@@ -1151,7 +1182,7 @@ def run_suite(out_dir: str, *, cases: Sequence[Case] | None = None, reps: int = 
                 row.seconds = time.perf_counter() - t_row
                 say(f"row {index}/{len(cases)} {case.name} {mode}: {row.status} in "
                     f"{row.seconds:.1f} s" + (f" ({row.error})" if row.error else ""))
-                if mode == MODES[-1]:
+                if mode == SUITE_MODES[-1]:
                     base = x = None
                 free_memory()
                 try:

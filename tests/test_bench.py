@@ -187,9 +187,9 @@ def test_suite_runs_on_the_cpu_records_failures_and_goes_on(tmp_path):
             json_rows_seen.append(len(json.loads(path.read_text())["rows"]))
         if name == "torch_compile":
             raise RuntimeError("no compiler here\nsecond line")
-        model = copy.deepcopy(base).train(mode == "train")
+        model = copy.deepcopy(base).train(mode != "eval")
         if name == "numba_deconv" and base.conv_transpose.weight.dtype == torch.float32 \
-                and json_rows_seen and json_rows_seen[-1] >= 4:  # the "wrong" case's rows
+                and json_rows_seen and json_rows_seen[-1] >= 6:  # the "wrong" case's rows
             return lambda x: model(x) * 1.01
         return model
 
@@ -198,14 +198,17 @@ def test_suite_runs_on_the_cpu_records_failures_and_goes_on(tmp_path):
                            clock=bench.HostClock(), make=make, bandwidth=(1000.0, "test"),
                            budget_s=None, log=lines.append)
 
-    assert [(r.case, r.mode) for r in rows] == [(c.name, m) for c in cases for m in bench.MODES]
+    modes = bench.SUITE_MODES
+    assert [(r.case, r.mode) for r in rows] == [(c.name, m) for c in cases for m in modes]
     status = {(r.case, r.mode): r.status for r in rows}
-    assert status[("tiny", "train")] == status[("tiny", "eval")] == "ok"
-    assert status[("broken", "train")] == status[("broken", "eval")] == "ERROR"
-    assert status[("wrong", "train")] == status[("wrong", "eval")] == "FAIL"
-    assert status[("tiny_float64", "train")] == status[("tiny_float64", "eval")] == "ok"
-    assert bench.suite_exit_code(rows) == 1 and bench.suite_exit_code(rows[:2]) == 0
-    assert json_rows_seen and max(json_rows_seen) >= 6 and json_rows_seen == sorted(json_rows_seen)
+    assert {status[("tiny", m)] for m in modes} == {"ok"}
+    assert {status[("broken", m)] for m in modes} == {"ERROR"}
+    assert {status[("wrong", m)] for m in modes} == {"FAIL"}
+    assert {status[("tiny_float64", m)] for m in modes} == {"ok"}
+    assert bench.suite_exit_code(rows) == 1 and bench.suite_exit_code(rows[:3]) == 0
+    assert json_rows_seen and max(json_rows_seen) >= 9 and json_rows_seen == sorted(json_rows_seen)
+    step = rows[2]  # a training step: forward and backward timed together
+    assert step.mode == bench.TRAIN_STEP and step.results["numba_deconv"].back_to_back.reps == 3
 
     ok = rows[0]
     assert list(ok.results) == list(bench.SUITE_PROVIDERS)
@@ -221,11 +224,11 @@ def test_suite_runs_on_the_cpu_records_failures_and_goes_on(tmp_path):
     assert "torch_strict_fp32" not in rows[-1].results and rows[-1].numba_rel_error < 1e-12
     assert ok.compulsory_bytes == 4 * (1 * 4 * 64 + 4 * 4 * 27 + 4 + 1 * 4 * 343)
     assert math.isclose(ok.floor_us, ok.compulsory_bytes / 1e12 * 1e6)
-    assert rows[4].results["numba_deconv"].status == "FAIL" and "numba_deconv" in rows[4].error
-    assert "geometry:" in rows[2].error and rows[2].results == {}  # the broken case
+    assert rows[6].results["numba_deconv"].status == "FAIL" and "numba_deconv" in rows[6].error
+    assert "geometry:" in rows[3].error and rows[3].results == {}  # the broken case
 
     data = json.loads((tmp_path / "suite.json").read_text())
-    assert data["complete"] is True and len(data["rows"]) == 8
+    assert data["complete"] is True and len(data["rows"]) == 12
     for key in ("device", "torch", "numba", "numba_cuda", "date", "suite", "elapsed_s"):
         assert key in data["meta"], key
     assert data["meta"]["suite"]["reps"] == 3
