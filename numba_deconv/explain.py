@@ -481,7 +481,7 @@ def _median(values):
 def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
     """Median whole-call time (events around ``pipe(x)``, a graph replay where the pipeline
     replays one) and median per-launch times (µs, launched eagerly)."""
-    with _saved_bn_state(pipe.bn):
+    with _saved_bn_state(pipe.bn), torch.no_grad():  # the forward's kernels, no backward
         for _ in range(3):  # warm-up: compile, cache plans and launchers
             pipe(x)
         torch.cuda.synchronize()

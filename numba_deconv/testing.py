@@ -358,14 +358,16 @@ def _grads(conv: nn.Module, bn: nn.Module, x: torch.Tensor, out: torch.Tensor,
 
 def reference_gradients(conv: nn.Module, bn: nn.Module, x: torch.Tensor, g: torch.Tensor):
     """``(output, gradients by name, terms)`` of PyTorch's own modules (autograd, any dtype);
-    ``terms``: the largest per-channel sum of ``|dL/dy|`` (y the convolution's output), the
-    magnitude of the terms whose sum is the shifts' zero gradients."""
+    ``terms``: for each shift's gradient (zero in exact arithmetic) the largest per-channel sum
+    of the magnitudes of the terms it adds up: ``|dL/dy|`` at the convolution's output for its
+    bias, ``|dL/dz|`` at batch norm's output for beta."""
     x = x.detach().clone().requires_grad_(True)
     conv_out = conv(x)
     y = bn(conv_out)
     out = y - y.mean(dim=(2, 3, 4), keepdim=True)
-    (dy,) = torch.autograd.grad(out, conv_out, g.to(out.dtype), retain_graph=True)
-    terms = dy.abs().sum(dim=(0, 2, 3, 4)).max().item() if dy.numel() else 0.0
+    dy, dz = torch.autograd.grad(out, (conv_out, y), g.to(out.dtype), retain_graph=True)
+    size = lambda t: t.abs().sum(dim=(0, 2, 3, 4)).max().item() if t.numel() else 0.0  # noqa: E731
+    terms = {"conv.bias": size(dy), "bn.bias": size(dz)}
     return out, _grads(conv, bn, x, out, g), terms
 
 
@@ -424,7 +426,7 @@ def check_gradients(case: Case, make: Callable, device: torch.device | str | Non
         if expected.get(name) is None:
             continue
         assert ours.get(name) is not None, f"d/d {name}: no gradient"
-        assert expected[name].abs().max().item() <= 1e-12 * terms, \
+        assert expected[name].abs().max().item() <= 1e-12 * terms[name], \
             f"d/d {name}: PyTorch's is not zero"
         assert ours[name].abs().max().item() <= RTOL[case.dtype] * scale, \
             f"d/d {name} is not zero"

@@ -14,6 +14,14 @@ from numba_deconv import Pipeline, testing
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _forward_only():
+    """Graphs serve forward-only calls: under grad mode, parameters that require grad make a
+    call record its backward instead (tests/test_backward.py)."""
+    with torch.no_grad():
+        yield
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_graph_replay_matches_reference_across_steps(training):
     case = testing.Case(testing.ConvGeometry.create(4, 6, 3, 2, 1), testing.BatchNormSettings(),

@@ -50,6 +50,7 @@ and 0.6 GB of x from L2 (x 4 times per (kd, kh), one per block of 8 oc tiles); s
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -435,12 +436,17 @@ def _sizes(x_shape, w_shape, dy_shape, stride, padding, dilation) -> tuple:
     return (*x_shape, *dy_shape[1:], *w_shape[2:], *stride, *padding, *dilation)
 
 
-def _wide(x_like, dy, *others) -> bool:
-    """Whether some offset may reach 2**31: x's and dy's with one spatial volume of slack past
-    the end (a pointer stepped past the last channel), the others' as they are."""
-    return (x_like.numel() + math.prod(x_like.shape[2:]) >= _OFFSET_LIMIT
-            or dy.numel() + math.prod(dy.shape[2:]) >= _OFFSET_LIMIT
-            or any(t.numel() >= _OFFSET_LIMIT for t in others))
+def _wide(x_shape, dy_shape, *others: int) -> bool:
+    """Whether some offset may reach 2**31: x's and dy's (shapes) with one spatial volume of
+    slack past the end (a pointer stepped past the last channel), the others' (element counts)
+    as they are."""
+    return (math.prod(x_shape) + math.prod(x_shape[2:]) >= _OFFSET_LIMIT
+            or math.prod(dy_shape) + math.prod(dy_shape[2:]) >= _OFFSET_LIMIT
+            or any(n >= _OFFSET_LIMIT for n in others))
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
 
 
 def input_tile(ipg: int) -> int:
@@ -463,20 +469,33 @@ def launch_input_grad(dy, w, dx, stride, padding, dilation, *, tile: int | None 
     override the launcher's choices (tests).
     """
     dtype = _check_tensors(("dy", "w", "dx"), (dy, w, dx))
-    opg = w.shape[1]
-    if opg < 1 or dy.shape[1] % opg:
-        raise ValueError(f"dy's {dy.shape[1]} channels are not a multiple of weight.shape[1] "
+    how = _input_launch(tuple(dy.shape), tuple(w.shape), tuple(dx.shape), _hashable(stride),
+                        _hashable(padding), _hashable(dilation), dtype, tile, staged, block)
+    if how is not None:
+        kernel, grid, block, sizes, smem = how
+        launch(kernel, grid, block, (dy.view(-1), w.view(-1), dx.view(-1), sizes), smem=smem)
+
+
+@functools.lru_cache(maxsize=256)
+def _input_launch(dy_shape, w_shape, dx_shape, stride, padding, dilation, dtype, tile, staged,
+                  block):
+    """(kernel, grid, block, sizes, smem) of an ``input_grad`` launch, None when dx is empty:
+    validated and worked out once per shape and setting (a backward's host time), and the
+    same ``sizes`` object each time (the launcher keeps its parameter slots)."""
+    opg = w_shape[1]
+    if opg < 1 or dy_shape[1] % opg:
+        raise ValueError(f"dy's {dy_shape[1]} channels are not a multiple of weight.shape[1] "
                          f"= {opg}")
-    groups = dy.shape[1] // opg
-    stride, padding, dilation = _check_geometry(dx.shape, w.shape, dy.shape, stride, padding,
+    groups = dy_shape[1] // opg
+    stride, padding, dilation = _check_geometry(dx_shape, w_shape, dy_shape, stride, padding,
                                                 dilation, groups)
-    if dx.numel() == 0:
-        return
-    ipg = dx.shape[1] // groups
+    if math.prod(dx_shape) == 0:
+        return None
+    ipg = dx_shape[1] // groups
     tc = input_tile(ipg) if tile is None else tile
     if tc not in (1, 2, 4, 8, 16):
         raise ValueError(f"tile must be 1, 2, 4, 8 or 16, got {tc}")
-    taps = math.prod(w.shape[2:])
+    taps = math.prod(w_shape[2:])
     per_oc = taps * tc * ITEMSIZE[dtype]  # one output channel's staged weights, bytes
     staged = per_oc <= SMEM_WEIGHT_BYTES if staged is None else staged
     occ = opg
@@ -484,16 +503,16 @@ def launch_input_grad(dy, w, dx, stride, padding, dilation, *, tile: int | None 
         fit = max(1, SMEM_WEIGHT_BYTES // per_oc)
         occ = -(-opg // -(-opg // fit))
     block = block_size(INPUT_BLOCK) if block is None else block
-    in_sp = math.prod(dx.shape[2:])
+    in_sp = math.prod(dx_shape[2:])
     ctiles = -(-ipg // tc)
     sblocks = -(-in_sp // block)
-    sizes = (*_sizes(dx.shape, w.shape, dy.shape, stride, padding, dilation), ipg, opg, ctiles,
+    sizes = (*_sizes(dx_shape, w_shape, dy_shape, stride, padding, dilation), ipg, opg, ctiles,
              sblocks, occ)
-    blocks = dx.shape[0] * groups * ctiles * sblocks
-    kernel = make_input_grad(dtype, tc, bool(staged), _wide(dx, dy, w))
-    launch(kernel, min(blocks, 2**31 - 1), block,
-           (dy.view(-1), w.view(-1), dx.view(-1), sizes),
-           smem=occ * taps * tc * ITEMSIZE[dtype] if staged else 0)
+    blocks = dx_shape[0] * groups * ctiles * sblocks
+    kernel = make_input_grad(dtype, tc, bool(staged),
+                             _wide(dx_shape, dy_shape, math.prod(w_shape)))
+    return (kernel, min(blocks, 2**31 - 1), block, sizes,
+            occ * taps * tc * ITEMSIZE[dtype] if staged else 0)
 
 
 def weight_tiles(dtype: str, ipg: int, opg: int, kw: int) -> tuple[int, int, int]:
@@ -555,21 +574,34 @@ def launch_weight_grad(x, dy, dw, stride, padding, dilation, groups: int = 1, *,
     launcher's choices (tests).
     """
     dtype = _check_tensors(("x", "dy", "dw"), (x, dy, dw))
-    stride, padding, dilation = _check_geometry(x.shape, dw.shape, dy.shape, stride, padding,
+    (kernel, grid, block, sizes, divs, smem, chunks, sum_kernel, sum_grid,
+     sum_block) = _weight_launch(tuple(x.shape), tuple(dw.shape), tuple(dy.shape),
+                                 _hashable(stride), _hashable(padding), _hashable(dilation),
+                                 groups, dtype, _hashable(tiles), warps, chunk_pos, batch)
+    part = torch.empty(chunks * dw.numel(), dtype=torch.float64, device=dw.device)
+    launch(kernel, grid, block, (x.view(-1), dy.view(-1), part, sizes, divs), smem=smem)
+    launch(sum_kernel, sum_grid, sum_block, (part, dw.view(-1), chunks))
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_launch(x_shape, w_shape, dy_shape, stride, padding, dilation, groups, dtype, tiles,
+                   warps, chunk_pos, batch):
+    """Both launches of ``launch_weight_grad``, validated and worked out once per shape and
+    setting (``_input_launch``)."""
+    stride, padding, dilation = _check_geometry(x_shape, w_shape, dy_shape, stride, padding,
                                                 dilation, groups)
-    plan = _weight_plan(tuple(x.shape), tuple(dw.shape), groups, dtype, tiles, warps,
-                        chunk_pos, batch)
+    plan = _weight_plan(x_shape, w_shape, groups, dtype, tiles, warps, chunk_pos, batch)
     cit, oct_, kwt = plan["tiles"]
-    part = torch.empty(plan["chunks"] * dw.numel(), dtype=torch.float64, device=dw.device)
-    sizes = (plan["n_pos"], *_sizes(x.shape, dw.shape, dy.shape, stride, padding, dilation)[1:],
-             x.shape[1] // groups, dw.shape[1], plan["ctiles"], plan["kwchunks"], plan["tb"],
+    sizes = (plan["n_pos"], *_sizes(x_shape, w_shape, dy_shape, stride, padding, dilation)[1:],
+             x_shape[1] // groups, w_shape[1], plan["ctiles"], plan["kwchunks"], plan["tb"],
              plan["ocblocks"], plan["parts"], plan["chunk_pos"], plan["chunks"])
-    divs = tuple(fastdiv.divisor(n) for n in (x.shape[4], x.shape[3], x.shape[2]))
+    divs = tuple(fastdiv.divisor(n) for n in (x_shape[4], x_shape[3], x_shape[2]))
     kernel = make_weight_grad_partials(dtype, cit, oct_, kwt, plan["batch"],
-                                       _wide(x, dy, part))
+                                       _wide(x_shape, dy_shape,
+                                             plan["chunks"] * math.prod(w_shape)))
     smem = plan["batch"] * x_stride(cit, dtype) * ITEMSIZE[dtype]
-    launch(kernel, min(plan["blocks"], 2**31 - 1), plan["block"],
-           (x.view(-1), dy.view(-1), part, sizes, divs), smem=smem)
     sum_block = block_size(SUM_BLOCK)
-    launch(make_weight_grad_sum(dtype), max(1, min(-(-dw.numel() // sum_block), 65535 * 4)),
-           sum_block, (part, dw.view(-1), plan["chunks"]))
+    w_numel = math.prod(w_shape)
+    return (kernel, min(plan["blocks"], 2**31 - 1), plan["block"], sizes, divs, smem,
+            plan["chunks"], make_weight_grad_sum(dtype),
+            max(1, min(-(-w_numel // sum_block), 65535 * 4)), sum_block)
