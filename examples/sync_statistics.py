@@ -12,7 +12,8 @@ when all agree within 1e-10.
     NUMBA_DECONV_DEVICE=sim torchrun --nproc-per-node 2 examples/sync_statistics.py  # no GPU
 
 The backend is NCCL with a GPU per rank (``cuda:LOCAL_RANK``), gloo under the CUDA simulator.
-The operator has no backward yet, so this checks the forward's statistics, not DDP training.
+The backward of synchronized statistics is not built yet, so this checks the forward's
+statistics, not DDP training.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from numba_deconv import tensor_device
 from numba_deconv.simulator import is_simulator
 from numba_deconv.testing import relative_error
 
-torch.set_grad_enabled(False)  # the operator is forward-only (it has no backward)
+torch.set_grad_enabled(False)  # forward only: under grad mode a call would also record its backward
 SIM = is_simulator()
 device = tensor_device()
 N, CI, CO, D, H, W = (2, 3, 4, 3, 4, 5) if SIM else (16, 16, 32, 16, 32, 32)

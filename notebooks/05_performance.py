@@ -27,7 +27,7 @@ from numba_deconv.explain import DEVICE_PEAKS
 from numba_deconv import tensor_device
 from numba_deconv.simulator import is_simulator
 
-torch.set_grad_enabled(False)  # the operator is forward-only (it has no backward)
+torch.set_grad_enabled(False)  # forward only: under grad mode a call would also record its backward
 SIM = is_simulator()
 device = tensor_device()
 DEFAULT_SHAPE = (16, 16, 16, 32, 32)

@@ -34,8 +34,9 @@ The generic tier (``specialize=False``, with ``conv_impl="gather"``)
 Inputs: torch tensors (zero copy, launches on torch's current stream), numba device arrays and
 numpy arrays; the output is of the same kind. Under the CUDA simulator "device" tensors are CPU
 tensors. The input is never modified. An empty batch gives an empty output (and, in training,
-counts a batch as PyTorch does). The operator has no backward: an input that requires grad
-under grad mode is refused, and parameters that require grad get a one-time warning.
+counts a batch as PyTorch does). Under grad mode, when the input or a parameter requires
+grad, a call records its backward (``autograd``: the custom op ``numba_deconv::forward``, whose
+backward runs on the kernels too, ``backward``); other calls never reach the dispatcher.
 
 Host time per call: a kind of call (input shape, dtype, device, mode) seen a second time under
 the same parameters (their addresses and version counters, ``_state``) is recorded, and later
@@ -55,7 +56,6 @@ output buffers; ``clear_cache()`` releases all of it.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
