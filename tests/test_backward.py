@@ -18,7 +18,7 @@ from numba_deconv.simulator import is_simulator
 SIM = is_simulator()
 # each example runs a forward and a backward under the simulator (~5-10 s): a few there, the
 # profile's count on a GPU
-EXAMPLES = min(3, settings().max_examples) if SIM else settings().max_examples
+EXAMPLES = min(2, settings().max_examples) if SIM else settings().max_examples
 
 
 @pytest.mark.parametrize("specialize", [True, False], ids=["specialised", "generic"])
@@ -33,9 +33,9 @@ def test_gradients_match_pytorch(specialize, data, limits, device):
         conv, bn, specialize=specialize, poison=True), device)
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-@pytest.mark.parametrize("conv_impl,variance", [("gather", "auto"), ("gather", "gram"),
-                                                ("scatter", "auto")])
+@pytest.mark.parametrize("conv_impl,variance,training", [
+    ("gather", "auto", False), ("gather", "auto", True), ("gather", "gram", True),
+    ("scatter", "auto", False), ("scatter", "auto", True)])  # (the Gram setting's eval is eval)
 def test_every_path_matches_pytorch(conv_impl, variance, training, device):
     """Each path's forward keeps what its backward needs (the Gram path hands a call that
     records a backward to the epilogue path)."""
@@ -46,9 +46,9 @@ def test_every_path_matches_pytorch(conv_impl, variance, training, device):
         conv, bn, conv_impl=conv_impl, variance=variance, poison=True), device)
 
 
-def _modules(training: bool, device, dtype=torch.float64, affine=True, bias=True):
+def _modules(training: bool, device, dtype=torch.float64, affine=True, bias=True, padding=1):
     torch.manual_seed(3)
-    conv = nn.ConvTranspose3d(2, 3, 2, stride=2, padding=1, bias=bias).to(device, dtype)
+    conv = nn.ConvTranspose3d(2, 3, 2, stride=2, padding=padding, bias=bias).to(device, dtype)
     bn = nn.BatchNorm3d(3, affine=affine).to(device, dtype)
     with torch.no_grad():
         bn.running_var.uniform_(0.5, 2.0)
@@ -59,12 +59,15 @@ def _modules(training: bool, device, dtype=torch.float64, affine=True, bias=True
     return conv.train(training), bn.train(training)
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+# (evaluation's on the GPU only: the CI run keeps to its 20 minutes; check_gradients holds both
+# modes against autograd everywhere)
+@pytest.mark.parametrize("training", [pytest.param(False, marks=pytest.mark.gpu), True],
+                         ids=["eval", "train"])
 def test_gradcheck(training, device):
     """``torch.autograd.gradcheck`` in float64 through the input and every parameter."""
-    conv, bn = _modules(training, device)
+    conv, bn = _modules(training, device, padding=0)
     pipe = Pipeline(conv, bn).train(training)
-    x = torch.randn(2, 2, 2, 2, 2, dtype=torch.float64, device=device) + 0.5
+    x = torch.randn(1, 2, 1, 2, 2, dtype=torch.float64, device=device) + 0.5  # 2x4x4 outputs
 
     def fn(x, w, b, gamma, beta):
         pipe.clear_cache()  # gradcheck perturbs through ``.data``, which bumps no version
@@ -79,9 +82,9 @@ def test_gradcheck(training, device):
 def test_opcheck(device):
     """``torch.library.opcheck``: schema, fake tensors, autograd registration, torch.compile's
     view of the op."""
-    conv, bn = _modules(True, device)
+    conv, bn = _modules(True, device, padding=0)
     pipe = Pipeline(conv, bn)
-    x = torch.randn(2, 2, 2, 3, 2, dtype=torch.float64, device=device)
+    x = torch.randn(1, 2, 1, 2, 2, dtype=torch.float64, device=device)
     args = (x.requires_grad_(True), conv.weight, conv.bias, bn.weight, bn.bias,
             bn.running_mean, bn.running_var, pipe._handle, True)
     torch.library.opcheck(torch.ops.numba_deconv.forward.default, args)
@@ -194,10 +197,10 @@ def test_model_trains_like_pytorch(device):
     ours = _Decoder(ModelNew(3, 4, 3, 2, 1)).to(device, torch.float64)
     theirs = _Decoder(Model(3, 4, 3, 2, 1)).to(device, torch.float64)
     theirs.load_state_dict(ours.state_dict())
-    x = torch.randn(2, 2, 3, 2, 3, dtype=torch.float64, device=device)
-    target = torch.randn(2, 4, 5, 3, 5, dtype=torch.float64, device=device)
-    ours_losses = _train(ours, x, target, 3)
-    theirs_losses = _train(theirs, x, target, 3)
+    x = torch.randn(2, 2, 2, 2, 3, dtype=torch.float64, device=device)
+    target = torch.randn(2, 4, 3, 3, 5, dtype=torch.float64, device=device)
+    ours_losses = _train(ours, x, target, 2)
+    theirs_losses = _train(theirs, x, target, 2)
     assert ours_losses == pytest.approx(theirs_losses, rel=1e-10)
     assert ours_losses[-1] < ours_losses[0]
     ref = theirs.state_dict()
@@ -219,7 +222,7 @@ def test_compiled_model_matches_eager(device):
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, fullgraph=True,
                              backend="aot_eager" if SIM else "inductor")
-    x = torch.randn(2, 2, 3, 2, 3, dtype=torch.float64, device=device)
+    x = torch.randn(2, 2, 2, 2, 3, dtype=torch.float64, device=device)
     for model in (eager, compiled):
         model(x).square().sum().backward()
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled_model.named_parameters()):

@@ -36,6 +36,11 @@ from numba_deconv import Pipeline, testing
 from numba_deconv.reference import Model
 
 IMPLS = [("gather", "auto"), ("gather", "gram"), ("scatter", "auto")]
+# the Gram path (opt-in, and the slowest under the simulator) meets extreme values on the GPU
+# profile only: the CI run keeps to its 20 minutes on 2 cores
+IMPLS_GPU_GRAM = [("gather", "auto"),
+                  pytest.param("gather", "gram", marks=pytest.mark.gpu, id="gather-gram"),
+                  ("scatter", "auto")]
 SHAPE = (2, 3, 2, 3, 3)  # a few voxels per channel keep the simulator quick
 
 
@@ -85,7 +90,7 @@ def _patterns(t: torch.Tensor) -> tuple:
     return torch.isnan(t), torch.isposinf(t), torch.isneginf(t)
 
 
-@pytest.mark.parametrize("impl,variance", IMPLS)
+@pytest.mark.parametrize("impl,variance", IMPLS_GPU_GRAM)
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_non_finite_input_like_pytorch(device, impl, variance, training, value):
@@ -113,7 +118,7 @@ def test_non_finite_input_like_pytorch(device, impl, variance, training, value):
             assert torch.equal(torch.isfinite(mine.cpu()), torch.isfinite(theirs.cpu())), name
 
 
-@pytest.mark.parametrize("impl,variance", IMPLS)
+@pytest.mark.parametrize("impl,variance", IMPLS_GPU_GRAM)
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("scale", [1e-40, 1e15])
 def test_extreme_magnitudes(device, impl, variance, training, scale):
