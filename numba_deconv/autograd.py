@@ -149,13 +149,12 @@ def _(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, gamma, beta, running_mean, running_var, handle, training = inputs
+    x, weight, _, gamma, _, running_mean, _, handle, training = inputs
     _, yc, rows, stats = output
     ctx.save_for_backward(x, weight, gamma, yc, rows, stats)
     geom = _pipeline(handle).geometry  # the backward needs the geometry, not the pipeline
     ctx.conv = (list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups)
     ctx.batch_stats = _batch_stats(running_mean, training)
-    ctx.has_bias, ctx.has_beta = bias is not None, beta is not None
     ctx.mark_non_differentiable(yc, rows, stats)
 
 
