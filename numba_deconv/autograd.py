@@ -108,20 +108,15 @@ def _(x, weight, bias, gamma, beta, running_mean, running_var, handle, training)
 def update_running_stats(running_mean: Tensor, running_var: Tensor,
                          num_batches_tracked: Optional[Tensor], stats: Tensor, count: int,
                          momentum: Optional[float]) -> None:
-    """``folding.update_running_stats`` on the given buffers; an empty batch (``count`` 0) only
-    counts the batch, as PyTorch does."""
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
+    """``folding.update_running_buffers`` with the batch statistics ``forward`` returned; an
+    empty batch (``count`` 0) only counts the batch, as PyTorch does. (A count of 1 never
+    comes: batch statistics of one value are refused before.)"""
     if count == 0:
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
         return
-    if momentum is None:  # cumulative average
-        factor = 1.0 / num_batches_tracked.to(torch.float64)
-    else:
-        factor = float(momentum)
-    var = stats[1]
-    unbiased = var * (count / (count - 1)) if count > 1 else var
-    running_mean.copy_((1 - factor) * running_mean.to(torch.float64) + factor * stats[0])
-    running_var.copy_((1 - factor) * running_var.to(torch.float64) + factor * unbiased)
+    folding.update_running_buffers(running_mean, running_var, num_batches_tracked, momentum,
+                                   stats[0], stats[1], count)
 
 
 @update_running_stats.register_fake

@@ -81,13 +81,22 @@ def update_running_stats(bn: nn.BatchNorm3d, mu: torch.Tensor, var: torch.Tensor
     """
     if not tracks_running_stats(bn):
         return
-    if bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
-    if bn.momentum is None:  # cumulative average; a 0-d tensor, so no device sync
-        factor = 1.0 / bn.num_batches_tracked.to(torch.float64)
+    update_running_buffers(bn.running_mean, bn.running_var, bn.num_batches_tracked,
+                           bn.momentum, mu, var, count)
+
+
+@torch.no_grad()
+def update_running_buffers(running_mean: torch.Tensor, running_var: torch.Tensor,
+                           num_batches_tracked: torch.Tensor | None, momentum: float | None,
+                           mu: torch.Tensor, var: torch.Tensor, count: int) -> None:
+    """``update_running_stats`` on the buffers themselves (the custom op's update,
+    ``autograd.update_running_stats``, is given tensors, not a module)."""
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if momentum is None:  # cumulative average; a 0-d tensor, so no device sync
+        factor = 1.0 / num_batches_tracked.to(torch.float64)
     else:
-        factor = float(bn.momentum)
+        factor = float(momentum)
     unbiased = var * (count / (count - 1))
-    rm, rv = bn.running_mean, bn.running_var
-    rm.copy_((1 - factor) * rm.to(torch.float64) + factor * mu)
-    rv.copy_((1 - factor) * rv.to(torch.float64) + factor * unbiased)
+    running_mean.copy_((1 - factor) * running_mean.to(torch.float64) + factor * mu)
+    running_var.copy_((1 - factor) * running_var.to(torch.float64) + factor * unbiased)

@@ -291,6 +291,17 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor) -
     return Tolerance(*margins)
 
 
+def _check_running_stats(case: Case, bn: nn.Module, bn64: nn.Module, tol: Tolerance,
+                         atol: float) -> None:
+    """The candidate's running statistics against the float64 reference's, where it keeps any."""
+    if case.bn.track_running_stats:
+        # atol: a channel with no taps is constant, so its batch variance is 0 up to rounding
+        assert_close(bn.running_mean, bn64.running_mean, tol.running_mean, "running_mean",
+                     atol=atol)
+        assert_close(bn.running_var, bn64.running_var, tol.running_var, "running_var", atol=atol)
+        assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"
+
+
 def check_case(case: Case, make: Callable, device: torch.device | str | None = None,
                rtol: float | None = None, x: torch.Tensor | None = None) -> None:
     """Run ``make(conv, bn)(x)`` against the float64 reference on the same parameters.
@@ -320,12 +331,7 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
     # give small outputs; batch statistics rescale them, and the relative bound governs there)
     atol = ATOL[case.dtype] * min(1.0, case.inputs.scale)
     assert_close(out, expected, tol.output, atol=atol)
-    if case.bn.track_running_stats:
-        # atol: a channel with no taps is constant, so its batch variance is 0 up to rounding
-        assert_close(bn.running_mean, bn64.running_mean, tol.running_mean, "running_mean",
-                     atol=atol)
-        assert_close(bn.running_var, bn64.running_var, tol.running_var, "running_var", atol=atol)
-        assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"
+    _check_running_stats(case, bn, bn64, tol, atol)
 
 
 #: the gradients ``check_gradients`` compares: (name, the module holding it, its attribute)
@@ -401,11 +407,7 @@ def check_gradients(case: Case, make: Callable, device: torch.device | str | Non
     expected_out, expected, terms = reference_gradients(conv64, bn64, x64, g)
     atol = ATOL[case.dtype] * min(1.0, case.inputs.scale)
     assert_close(out, expected_out.detach(), tol.output, atol=atol)
-    if case.bn.track_running_stats:
-        assert_close(bn.running_mean, bn64.running_mean, tol.running_mean, "running_mean",
-                     atol=atol)
-        assert_close(bn.running_var, bn64.running_var, tol.running_var, "running_var", atol=atol)
-        assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"
+    _check_running_stats(case, bn, bn64, tol, atol)
     floor = RTOL[case.dtype] if rtol is None else rtol
     factors: dict[str, float] = {}
     if torch32 is not None:

@@ -29,7 +29,7 @@ from numba import cuda, float64
 
 from .disk_cache import kernel_factory
 from .launch import block_size, grid_for, launch
-from .warp import MAX_WARPS, WARP_SIZE, block_sum
+from .warp import MAX_WARPS, block_sum, check_block
 
 BLOCK = 256
 MAX_ROW_BLOCKS = 65535
@@ -87,11 +87,6 @@ def make_form_grad(with_y: bool):
     return form_grad
 
 
-def _check_block(block: int) -> None:
-    if block % WARP_SIZE or not WARP_SIZE <= block <= WARP_SIZE * MAX_WARPS:
-        raise ValueError(f"block must be a multiple of {WARP_SIZE} up to 1024, got {block}")
-
-
 def launch_grad_row_sums(g, gsum, yc=None, off=None, gy=None, *, block: int | None = None) -> None:
     """``g`` (R, S); ``gsum`` (R,) float64; with ``yc`` (R, S), ``off`` and ``gy`` (R,) float64
     also ``gy`` (all three or none)."""
@@ -99,7 +94,7 @@ def launch_grad_row_sums(g, gsum, yc=None, off=None, gy=None, *, block: int | No
     if with_y != (off is not None) or with_y != (gy is not None):
         raise ValueError("yc, off and gy go together")
     block = block_size(BLOCK) if block is None else block
-    _check_block(block)
+    check_block(block)
     rows = g.shape[0]
     if not with_y:  # placeholders the kernel never reads or writes
         yc, off, gy = g, gsum, gsum

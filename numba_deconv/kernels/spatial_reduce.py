@@ -23,7 +23,7 @@ from numba import cuda, float64
 
 from .disk_cache import kernel_factory
 from .launch import block_size, launch
-from .warp import MAX_WARPS, WARP_SIZE, block_sum
+from .warp import MAX_WARPS, block_sum, check_block
 
 BLOCK = 256
 
@@ -65,8 +65,7 @@ def spatial_moments(y, mean, css, *, with_css: bool, block: int | None = None,
                     max_blocks: int = 65535) -> None:
     """Launch: ``y`` (R, S), ``mean`` and ``css`` (R,) float64 (``css`` written iff ``with_css``)."""
     block = block_size(BLOCK) if block is None else block
-    if block % WARP_SIZE or not WARP_SIZE <= block <= WARP_SIZE * MAX_WARPS:
-        raise ValueError(f"block must be a multiple of {WARP_SIZE} up to 1024, got {block}")
+    check_block(block)
     rows = y.shape[0]
     kernel = make_spatial_moments(with_css)
     grid = max(1, min(rows, max_blocks))

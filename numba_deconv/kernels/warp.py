@@ -23,6 +23,12 @@ FULL_MASK = 0xFFFFFFFF  # every lane of a warp (the package's one definition of 
 MAX_WARPS = 32  # 1024 threads per block at most
 
 
+def check_block(block: int) -> None:
+    """A launcher's check of the precondition above: ``block`` a multiple of 32, at most 1024."""
+    if block % WARP_SIZE or not WARP_SIZE <= block <= WARP_SIZE * MAX_WARPS:
+        raise ValueError(f"block must be a multiple of {WARP_SIZE} up to 1024, got {block}")
+
+
 @cuda.jit(device=True)
 def warp_sum(value):
     """Sum ``value`` over the 32 lanes of the warp; the total is valid in lane 0."""
