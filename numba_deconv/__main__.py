@@ -219,6 +219,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     b.add_argument("--first-call", action="store_true",
                    help="time first calls in new processes: cold and warm kernel cache, a "
                         "new geometry in a warm process, and the same for the generic tier")
+    b.add_argument("--ddp", action="store_true",
+                   help="time a DDP training step on one GPU and on two, against eager "
+                        "SyncBatchNorm under DDP (needs two GPUs for the two-GPU rows)")
     b.add_argument("--reps", type=positive_int, default=100,
                    help="timed calls per main-table row (default %(default)s)")
 
@@ -393,6 +396,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         first_call.measure(args.out)
         return 0
+    if args.command == "bench" and args.ddp:
+        from numba_deconv import bench, bench_ddp
+
+        if bench.is_simulator() or not bench.torch.cuda.is_available():
+            print("bench: timing DDP training steps needs a GPU (running under the CUDA "
+                  "simulator); nothing timed.")
+            return 2
+        return bench_ddp.measure(args.out)
     if args.command == "bench":
         from numba_deconv import bench
 

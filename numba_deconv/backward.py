@@ -21,29 +21,39 @@ Given the incoming gradient ``g`` (the output's shape) and what the forward kept
 ``dL/dgamma = A_c / sigma_c`` in both modes (no division by gamma: a zero gamma keeps its
 gradient). The convolution's bias and batch norm's beta get zeros (``autograd``): the mean
 subtraction removes both, exactly. Only what is asked for is computed (``needs``).
+
+Synchronized batch statistics (``group``, ``sync``): ``dy`` is that of the loss of every rank,
+so ``k2`` takes ``A_c`` and the count over the group (one ``all_gather``, ``sync.all_sums``,
+whenever ``dL/dx`` or ``dL/dW`` is asked for; a rank with an empty slice still takes part).
+``dL/dgamma`` stays the rank's own share, as ``nn.SyncBatchNorm``'s: data parallelism adds the
+ranks' parameter gradients.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import folding
+from . import folding, sync
 from .kernels import conv_grads, grad_rows
 
 
 def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
              gamma: torch.Tensor | None, yc: torch.Tensor, rows: torch.Tensor,
-             stats: torch.Tensor, batch_stats: bool, needs: tuple[bool, bool, bool]):
+             stats: torch.Tensor, batch_stats: bool, needs: tuple[bool, bool, bool],
+             group=None):
     """``(dL/dx, dL/dW, dL/dgamma)``, None where ``needs`` (x, weight, gamma) says not needed
     (``dL/dgamma`` also None without gamma). ``conv``: the convolution's (stride, padding,
     dilation, groups); ``yc``, ``rows``, ``stats``: as ``Pipeline.forward_saving`` returns
-    them."""
+    them; ``group``: the process group of synchronized batch statistics, or None."""
     stride, padding, dilation, groups = conv
     need_x, need_w, need_gamma = needs
     need_gamma = need_gamma and gamma is not None
     batch, channels = g.shape[0], g.shape[1]
     f64 = dict(dtype=torch.float64, device=g.device)
+    pooled = group is not None and batch_stats and (need_x or need_w)
     if batch == 0 or g.numel() == 0:
+        if pooled:  # the other ranks' exchange waits for this rank's (empty) share
+            sync.all_sums(0.0, torch.zeros(channels, **f64), group)
         return (torch.zeros_like(x) if need_x else None,
                 torch.zeros_like(weight) if need_w else None,
                 torch.zeros_like(gamma) if need_gamma else None)
@@ -61,8 +71,11 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         gy = torch.empty(r, **f64)
         grad_rows.launch_grad_row_sums(g_rows, gsum, y_rows, off.reshape(r), gy)
         a_c = gy.view(batch, channels).sum(dim=0)
-        k2 = k1 * a_c / (batch * volume * sigma * sigma)
-        mu = means.mean(dim=0)
+        count, a_all = batch * volume, a_c
+        if pooled:
+            count, a_all = sync.all_sums(count, a_c, group)
+        k2 = k1 * a_all / (count * sigma * sigma)
+        mu = stats[3]
         # dy = k1 (g - gm) - k2 (yc - off + m - mu): the per-(n, c) constants in one
         b = -k1 * (gsum.view(batch, channels) / volume) + k2 * (off - means + mu)
         grad_rows.launch_form_grad(g_rows, k1, b.reshape(r), dy.view(r, volume), y_rows, -k2)

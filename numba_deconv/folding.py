@@ -73,7 +73,7 @@ def uses_batch_statistics(bn: nn.BatchNorm3d, training: bool) -> bool:
 
 @torch.no_grad()
 def update_running_stats(bn: nn.BatchNorm3d, mu: torch.Tensor, var: torch.Tensor,
-                         count: int) -> None:
+                         count: int | torch.Tensor) -> None:
     """PyTorch's update (docs/design.md §2.5), in place on ``bn``'s buffers.
 
     num_batches_tracked += 1; factor = momentum, or 1/num_batches_tracked when momentum is None;
@@ -82,21 +82,26 @@ def update_running_stats(bn: nn.BatchNorm3d, mu: torch.Tensor, var: torch.Tensor
     if not tracks_running_stats(bn):
         return
     update_running_buffers(bn.running_mean, bn.running_var, bn.num_batches_tracked,
-                           bn.momentum, mu, var, count)
+                           bn.momentum, mu, unbiased_variance(var, count))
+
+
+def unbiased_variance(var: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """The running variance's update: the biased batch variance ``var`` of ``count`` values
+    times M / (M - 1) (``count`` may be a float64 tensor: no device sync)."""
+    return var * (count / (count - 1))
 
 
 @torch.no_grad()
 def update_running_buffers(running_mean: torch.Tensor, running_var: torch.Tensor,
                            num_batches_tracked: torch.Tensor | None, momentum: float | None,
-                           mu: torch.Tensor, var: torch.Tensor, count: int) -> None:
-    """``update_running_stats`` on the buffers themselves (the custom op's update,
-    ``autograd.update_running_stats``, is given tensors, not a module)."""
+                           mu: torch.Tensor, unbiased: torch.Tensor) -> None:
+    """``update_running_stats`` on the buffers themselves, given the unbiased variance (the
+    custom op's update, ``autograd.update_running_stats``, is given tensors, not a module)."""
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)
     if momentum is None:  # cumulative average; a 0-d tensor, so no device sync
         factor = 1.0 / num_batches_tracked.to(torch.float64)
     else:
         factor = float(momentum)
-    unbiased = var * (count / (count - 1))
     running_mean.copy_((1 - factor) * running_mean.to(torch.float64) + factor * mu)
     running_var.copy_((1 - factor) * running_var.to(torch.float64) + factor * unbiased)

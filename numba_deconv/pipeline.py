@@ -159,7 +159,8 @@ class Pipeline:
             self.synchronize(process_group)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._capturing = False
-        self._saving = False  # a call whose backward will run (``forward_saving``)
+        # a call whose backward will run (``forward_saving``): what it keeps, filled as it runs
+        self._saving: dict | None = None
         self._handle = autograd.register(self)
         self.training = bn.training
         self._plans: OrderedDict[tuple, CallPlan] = OrderedDict()
@@ -452,7 +453,7 @@ class Pipeline:
             return "eval"
         # as variance_path() says; a call that keeps the convolution for its backward takes
         # the epilogue path (``forward_saving``)
-        return "gram" if self.variance == "gram" and not self._saving else "epilogue"
+        return "gram" if self.variance == "gram" and self._saving is None else "epilogue"
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -571,22 +572,19 @@ class Pipeline:
           memory and no traffic. Empty in evaluation, whose backward needs no ``y``.
         * ``rows`` (2, N, C) float64: what centres ``yc`` per (n, c) (zeros on the gather
           path, the means on the stored paths) and the means of the bias-free convolution.
-        * ``stats`` (3, C) float64: the batch mean (with the bias) and biased variance (the
-          running ones' update), and sigma = sqrt(var + eps) with the variance the call
-          normalised with.
+        * ``stats`` (4, C) float64: the batch mean (with the bias) and the unbiased batch
+          variance (the running ones' update), sigma = sqrt(var + eps) with the variance the
+          call normalised with, and the batch mean of the bias-free convolution. Synchronized,
+          all four are the process group's (``sync``).
 
         On the Gram path (``variance="gram"``) such a call takes the epilogue path: the Gram
         path never stores the unscaled convolution."""
-        if self._synced():
-            raise NotImplementedError("synchronized batch statistics have no backward yet: "
-                                      "call a pipeline with a process group under "
-                                      "torch.no_grad()")
         save: dict = {}
-        self._saving = True
+        self._saving = save
         try:
             out = self._forward(x.detach(), record=None, save=save)
         finally:
-            self._saving = False
+            self._saving = None
         return out, save["yc"], save["rows"], save["stats"]
 
     def _forward(self, x: torch.Tensor, record: dict | None,
@@ -595,9 +593,10 @@ class Pipeline:
         bn, geom = self.bn, self.geometry
         batch_stats = folding.uses_batch_statistics(bn, self.training)
         if batch == 0:
+            out = self._empty_batch(x, out_spatial, record)
             if save is not None:
                 self._save(save, x, batch_stats, None, None)
-            return self._empty_batch(x, out_spatial, record)
+            return out
         volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
         if batch_stats and not self._synced():  # synchronized: the pooled count is checked
             folding.check_batch_size(batch, volume, geom.out_channels)
@@ -619,22 +618,30 @@ class Pipeline:
 
     def _save(self, save: dict, x: torch.Tensor, batch_stats: bool, plan: CallPlan | None,
               conv_out: torch.Tensor | None) -> None:
-        """What ``forward_saving`` returns, from a call's plan (None: an empty batch)."""
+        """What ``forward_saving`` returns, from a call's plan (None: an empty batch).
+        Synchronized, the statistics are those ``_finish_synced`` pooled."""
         bn, c = self.bn, self.geometry.out_channels
         f64 = dict(dtype=torch.float64, device=x.device)
         batch = x.shape[0]
-        stats = torch.zeros((3, c), **f64)
+        stats = torch.zeros((4, c), **f64)
         rows = torch.zeros((2, batch if batch_stats else 0, c), **f64)
         yc = x.new_empty(0)
         if batch_stats and plan is not None:
-            stats[:2] = plan.scratch.stats
             rows[1] = plan.scratch.means
             if plan.path in STORED_PATHS:  # the stored convolution is not centred
                 rows[0] = plan.scratch.means
             yc = conv_out
-        elif not batch_stats:
-            stats[1] = bn.running_var.detach()
-        stats[2] = torch.sqrt(stats[1] + bn.eps)
+        if "pooled" in save:
+            mean, var, mu, count = save.pop("pooled")
+        elif batch_stats and plan is not None:
+            (mean, var), mu = plan.scratch.stats, rows[1].mean(dim=0)
+            count = plan.batch * plan.volume
+        else:  # evaluation, or an empty batch that no other rank adds to
+            mean = mu = stats[0]
+            var = bn.running_var.detach() if not batch_stats else stats[1]
+            count = None
+        stats[0], stats[2], stats[3] = mean, torch.sqrt(var + bn.eps), mu
+        stats[1] = var if count is None else folding.unbiased_variance(var, count)
         save.update(yc=yc, rows=rows, stats=stats)
 
     def _empty_batch(self, x: torch.Tensor, out_spatial, record) -> torch.Tensor:
@@ -665,7 +672,8 @@ class Pipeline:
         """Take training's batch statistics over the ranks of ``process_group`` (a
         ``torch.distributed`` group; ``torch.distributed.group.WORLD`` for all), as
         ``nn.SyncBatchNorm`` does: every rank of the group must make the same calls, and each
-        training call exchanges the ranks' per-channel moments once (``sync.all_moments``).
+        training call exchanges the ranks' per-channel moments once (``sync.all_moments``),
+        and its backward its one per-channel reduction (``sync.all_sums``, docs/design.md §9).
         Evaluation exchanges nothing. Not with ``variance="gram"``."""
         if self.variance == "gram" and self.conv_impl == "gather":
             raise ValueError(GRAM_NOT_SYNCED)
@@ -677,18 +685,22 @@ class Pipeline:
 
     def _finish_synced(self, means, css, volume: int, record) -> torch.Tensor:
         """The batch statistics of every rank's slice together: the scale (float64) and, in a
-        call that updates them, the running statistics."""
+        call that updates them, the running statistics; a saving call keeps them
+        (``forward_saving``)."""
         count, mu, m2 = sync.all_moments(*sync.local_moments(means, css, volume),
                                          self.process_group)
-        total = int(count.item())
-        if total <= 1:
+        # A slice of two values or more makes the group's count at least two: only a smaller
+        # slice waits for the GPU to read the group's count (``count`` stays a tensor).
+        if means.shape[0] * volume <= 1 and (total := int(count.item())) <= 1:
             raise ValueError("Expected more than 1 value per channel when training, got "
                              f"{total} over the process group's ranks")
-        var = m2 / total
+        var = m2 / count
         bias = self.conv.bias
         mean = mu if bias is None else mu + bias.detach().to(torch.float64)
         if self._updates(record):
-            folding.update_running_stats(self.bn, mean, var, total)
+            folding.update_running_stats(self.bn, mean, var, count)
+        if self._saving is not None:
+            self._saving["pooled"] = (mean, var, mu, count)
         if record is not None:
             record["batch_statistics"] = torch.stack([mean, var])
         return folding.bn_scale(self.bn, var)
@@ -704,7 +716,7 @@ class Pipeline:
 
     def _updates(self, record) -> bool:
         """Whether this call updates the running statistics (training, not a trace)."""
-        return (self.training and record is None and not self._saving
+        return (self.training and record is None and self._saving is None
                 and folding.tracks_running_stats(self.bn))
 
     def _bn_buffers(self, plan: CallPlan) -> tuple:

@@ -4,17 +4,23 @@ semantics for this operator).
 In training, batch norm normalises with the batch's statistics; under data parallelism each
 rank holds a slice of the batch, and ``nn.SyncBatchNorm`` makes the statistics those of the
 union of the slices. Here the same: each rank reduces its slice to per-channel moments, one
-collective exchanges them, and every rank combines all of them in rank order, so every rank
-computes the same statistics, scale and running-statistics update.
+collective exchanges them, and every rank combines all of them by the same fixed reduction, so
+every rank computes the same statistics, scale and running-statistics update. Nothing waits for
+the GPU: the pooled count stays a tensor (the host reads it only where its own slice has fewer
+than two values, to refuse a group with one value per channel, as PyTorch refuses one).
 
 * ``local_moments``: (count, mean, M2) per channel of a rank's slice, from the per-(n, c)
   spatial means and centred sums of squares the kernels produce (docs/design.md §2.4). Both
   terms of M2 are centred, so nothing cancels.
 * ``combine``: the ranks' moments pooled with the parallel-variance formula of Chan, Golub and
-  LeVeque (delta = mean_b - mean_a; mean += delta n_b / n; M2 = M2_a + M2_b + delta^2 n_a n_b / n),
-  which adds no cancellation of its own and keeps the counts exact (float64 integers). A rank
-  with an empty slice contributes a count of zero.
-* ``all_moments``: one ``all_gather`` of (1 + 2C) float64 values per rank per forward.
+  LeVeque for W parts at once (mean = sum n_r mean_r / n; M2 = sum M2_r + sum n_r (mean_r -
+  mean)^2), which adds no cancellation of its own and keeps the counts exact (float64
+  integers). A rank with an empty slice contributes a count of zero.
+* ``all_moments``: one all-gather of (1 + 2C) float64 values per rank per forward.
+* ``all_sums``: the backward's one exchange, (1 + C) float64 values per rank: the count and
+  the per-channel A_c = sum g (y - mu) (docs/design.md §2.8), summed. Batch norm's
+  other gradient reduction, the sum of the gradient, is zero here (the mean subtraction centres
+  the gradient per (n, c)), so it is not exchanged.
 
 The variance divides M2 by the pooled count (biased, for normalising); the running variance
 takes the unbiased M2 / (count - 1), as PyTorch's. In evaluation nothing is exchanged (the
@@ -35,8 +41,8 @@ def local_moments(means: torch.Tensor, css: torch.Tensor, volume: int):
     An empty slice (N = 0) gives zeros."""
     means = means.to(torch.float64)
     channels = means.shape[1]
-    count = torch.tensor(float(means.shape[0] * volume), dtype=torch.float64,
-                         device=means.device)
+    # a fill, not a copy from the host (which would wait for the GPU)
+    count = means.new_full((), float(means.shape[0] * volume))
     if means.shape[0] == 0:
         zeros = torch.zeros(channels, dtype=torch.float64, device=means.device)
         return count, zeros, zeros.clone()
@@ -47,28 +53,42 @@ def local_moments(means: torch.Tensor, css: torch.Tensor, volume: int):
 
 def combine(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor):
     """The pooled (count, mean, M2) of ranks' moments, ``counts`` (W,), ``means`` and ``m2s``
-    (W, C), added in rank order (so every rank gets the same bits); ranks of count 0 add
-    nothing."""
-    count = counts[0]
-    mean = means[0]
-    m2 = m2s[0]
-    for r in range(1, counts.shape[0]):
-        n_b = counts[r]
-        total = count + n_b
-        safe = torch.where(total > 0, total, torch.ones_like(total))
-        delta = means[r] - mean
-        mean = torch.where(total > 0, mean + delta * (n_b / safe), mean)
-        m2 = torch.where(total > 0, m2 + m2s[r] + delta * delta * (count * n_b / safe), m2)
-        count = total
+    (W, C): Chan, Golub and LeVeque's formula for W parts at once,
+
+        n = sum_r n_r,  mean = sum_r n_r mean_r / n,  M2 = sum_r M2_r + sum_r n_r (mean_r - mean)^2
+
+    (every term non-negative: nothing cancels). Ranks of count 0 add nothing; with no values at
+    all the mean and M2 are zeros. A fixed reduction of the same table, so every rank gets the
+    same bits."""
+    count = counts.sum()
+    weights = counts / count.clamp(min=1)
+    mean = (weights[:, None] * means).sum(dim=0)
+    m2 = m2s.sum(dim=0) + (counts[:, None] * (means - mean) ** 2).sum(dim=0)
     return count, mean, m2
 
 
+def _gather(packed: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``packed`` (1-D), stacked in rank order: one all-gather into one tensor."""
+    world, size = dist.get_world_size(group), packed.shape[0]
+    table = packed.new_empty(world * size)  # concatenated: gloo takes no stacked form
+    _all_gather_single(table, packed, group=group)
+    return table.view(world, size)
+
+
+# the one-tensor all-gather's newer name, where the installed torch has it
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, group):
-    """Every rank's moments, gathered (one ``all_gather``) and combined (``combine``)."""
-    packed = torch.cat([count.reshape(1), mean, m2])
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(packed) for _ in range(world)]
-    dist.all_gather(gathered, packed, group=group)
-    table = torch.stack(gathered)
+    """Every rank's moments, gathered (one all-gather) and combined (``combine``)."""
+    table = _gather(torch.cat([count.reshape(1), mean, m2]), group)
     channels = mean.shape[0]
     return combine(table[:, 0], table[:, 1:1 + channels], table[:, 1 + channels:])
+
+
+def all_sums(count: float, values: torch.Tensor, group):
+    """``(count, values)`` summed over the ranks of ``group`` (one all-gather of 1 + C float64
+    values, added by a fixed reduction: every rank gets the same bits)."""
+    values = values.to(torch.float64)
+    total = _gather(torch.cat([values.new_full((1,), float(count)), values]), group).sum(dim=0)
+    return total[0], total[1:]

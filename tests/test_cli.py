@@ -42,7 +42,7 @@ def test_run_fails_loudly_when_errors_are_large(capsys, monkeypatch):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("extra", [[], ["--first-call"]])
+@pytest.mark.parametrize("extra", [[], ["--first-call"], ["--ddp"]])
 def test_bench_needs_a_gpu(capsys, tmp_path, extra):
     assert cli.main(["bench", "--out", str(tmp_path / "r"), *extra]) == 2
     out = capsys.readouterr().out
@@ -187,6 +187,35 @@ def test_first_call_rows_and_files(tmp_path, monkeypatch):
     table = (tmp_path / "first_call.md").read_text()
     assert "| new process, warm cache: default problem | eval | 3.000 |" in table
     assert "| generic tier, new process, warm cache: new geometry | train | 5.000 |" in table
+
+
+def test_ddp_rows_and_files(tmp_path, monkeypatch):
+    """``bench --ddp``'s efficiency, speed-ups and table from its worlds' rows (faked: no GPU)."""
+    from numba_deconv import bench_ddp
+
+    def world(w):
+        times = {"numba_deconv": 1.0, "torch_eager": 4.0}
+        return [bench_ddp.DdpRow(shape, p, w, 16, t * (1 + (w - 1) / 4), t * (1 + (w - 1) / 2),
+                                 0.1 * (w - 1)) for shape in bench_ddp.SHAPES
+                for p, t in times.items()]
+
+    monkeypatch.setattr(bench_ddp, "run_world", world)
+    monkeypatch.setattr(bench_ddp.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench_ddp.torch.cuda, "get_device_name", lambda i: "test GPU")
+    assert bench_ddp.measure(str(tmp_path)) == 0
+    saved = json.loads((tmp_path / "ddp.json").read_text())
+    assert len(saved["rows"]) == 8 and saved["meta"]["worlds"] == [1, 2]
+    summary = {(s["shape"], s["provider"]): s for s in saved["summary"]}
+    assert len(summary) == 4
+    ours = summary[("default", "numba_deconv")]
+    assert ours["efficiency_b2b"] == pytest.approx(0.8) and ours["efficiency_kb"] == \
+        pytest.approx(2 / 3)
+    assert ours["speedup_b2b"] == pytest.approx(4.0) and ours["speedup_kb"] == pytest.approx(4.0)
+    table = (tmp_path / "ddp.md").read_text()
+    assert "2 x test GPU" in table
+    assert "| default | numba_deconv | 2 | 1.250 / 1.500 | 25,600 | 0.100 | 80% / 67% | " \
+        "4.00 / 4.00 |" in table
+    assert "| default | numba_deconv | 1 | 1.000 / 1.000 | 16,000 | 0.000 | - | - |" in table
 
 
 def test_cache_reports_and_clears(capsys, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """Synchronized batch statistics (``numba_deconv.sync``, ``Pipeline.synchronize``): the moments'
-algebra, and ranks of a ``gloo`` process group against one process holding the whole batch."""
+algebra, and DDP training on ranks of a ``gloo`` process group against one process holding the
+whole batch."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def test_gram_variance_cannot_be_synchronized():
         Pipeline(conv, bn, variance="gram", process_group=object())
 
 
-# ---- ranks of a gloo group against one process (the shipped example) ------------------------------
-EXAMPLE = ROOT / "examples" / "sync_statistics.py"
+# ---- DDP ranks of a gloo group against one process (the shipped example) ------------------------------
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
 
 
 def _free_port() -> int:
@@ -74,11 +75,12 @@ def _free_port() -> int:
 @pytest.mark.sim
 @pytest.mark.parametrize("impl,sizes", [("gather", (1, 3)), ("gather", (2, 0, 1)),
                                         ("scatter", (2, 1))])
-def test_ranks_see_the_statistics_of_the_whole_batch(impl, sizes):
-    """``examples/sync_statistics.py`` on a gloo group of 2-3 processes, as torchrun starts it:
-    every rank's output slice, running statistics and batch count are those of one process
-    holding the concatenated batch (PyTorch's modules, float64, 1e-10), with unequal slices,
-    an empty one, training steps then evaluation (which exchanges nothing)."""
+def test_ddp_ranks_train_as_one_process(impl, sizes):
+    """``examples/train_ddp.py`` on a gloo group of 2-3 processes, as torchrun starts it: DDP
+    training steps with synchronized statistics, every rank's output slice, input gradient,
+    averaged parameter gradients, running statistics, batch count and parameters those of one
+    process training on the concatenated batch (PyTorch's modules, float64, 1e-10), with
+    unequal slices, an empty one, then evaluation (which exchanges nothing)."""
     world = len(sizes)
     env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
