@@ -1,12 +1,15 @@
 """The operator's backward (docs/design.md §2.8) on the kernels: what ``autograd``'s op runs.
 
 Given the incoming gradient ``g`` (the output's shape) and what the forward kept
-(``Pipeline.forward_saving``), four launches at most:
+(``Pipeline.forward_saving``), five launches at most:
 
 1. ``grad_row_sums``: per (n, c) the sum of ``g`` (the projection's backward centres ``g`` by
    it) and, with batch statistics, ``sum_o g * (y - m)``, whose sum over the batch is ``A_c``;
+   with batch statistics ``grad_coefficients`` then works out every per-channel and per-(n, c)
+   constant of step 2 and ``dL/dgamma`` in float64, in one launch (in evaluation the host
+   does, on per-channel tensors);
 2. ``form_grad``: the gradient at the convolution's output, ``dy``, from ``g`` (and the kept
-   convolution) with every per-channel constant folded by the host in float64:
+   convolution):
 
        evaluation:        dy = P g                   (the scale goes into the weights of step 3
                                                       and onto the weight gradient)
@@ -62,31 +65,36 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     g = g.detach().contiguous()
     g_rows = g.view(r, volume)
     sigma = stats[2]
-    k1 = 1.0 / sigma if gamma is None else gamma.detach().to(torch.float64) / sigma
     gsum = torch.empty(r, **f64)
     dy = torch.empty_like(g)
+    dgamma = None
     if batch_stats:
         y_rows = yc.view(r, volume)
         off, means = rows[0], rows[1]
         gy = torch.empty(r, **f64)
         grad_rows.launch_grad_row_sums(g_rows, gsum, y_rows, off.reshape(r), gy)
-        a_c = gy.view(batch, channels).sum(dim=0)
-        count, a_all = batch * volume, a_c
-        if pooled:
-            count, a_all = sync.all_sums(count, a_c, group)
-        k2 = k1 * a_all / (count * sigma * sigma)
-        mu = stats[3]
-        # dy = k1 (g - gm) - k2 (yc - off + m - mu): the per-(n, c) constants in one
-        b = -k1 * (gsum.view(batch, channels) / volume) + k2 * (off - means + mu)
-        grad_rows.launch_form_grad(g_rows, k1, b.reshape(r), dy.view(r, volume), y_rows, -k2)
+        totals = None
+        if pooled:  # the group's count and A_c
+            totals = sync.all_sums(batch * volume, gy.view(batch, channels).sum(dim=0), group)
+        # dy = k1 (g - gm) - k2 (yc - off + m - mu): a = k1, e = -k2 and the per-(n, c)
+        # constants b, worked out in one launch
+        coef = torch.empty(2 * channels + r, **f64)
+        a, e, b = coef[:channels], coef[channels:2 * channels], coef[2 * channels:]
+        grad_gamma = None if gamma is None else torch.empty_like(gamma)  # A_c(local) / sigma
+        grad_rows.launch_grad_coefficients(
+            gsum.view(batch, channels), gy.view(batch, channels), off, means, stats,
+            None if gamma is None else gamma.detach(), volume, batch * volume, a, e,
+            b.view(batch, channels), grad_gamma, totals)
+        dgamma = grad_gamma if need_gamma else None
+        grad_rows.launch_form_grad(g_rows, a, b, dy.view(r, volume), y_rows, e)
         conv_weight = weight.detach()
     else:
+        k1 = 1.0 / sigma if gamma is None else gamma.detach().to(torch.float64) / sigma
         grad_rows.launch_grad_row_sums(g_rows, gsum)
         ones = torch.ones(channels, **f64)
         grad_rows.launch_form_grad(g_rows, ones, -gsum / volume, dy.view(r, volume))
-        a_c = None
         conv_weight = folding.fold_weights(weight.detach(), k1, groups) if need_x else None
-    dx = dw = dgamma = None
+    dx = dw = None
     if need_x:
         dx = torch.empty_like(x)
         conv_grads.launch_input_grad(dy, conv_weight.contiguous(), dx, stride, padding, dilation)
@@ -98,10 +106,8 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         else:
             # V: the weight gradient of P g; dL/dW = k1 * V, A_c = <w_c, V_c>
             dw = folding.fold_weights(v, k1, groups) if need_w else None
-            if need_gamma:
-                a_c = _channel_dots(weight.detach(), v, groups)
-    if need_gamma:
-        dgamma = (a_c / sigma).to(gamma.dtype)
+            if need_gamma:  # dL/dgamma = A_c / sigma, A_c = <w_c, V_c>
+                dgamma = (_channel_dots(weight.detach(), v, groups) / sigma).to(gamma.dtype)
     return dx, dw, dgamma
 
 

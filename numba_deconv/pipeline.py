@@ -69,7 +69,7 @@ from . import autograd, dtypes, folding, sync
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gather_simple, gram, scatter,
-                      spatial_reduce)
+                      spatial_reduce, sync_stats)
 from .backend import tensor_device
 from .kernels.launch import Replay, block_size, pin, recording
 from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages as path_stages
@@ -631,9 +631,11 @@ class Pipeline:
             if plan.path in STORED_PATHS:  # the stored convolution is not centred
                 rows[0] = plan.scratch.means
             yc = conv_out
-        if "pooled" in save:
-            mean, var, mu, count = save.pop("pooled")
-        elif batch_stats and plan is not None:
+        if "pooled" in save:  # the process group's, as stats rows already (``_finish_synced``)
+            stats.copy_(save.pop("pooled"))
+            save.update(yc=yc, rows=rows, stats=stats)
+            return
+        if batch_stats and plan is not None:
             (mean, var), mu = plan.scratch.stats, rows[1].mean(dim=0)
             count = plan.batch * plan.volume
         else:  # evaluation, or an empty batch that no other rank adds to
@@ -650,7 +652,7 @@ class Pipeline:
         if self._synced():  # the other ranks' statistics still reach the running ones
             empty = torch.empty((0, self.geometry.out_channels), dtype=torch.float64,
                                 device=x.device)
-            self._finish_synced(empty, empty, 1, record)
+            self._finish_synced(empty, empty[:, :, None], 1, record, None, x.dtype)
         elif self._updates(record) and self.bn.num_batches_tracked is not None:
             self.bn.num_batches_tracked.add_(1)
         return torch.empty((0, self.geometry.out_channels, *out_spatial), dtype=x.dtype,
@@ -672,7 +674,7 @@ class Pipeline:
         """Take training's batch statistics over the ranks of ``process_group`` (a
         ``torch.distributed`` group; ``torch.distributed.group.WORLD`` for all), as
         ``nn.SyncBatchNorm`` does: every rank of the group must make the same calls, and each
-        training call exchanges the ranks' per-channel moments once (``sync.all_moments``),
+        training call exchanges the ranks' per-channel moments once (``sync.gather``),
         and its backward its one per-channel reduction (``sync.all_sums``, docs/design.md §9).
         Evaluation exchanges nothing. Not with ``variance="gram"``."""
         if self.variance == "gram" and self.conv_impl == "gather":
@@ -683,27 +685,60 @@ class Pipeline:
     def _synced(self) -> bool:
         return self.process_group is not None and self.training
 
-    def _finish_synced(self, means, css, volume: int, record) -> torch.Tensor:
-        """The batch statistics of every rank's slice together: the scale (float64) and, in a
-        call that updates them, the running statistics; a saving call keeps them
-        (``forward_saving``)."""
-        count, mu, m2 = sync.all_moments(*sync.local_moments(means, css, volume),
-                                         self.process_group)
+    def _finish_synced(self, means, ss, volume: int, record, plan: CallPlan | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """The batch statistics of every rank's slice together (``kernels.sync_stats``): this
+        slice's moments (one launch), one all-gather, the pooled statistics, scale and, in a
+        call that updates them, the running statistics (one launch); a saving call keeps the
+        rows ``forward_saving`` returns. ``means`` (N, C), ``ss`` (N, C, SLOTS): as for
+        ``batch_stats``; ``plan`` None: an empty slice (stand-ins for the plan's buffers).
+        Returns the scale, in ``dtype``."""
+        bn, c = self.bn, self.geometry.out_channels
+        f64 = dict(dtype=torch.float64, device=means.device)
+        packed = torch.empty(1 + 2 * c, **f64)
+        if means.shape[0]:
+            sync_stats.launch_local_moments(means, ss, volume, packed)
+        else:  # an empty slice: a count of zero, and nothing to launch on
+            packed.zero_()
+        table = sync.gather(packed, self.process_group)
         # A slice of two values or more makes the group's count at least two: only a smaller
-        # slice waits for the GPU to read the group's count (``count`` stays a tensor).
-        if means.shape[0] * volume <= 1 and (total := int(count.item())) <= 1:
+        # slice waits for the GPU to read the group's count.
+        if means.shape[0] * volume <= 1 and (total := int(table[:, 0].sum().item())) <= 1:
             raise ValueError("Expected more than 1 value per channel when training, got "
                              f"{total} over the process group's ranks")
-        var = m2 / count
-        bias = self.conv.bias
-        mean = mu if bias is None else mu + bias.detach().to(torch.float64)
-        if self._updates(record):
-            folding.update_running_stats(self.bn, mean, var, count)
+        if plan is not None:
+            scale, stats = plan.scratch.scale, plan.scratch.stats
+            buffers = (self._bias64(plan), *self._bn_buffers(plan))
+        else:
+            scale = torch.empty(c, dtype=dtype, device=means.device)
+            stats = torch.empty((2, c), **f64)
+            buffers = self._stand_in_buffers(stats, means.device)
+        saved = torch.empty((4, c), **f64)
+        updates = self._updates(record)
+        sync_stats.launch_pooled_statistics(table, *buffers, bn.eps, bn.momentum, updates, scale,
+                                            stats, saved)
+        if updates:
+            self._running_stats_written()
         if self._saving is not None:
-            self._saving["pooled"] = (mean, var, mu, count)
+            self._saving["pooled"] = saved
         if record is not None:
-            record["batch_statistics"] = torch.stack([mean, var])
-        return folding.bn_scale(self.bn, var)
+            record["batch_statistics"] = stats.clone()
+        return scale
+
+    def _stand_in_buffers(self, stats: torch.Tensor, device) -> tuple:
+        """(bias, gamma, running_mean, running_var, num_batches_tracked) for a statistics kernel
+        without a plan: the modules' own, or fresh stand-ins (float64; ``stats``' rows for the
+        running statistics a module does not keep)."""
+        bn, c = self.bn, self.geometry.out_channels
+        f64 = dict(dtype=torch.float64, device=device)
+        bias = self.conv.bias
+        running = folding.tracks_running_stats(bn)
+        tracked = bn.num_batches_tracked.view(1) if running and bn.num_batches_tracked is not None \
+            else torch.zeros(1, dtype=torch.int64, device=device)
+        return (torch.zeros(c, **f64) if bias is None else bias.detach().to(torch.float64),
+                bn.weight.detach() if bn.affine else torch.ones(c, **f64),
+                bn.running_mean if running else stats[0],
+                bn.running_var if running else stats[1], tracked)
 
     def _running_stats_written(self) -> None:
         """A kernel updated the running statistics in place: count it as an in-place change of
@@ -738,11 +773,10 @@ class Pipeline:
         """
         bn, s = self.bn, plan.scratch
         if self._synced():
-            scale = self._finish_synced(means, ss.sum(dim=2), plan.volume, record)
-            s.scale.copy_(scale)
+            scale = self._finish_synced(means, ss, plan.volume, record, plan, s.scale.dtype)
             if record is not None:
-                record["scale"] = scale
-            return s.scale
+                record["scale"] = scale.to(torch.float64, copy=True)  # never the buffer
+            return scale
         updates = self._updates(record)
         batch_stats.launch_batch_statistics(
             means, ss, self._bias64(plan), *self._bn_buffers(plan), bn.eps, bn.momentum,

@@ -16,7 +16,9 @@ than two values, to refuse a group with one value per channel, as PyTorch refuse
   LeVeque for W parts at once (mean = sum n_r mean_r / n; M2 = sum M2_r + sum n_r (mean_r -
   mean)^2), which adds no cancellation of its own and keeps the counts exact (float64
   integers). A rank with an empty slice contributes a count of zero.
-* ``all_moments``: one all-gather of (1 + 2C) float64 values per rank per forward.
+* ``gather``: the one all-gather per forward, every rank's (1 + 2C) float64 values in rank order.
+  The pipeline packs them and pools the table with ``kernels.sync_stats`` (two launches, the
+  same algebra as ``local_moments`` and ``combine`` here, which are its reference).
 * ``all_sums``: the backward's one exchange, (1 + C) float64 values per rank: the count and
   the per-channel A_c = sum g (y - mu) (docs/design.md §2.8), summed. Batch norm's
   other gradient reduction, the sum of the gradient, is zero here (the mean subtraction centres
@@ -67,8 +69,9 @@ def combine(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor):
     return count, mean, m2
 
 
-def _gather(packed: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's ``packed`` (1-D), stacked in rank order: one all-gather into one tensor."""
+def gather(packed: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``packed`` (1-D), stacked in rank order (W, len): one all-gather into one
+    tensor."""
     world, size = dist.get_world_size(group), packed.shape[0]
     table = packed.new_empty(world * size)  # concatenated: gloo takes no stacked form
     _all_gather_single(table, packed, group=group)
@@ -79,16 +82,8 @@ def _gather(packed: torch.Tensor, group) -> torch.Tensor:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_moments(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, group):
-    """Every rank's moments, gathered (one all-gather) and combined (``combine``)."""
-    table = _gather(torch.cat([count.reshape(1), mean, m2]), group)
-    channels = mean.shape[0]
-    return combine(table[:, 0], table[:, 1:1 + channels], table[:, 1 + channels:])
-
-
-def all_sums(count: float, values: torch.Tensor, group):
-    """``(count, values)`` summed over the ranks of ``group`` (one all-gather of 1 + C float64
-    values, added by a fixed reduction: every rank gets the same bits)."""
+def all_sums(count: float, values: torch.Tensor, group) -> torch.Tensor:
+    """``[count, values...]`` (1 + C float64) summed over the ranks of ``group`` (one
+    all-gather, added by a fixed reduction: every rank gets the same bits)."""
     values = values.to(torch.float64)
-    total = _gather(torch.cat([values.new_full((1,), float(count)), values]), group).sum(dim=0)
-    return total[0], total[1:]
+    return gather(torch.cat([values.new_full((1,), float(count)), values]), group).sum(dim=0)

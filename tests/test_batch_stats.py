@@ -117,3 +117,26 @@ def test_blocks_stride_over_channels_and_count_once(max_blocks, device, monkeypa
         torch.testing.assert_close(scale, folding.bn_scale(bn, var), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(bn.running_var, ref_bn.running_var, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=1e-12, atol=1e-12)
+
+
+@given(data=st.data())
+def test_running_update_is_the_torch_update(data, device):
+    """``running_update`` (the custom op's update) against ``folding.update_running_buffers``:
+    both momenta, float32 and float64 buffers, with and without ``num_batches_tracked``."""
+    bn, means, ss, bias, volume, dtype = _case(data, device)
+    tracked = data.draw(st.booleans(), label="has num_batches_tracked") or bn.momentum is None
+    mu, var = folding.batch_statistics(means, ss.sum(dim=2), volume)
+    count = means.shape[0] * volume
+    unbiased = folding.unbiased_variance(var, count) if count > 1 else var
+    stats = torch.stack([mu + bias, unbiased, torch.sqrt(var + bn.eps), mu])
+    mine = [bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+    batch_stats.launch_running_update(stats, mine[0], mine[1], mine[2] if tracked else None,
+                                      bn.momentum)
+    folding.update_running_buffers(bn.running_mean, bn.running_var,
+                                   bn.num_batches_tracked if tracked else None, bn.momentum,
+                                   stats[0], stats[1])
+    # one rounding apart at most (a GPU may fuse the update's multiply-adds)
+    ulp = dict(rtol=torch.finfo(dtype).eps, atol=0)
+    torch.testing.assert_close(mine[0], bn.running_mean, **ulp)
+    torch.testing.assert_close(mine[1], bn.running_var, **ulp)
+    assert int(mine[2]) == int(bn.num_batches_tracked)

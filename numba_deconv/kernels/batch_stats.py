@@ -206,6 +206,27 @@ def gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracke
     _count_block(done, tracked, batches, update, last)
 
 
+@cuda.jit
+def running_update(stats, running_mean, running_var, tracked, momentum, count_batch):
+    """PyTorch's running-statistics update from a batch's statistics ``stats`` (rows 0 and 1:
+    the mean and the unbiased variance, float64), as ``folding.update_running_buffers``: one
+    block, threads over channels; ``count_batch``: bump ``tracked`` (num_batches_tracked), after
+    every thread has read it for the factor (momentum < 0: None, the cumulative average)."""
+    channels = running_mean.shape[0]
+    t = cuda.threadIdx.x
+    batches = tracked[0] + 1
+    if momentum < 0:
+        factor = 1.0 / batches
+    else:
+        factor = momentum
+    for c in range(t, channels, cuda.blockDim.x):  # float64 throughout, also simulated
+        running_mean[c] = (1.0 - factor) * float64(running_mean[c]) + factor * stats[0, c]
+        running_var[c] = (1.0 - factor) * float64(running_var[c]) + factor * stats[1, c]
+    cuda.syncthreads()  # every thread has read num_batches_tracked
+    if t == 0 and count_batch:
+        tracked[0] = batches
+
+
 def grid_size(channels: int) -> int:
     """Blocks of a launch: one per channel up to MAX_BLOCKS (the launcher and explain)."""
     return max(1, min(channels, MAX_BLOCKS))
@@ -233,3 +254,16 @@ def launch_gram_statistics(qpart, means, bias, gamma, running_mean, running_var,
            (qpart, means, bias, gamma, running_mean, running_var, tracked, float(eps),
             -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
             done, means_out), after_prior=True)
+
+
+def launch_running_update(stats, running_mean, running_var, tracked, momentum: float | None
+                          ) -> None:
+    """``running_update`` in one block; ``tracked``: the (1,) int64 num_batches_tracked, or
+    None (then ``momentum`` must not be None)."""
+    if tracked is None and momentum is None:
+        raise ValueError("the cumulative average (momentum None) needs num_batches_tracked")
+    launch(running_update, 1, block_size(BLOCK),
+           (stats, running_mean, running_var,
+            torch.zeros(1, dtype=torch.int64, device=stats.device) if tracked is None
+            else tracked.view(1), -1.0 if momentum is None else float(momentum),
+            int(tracked is not None)))

@@ -13,7 +13,18 @@ is the forward's convolution that the backward keeps and ``off`` what centres it
 
 ``form_grad``: ``dy[r, s] = a[c] * g[r, s] + e[c] * yc[r, s] + b[r]`` (``yc`` only with
 ``with_y``), the gradient at the convolution's output with every per-channel and per-(n, c)
-constant folded into three coefficients by the host (``backward``).
+constant folded into three coefficients (``backward``).
+
+``grad_coefficients``: with batch statistics, those coefficients from the row sums, in float64
+(docs/design.md §2.8), one thread per channel summing its N rows in order:
+
+    A_c  = sum_n gy[n, c]          (the group's sum when synchronized: ``totals``)
+    k1   = gamma_c / sigma_c,  k2 = k1 A_c / (M sigma_c^2)     (M values per channel)
+    a[c] = k1,  e[c] = -k2,  b[n, c] = -k1 gsum[n, c] / S + k2 (off[n, c] - m[n, c] + mu_c)
+    dgamma[c] = A_c(local) / sigma_c
+
+one launch where about fifteen small torch operations would cost the host more than the GPU
+work they order.
 
 Thread mapping: ``grad_row_sums`` gives each row one block (grid-stride over rows); threads
 stride over the row (coalesced), accumulate in float64 and reduce with ``warp.block_sum``:
@@ -87,6 +98,41 @@ def make_form_grad(with_y: bool):
     return form_grad
 
 
+@kernel_factory
+def make_grad_coefficients(pooled: bool, affine: bool):
+    """``grad_coefficients``; ``pooled``: ``A_c`` and ``M`` from ``totals`` (the process
+    group's), else this batch's; ``affine``: gamma, else 1."""
+
+    @cuda.jit
+    def grad_coefficients(gsum, gy, off, means, stats, gamma, totals, volume, count, a, e, b,
+                          dgamma):
+        # gsum, gy, off, means, b: (N, C) float64; stats: (4, C) float64 (sigma in row 2, the
+        # bias-free mean in row 3); gamma, dgamma: (C,); totals: (1 + C) float64, the count
+        # then A_c; a, e: (C,) float64
+        n_batch, channels = gy.shape
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if c >= channels:
+            return
+        local = float64(0.0)
+        for n in range(n_batch):
+            local += gy[n, c]
+        sigma = stats[2, c]
+        k1 = (float64(gamma[c]) if affine else 1.0) / sigma
+        if pooled:
+            k2 = k1 * totals[1 + c] / (totals[0] * sigma * sigma)
+        else:
+            k2 = k1 * local / (count * sigma * sigma)
+        mu = stats[3, c]
+        for n in range(n_batch):
+            b[n, c] = -k1 * (gsum[n, c] / volume) + k2 * (off[n, c] - means[n, c] + mu)
+        a[c] = k1
+        e[c] = -k2
+        if affine:
+            dgamma[c] = local / sigma
+
+    return grad_coefficients
+
+
 def launch_grad_row_sums(g, gsum, yc=None, off=None, gy=None, *, block: int | None = None) -> None:
     """``g`` (R, S); ``gsum`` (R,) float64; with ``yc`` (R, S), ``off`` and ``gy`` (R,) float64
     also ``gy`` (all three or none)."""
@@ -115,3 +161,20 @@ def launch_form_grad(g, a, b, dy, yc=None, e=None, *, block: int | None = None) 
     row_blocks = max(1, min(rows, MAX_ROW_BLOCKS))
     grid = (grid_for(size, block, cap=max(1, 4096 // row_blocks)), row_blocks)
     launch(make_form_grad(with_y), grid, block, (g, yc, a, e, b, dy))
+
+
+def launch_grad_coefficients(gsum, gy, off, means, stats, gamma, volume: int, count: int, a, e, b,
+                             dgamma=None, totals=None) -> None:
+    """``a``, ``e`` (C,) and ``b`` (N, C), float64, and ``dgamma`` (C,) unless None, from the
+    row sums ``gsum``, ``gy`` (N, C), ``off`` and ``means`` (N, C) and ``stats`` (4, C), all
+    float64; ``gamma`` (C,) or None (not affine); ``count`` values per channel, or ``totals``
+    (1 + C: the group's count and ``A_c``)."""
+    affine = gamma is not None
+    if affine != (dgamma is not None):
+        raise ValueError("gamma and dgamma go together")
+    pooled = totals is not None
+    channels = gy.shape[1]
+    block = block_size(BLOCK)
+    launch(make_grad_coefficients(pooled, affine), grid_for(channels, block), block,
+           (gsum, gy, off, means, stats, gamma if affine else a, totals if pooled else a,
+            float(volume), float(count), a, e, b, dgamma if affine else a))

@@ -1,0 +1,149 @@
+"""Synchronized batch statistics in two launches around the exchange (docs/design.md §9).
+
+``sync``'s torch operations are the reference these kernels are tested against; the pipeline
+runs the kernels, as it runs ``batch_stats`` instead of ``folding``'s operations: about thirty
+small torch operations per training call would cost the host more than the GPU work they order.
+
+``local_moments``: a rank's slice as one packed float64 vector for the all-gather,
+``[count, mean_0 .. mean_{C-1}, M2_0 .. M2_{C-1}]``, from the per-(n, c) means and the
+convolution's centred-square partials:
+
+    count = N*S,  mean_c = mean_n m[n, c],
+    M2_c = sum_{n,slot} ss[n, c, slot] + S sum_n (m[n, c] - mean_c)^2
+
+A block owns a channel, as in ``batch_stats.batch_statistics`` (the same sums in the same order;
+warps over n and lanes over slots for the partials); an empty slice writes zeros.
+
+``pooled_statistics``: every rank's vector, gathered in rank order (W, 1 + 2C), pooled by the
+parallel-variance formula for W parts (``sync.combine``; each thread one channel, the ranks in
+order: every rank computes the same bits), then what ``batch_statistics`` finishes: the scale
+``a_c``, the statistics ``(mean + bias, var)``, the running update when asked for, and for a
+call whose backward will run the four rows ``Pipeline.forward_saving`` returns (mean + bias,
+unbiased variance, sigma, bias-free mean). One block: C threads at most a few thousand, W a
+handful of values each; the block's thread 0 bumps ``num_batches_tracked`` after every thread
+has read it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from numba import cuda, float64
+
+from .griddep import allow_dependents, wait_prior_grid
+from .launch import block_size, launch
+from .warp import MAX_WARPS, WARP_SIZE, block_sum
+
+BLOCK = 256          # local_moments: one block per channel
+POOL_BLOCK = 256     # pooled_statistics: one block, threads over channels
+MAX_BLOCKS = 65535
+
+
+@cuda.jit
+def local_moments(means, ss, volume, packed):
+    """``packed`` (1 + 2C) from ``means`` (N, C) and ``ss`` (N, C, SLOTS), float64; ``volume``:
+    S, the output voxels per (n, c). Launched as the previous kernel's programmatic dependent."""
+    allow_dependents()
+    wait_prior_grid()
+    n_batch, channels, slots = ss.shape[0], ss.shape[1], ss.shape[2]
+    scratch = cuda.shared.array(MAX_WARPS, float64)
+    mu_shared = cuda.shared.array(1, float64)
+    t = cuda.threadIdx.x
+    lane = t % WARP_SIZE
+    warp = t // WARP_SIZE
+    warps = cuda.blockDim.x // WARP_SIZE
+    if cuda.blockIdx.x == 0 and t == 0:
+        packed[0] = float64(n_batch) * volume
+    for c in range(cuda.blockIdx.x, channels, cuda.gridDim.x):  # block-uniform
+        m_sum = 0.0
+        for n in range(t, n_batch, cuda.blockDim.x):
+            m_sum += means[n, c]
+        m_sum = block_sum(m_sum, scratch)
+        if t == 0:
+            mu_shared[0] = m_sum / n_batch if n_batch > 0 else 0.0
+        cuda.syncthreads()  # mu is in shared memory
+        mu = mu_shared[0]
+        between = 0.0
+        for n in range(t, n_batch, cuda.blockDim.x):
+            d = means[n, c] - mu
+            between += d * d
+        within = 0.0
+        for n in range(warp, n_batch, warps):  # warps over n, lanes over slots: no division
+            for j in range(lane, slots, WARP_SIZE):
+                within += ss[n, c, j]
+        within = block_sum(within, scratch)
+        between = block_sum(between, scratch)
+        if t == 0:
+            packed[1 + c] = mu
+            packed[1 + channels + c] = within + volume * between
+        cuda.syncthreads()  # mu_shared is reused by the next channel
+
+
+@cuda.jit
+def pooled_statistics(table, bias, gamma, running_mean, running_var, tracked, eps, momentum,
+                      update, scale, stats, saved):
+    """From ``table`` (W, 1 + 2C) float64, the ranks' ``local_moments`` in rank order, per
+    channel c:
+
+        n = sum_r n_r,  mu = sum_r (n_r / n) mean_r,  M2 = sum_r M2_r + sum_r n_r (mean_r - mu)^2
+        var = M2 / n,  a_c = gamma_c / sqrt(var + eps)  -> scale[c], in the output's dtype
+        stats = (mu + bias_c, var);  saved = (mu + bias_c, var n / (n - 1), sqrt(var + eps), mu)
+
+    and with ``update`` PyTorch's running update (as ``batch_stats.batch_statistics``: momentum
+    < 0 is None, the cumulative average). n > 1: the caller refuses a group with fewer values."""
+    world = table.shape[0]
+    channels = scale.shape[0]
+    t = cuda.threadIdx.x
+    batches = tracked[0] + 1  # every thread reads it before thread 0 writes it
+    if momentum < 0:
+        factor = 1.0 / batches
+    else:
+        factor = momentum
+    for c in range(t, channels, cuda.blockDim.x):
+        count = 0.0
+        for r in range(world):
+            count += table[r, 0]
+        mu = 0.0
+        for r in range(world):
+            mu += (table[r, 0] / count) * table[r, 1 + c]
+        m2 = 0.0
+        between = 0.0
+        for r in range(world):
+            m2 += table[r, 1 + channels + c]
+            d = table[r, 1 + c] - mu
+            between += table[r, 0] * (d * d)
+        var = (m2 + between) / count
+        sigma = math.sqrt(var + eps)
+        scale[c] = gamma[c] / sigma
+        mean_c = mu + bias[c]
+        unbiased = var * (count / (count - 1.0))
+        stats[0, c] = mean_c
+        stats[1, c] = var
+        saved[0, c] = mean_c
+        saved[1, c] = unbiased
+        saved[2, c] = sigma
+        saved[3, c] = mu
+        if update:
+            running_mean[c] = (1.0 - factor) * running_mean[c] + factor * mean_c
+            running_var[c] = (1.0 - factor) * running_var[c] + factor * unbiased
+    cuda.syncthreads()  # every thread has read num_batches_tracked
+    if t == 0 and update:
+        tracked[0] = batches
+
+
+def launch_local_moments(means: torch.Tensor, ss: torch.Tensor, volume: int,
+                         packed: torch.Tensor) -> None:
+    """``packed`` (1 + 2C) float64 from ``means`` (N, C) and ``ss`` (N, C, SLOTS), float64."""
+    channels = ss.shape[1]
+    launch(local_moments, max(1, min(channels, MAX_BLOCKS)), block_size(BLOCK),
+           (means, ss, float(volume), packed), after_prior=True)
+
+
+def launch_pooled_statistics(table, bias, gamma, running_mean, running_var, tracked,
+                             eps: float, momentum: float | None, update: bool, scale, stats,
+                             saved) -> None:
+    """One block over the channels; see ``pooled_statistics``. ``tracked``: (1,) int64."""
+    launch(pooled_statistics, 1, block_size(POOL_BLOCK),
+           (table, bias, gamma, running_mean, running_var, tracked, float(eps),
+            -1.0 if momentum is None else float(momentum), int(update), scale, stats, saved))
