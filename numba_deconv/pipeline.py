@@ -618,32 +618,27 @@ class Pipeline:
 
     def _save(self, save: dict, x: torch.Tensor, batch_stats: bool, plan: CallPlan | None,
               conv_out: torch.Tensor | None) -> None:
-        """What ``forward_saving`` returns, from a call's plan (None: an empty batch).
-        Synchronized, the statistics are those ``_finish_synced`` pooled."""
+        """What ``forward_saving`` returns, from a call's plan (None: an empty batch); with
+        batch statistics the statistics kernel wrote ``stats`` (the process group's when
+        synchronized)."""
         bn, c = self.bn, self.geometry.out_channels
         f64 = dict(dtype=torch.float64, device=x.device)
-        batch = x.shape[0]
-        stats = torch.zeros((4, c), **f64)
-        rows = torch.zeros((2, batch if batch_stats else 0, c), **f64)
+        rows = torch.empty((2, x.shape[0] if batch_stats else 0, c), **f64)
         yc = x.new_empty(0)
         if batch_stats and plan is not None:
-            rows[1] = plan.scratch.means
+            rows[1].copy_(plan.scratch.means)
             if plan.path in STORED_PATHS:  # the stored convolution is not centred
-                rows[0] = plan.scratch.means
+                rows[0].copy_(plan.scratch.means)
+            else:
+                rows[0].zero_()
             yc = conv_out
-        if "pooled" in save:  # the process group's, as stats rows already (``_finish_synced``)
-            stats.copy_(save.pop("pooled"))
-            save.update(yc=yc, rows=rows, stats=stats)
-            return
-        if batch_stats and plan is not None:
-            (mean, var), mu = plan.scratch.stats, rows[1].mean(dim=0)
-            count = plan.batch * plan.volume
-        else:  # evaluation, or an empty batch that no other rank adds to
-            mean = mu = stats[0]
-            var = bn.running_var.detach() if not batch_stats else stats[1]
-            count = None
-        stats[0], stats[2], stats[3] = mean, torch.sqrt(var + bn.eps), mu
-        stats[1] = var if count is None else folding.unbiased_variance(var, count)
+        # written by the statistics kernel (``_finish_batch_stats``, ``_finish_synced``)
+        stats = save.pop("stats", None)
+        if stats is None:  # evaluation, or an empty batch that no other rank adds to
+            stats = torch.zeros((4, c), **f64)
+            if not batch_stats:
+                stats[1] = bn.running_var.detach()
+            stats[2] = torch.sqrt(stats[1] + bn.eps)
         save.update(yc=yc, rows=rows, stats=stats)
 
     def _empty_batch(self, x: torch.Tensor, out_spatial, record) -> torch.Tensor:
@@ -720,7 +715,7 @@ class Pipeline:
         if updates:
             self._running_stats_written()
         if self._saving is not None:
-            self._saving["pooled"] = saved
+            self._saving["stats"] = saved
         if record is not None:
             record["batch_statistics"] = stats.clone()
         return scale
@@ -778,9 +773,14 @@ class Pipeline:
                 record["scale"] = scale.to(torch.float64, copy=True)  # never the buffer
             return scale
         updates = self._updates(record)
+        saved = None
+        if self._saving is not None:  # the rows a saving call returns (``forward_saving``)
+            saved = self._saving["stats"] = torch.empty((4, s.stats.shape[1]),
+                                                        dtype=torch.float64,
+                                                        device=means.device)
         batch_stats.launch_batch_statistics(
             means, ss, self._bias64(plan), *self._bn_buffers(plan), bn.eps, bn.momentum,
-            plan.batch * plan.volume, updates, s.scale, s.stats, s.done)
+            plan.batch * plan.volume, updates, s.scale, s.stats, s.done, saved)
         if updates:
             self._running_stats_written()
         if record is not None:

@@ -54,14 +54,22 @@ def test_matches_the_torch_algebra(data, device):
     stats = torch.full((2, c), float("nan"), dtype=torch.float64, device=means.device)
     gamma = bn.weight.detach() if bn.affine else torch.ones(c, dtype=torch.float64,
                                                              device=means.device)
+    count = means.shape[0] * volume
+    # the rows a saving call keeps, where the batch has the two values they need
+    saved = torch.full((4, c), float("nan"), dtype=torch.float64, device=means.device) \
+        if count > 1 and data.draw(st.booleans(), label="save") else None
     before = {k: v.clone() for k, v in bn.state_dict().items()}
     batch_stats.launch_batch_statistics(
         means, ss, bias, gamma, bn.running_mean, bn.running_var, bn.num_batches_tracked.view(1),
-        bn.eps, bn.momentum, means.shape[0] * volume, update, scale, stats)
+        bn.eps, bn.momentum, count, update, scale, stats, saved=saved)
 
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stats[0], mu, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(stats[1], var, rtol=1e-12, atol=1e-12)
+    if saved is not None:
+        torch.testing.assert_close(saved, torch.stack([
+            mu, folding.unbiased_variance(var, count), torch.sqrt(var + bn.eps), mu - bias]),
+            rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(scale, scale_ref.to(dtype), **tol)
     for key, value in bn.state_dict().items():
         expected = ref_bn.state_dict()[key] if update else before[key]

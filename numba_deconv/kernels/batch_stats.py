@@ -63,7 +63,7 @@ def _count_block(done, tracked, batches, update, last):
 
 @cuda.jit
 def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
-                     eps, momentum, count, update, scale, stats, done):
+                     eps, momentum, count, update, scale, stats, done, saved, save):
     """Per channel c (docs/design.md §2.4, §2.5):
 
         mu_c   = mean_n m[n, c]                         (of the bias-free convolution)
@@ -91,7 +91,9 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
     # not affine); running_mean, running_var: (C,) the module's buffers; tracked: (1,) int64
     # num_batches_tracked; eps, momentum (< 0 for None); count: N*S values per channel;
     # update: 1 to update the running statistics; scale: (C,) a_c out; stats: (2, C) f64 out;
-    # done: (1,) int32, zero between calls: blocks finished so far.
+    # done: (1,) int32, zero between calls: blocks finished so far; save: 1 to write saved
+    # (4, C) f64, the rows a call whose backward will run keeps (mean + bias, the unbiased
+    # variance, sigma = sqrt(var + eps), the bias-free mean; ``Pipeline.forward_saving``).
     # Launched as the previous kernel's programmatic dependent (``griddep``): nothing is read
     # before the wait, and the scale pass after it may be scheduled as soon as it starts.
     allow_dependents()
@@ -129,8 +131,14 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
         within = block_sum(within, scratch)
         between = block_sum(between, scratch)
         if t == 0:
-            _finish_channel(c, within / count + between / n_batch, mu, bias, gamma, eps, factor,
-                            count, update, running_mean, running_var, scale, stats)
+            var = within / count + between / n_batch
+            _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running_mean,
+                            running_var, scale, stats)
+            if save:
+                saved[0, c] = mu + bias[c]
+                saved[1, c] = var * (count / (count - 1.0))
+                saved[2, c] = math.sqrt(var + eps)
+                saved[3, c] = mu
     _count_block(done, tracked, batches, update, last)
 
 
@@ -234,16 +242,17 @@ def grid_size(channels: int) -> int:
 
 def launch_batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
                             eps: float, momentum: float | None, count: int, update: bool,
-                            scale, stats, done=None) -> None:
+                            scale, stats, done=None, saved=None) -> None:
     """A block per channel; ``momentum=None`` is the cumulative average; ``done``: a (1,) int32
-    zero tensor the caller keeps between calls (a fresh one if None). See the module docstring."""
+    zero tensor the caller keeps between calls (a fresh one if None); ``saved``: (4, C) float64
+    for the rows a saving call keeps, or None. See the module docstring."""
     if done is None:
         done = torch.zeros(1, dtype=torch.int32, device=means.device)
     block = block_size(BLOCK)
     launch(batch_statistics, grid_size(ss.shape[1]), block,
            (means, ss, bias, gamma, running_mean, running_var, tracked, float(eps),
             -1.0 if momentum is None else float(momentum), int(count), int(update), scale, stats,
-            done), after_prior=True)
+            done, stats if saved is None else saved, int(saved is not None)), after_prior=True)
 
 
 def launch_gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracked,
