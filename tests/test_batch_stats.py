@@ -143,8 +143,8 @@ def test_running_update_is_the_torch_update(data, device):
     folding.update_running_buffers(bn.running_mean, bn.running_var,
                                    bn.num_batches_tracked if tracked else None, bn.momentum,
                                    stats[0], stats[1])
-    # one rounding apart at most (a GPU may fuse the update's multiply-adds)
-    ulp = dict(rtol=torch.finfo(dtype).eps, atol=0)
+    # a few roundings apart at most (a GPU fuses the update's multiply-adds)
+    ulp = dict(rtol=4 * torch.finfo(dtype).eps, atol=0)
     torch.testing.assert_close(mine[0], bn.running_mean, **ulp)
     torch.testing.assert_close(mine[1], bn.running_var, **ulp)
     assert int(mine[2]) == int(bn.num_batches_tracked)
