@@ -48,6 +48,38 @@ def _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running
 
 
 @cuda.jit(device=True, inline="always")
+def channel_sums(means, ss, c, scratch, mu_shared):
+    """Channel c's ``(mu, within, between)`` over its N means and N*SLOTS partials: the mean of
+    ``means[:, c]``, the sum of ``ss[:, c, :]`` and the sum of ``(means[n, c] - mu)^2``, each
+    thread in a fixed order, then ``block_sum``; every thread of the block calls it (barriers)
+    and gets the three. ``scratch``: MAX_WARPS float64, ``mu_shared``: 1 float64 (shared)."""
+    n_batch, slots = ss.shape[0], ss.shape[2]
+    t = cuda.threadIdx.x
+    lane = t % WARP_SIZE
+    warp = t // WARP_SIZE
+    warps = cuda.blockDim.x // WARP_SIZE
+    m_sum = 0.0
+    for n in range(t, n_batch, cuda.blockDim.x):
+        m_sum += means[n, c]
+    m_sum = block_sum(m_sum, scratch)
+    if t == 0:
+        mu_shared[0] = m_sum / n_batch if n_batch > 0 else 0.0
+    cuda.syncthreads()  # mu is in shared memory
+    mu = mu_shared[0]
+    between = 0.0
+    for n in range(t, n_batch, cuda.blockDim.x):
+        d = means[n, c] - mu
+        between += d * d
+    within = 0.0
+    for n in range(warp, n_batch, warps):  # warps over n, lanes over slots: no division
+        for j in range(lane, slots, WARP_SIZE):
+            within += ss[n, c, j]
+    within = block_sum(within, scratch)
+    between = block_sum(between, scratch)
+    return mu, within, between
+
+
+@cuda.jit(device=True, inline="always")
 def _count_block(done, tracked, batches, update, last):
     """The last block to get here bumps num_batches_tracked: every block has read it by then."""
     cuda.syncthreads()  # this block's threads have all read num_batches_tracked
@@ -98,38 +130,18 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
     # before the wait, and the scale pass after it may be scheduled as soon as it starts.
     allow_dependents()
     wait_prior_grid()
-    n_batch, channels, slots = ss.shape[0], ss.shape[1], ss.shape[2]
+    n_batch, channels = ss.shape[0], ss.shape[1]
     scratch = cuda.shared.array(MAX_WARPS, float64)
     mu_shared = cuda.shared.array(1, float64)
     last = cuda.shared.array(1, int32)
     t = cuda.threadIdx.x
-    lane = t % WARP_SIZE
-    warp = t // WARP_SIZE
-    warps = cuda.blockDim.x // WARP_SIZE
     batches = tracked[0] + 1  # read by every thread of every block before the last one writes it
     if momentum < 0:
         factor = 1.0 / batches
     else:
         factor = momentum
     for c in range(cuda.blockIdx.x, channels, cuda.gridDim.x):  # block-uniform: every thread
-        m_sum = 0.0                                              # reaches the barriers
-        for n in range(t, n_batch, cuda.blockDim.x):
-            m_sum += means[n, c]
-        m_sum = block_sum(m_sum, scratch)
-        if t == 0:
-            mu_shared[0] = m_sum / n_batch
-        cuda.syncthreads()  # mu is in shared memory
-        mu = mu_shared[0]
-        between = 0.0
-        for n in range(t, n_batch, cuda.blockDim.x):
-            d = means[n, c] - mu
-            between += d * d
-        within = 0.0
-        for n in range(warp, n_batch, warps):  # warps over n, lanes over slots: no division
-            for j in range(lane, slots, WARP_SIZE):
-                within += ss[n, c, j]
-        within = block_sum(within, scratch)
-        between = block_sum(between, scratch)
+        mu, within, between = channel_sums(means, ss, c, scratch, mu_shared)  # reaches barriers
         if t == 0:
             var = within / count + between / n_batch
             _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running_mean,

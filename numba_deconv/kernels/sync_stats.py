@@ -11,8 +11,8 @@ convolution's centred-square partials:
     count = N*S,  mean_c = mean_n m[n, c],
     M2_c = sum_{n,slot} ss[n, c, slot] + S sum_n (m[n, c] - mean_c)^2
 
-A block owns a channel, as in ``batch_stats.batch_statistics`` (the same sums in the same order;
-warps over n and lanes over slots for the partials); an empty slice writes zeros.
+A block owns a channel, and sums it as ``batch_stats.batch_statistics`` does (the same device
+function, ``batch_stats.channel_sums``); an empty slice writes zeros.
 
 ``pooled_statistics``: every rank's vector, gathered in rank order (W, 1 + 2C), pooled by the
 parallel-variance formula for W parts (``sync.combine``; each thread one channel, the ranks in
@@ -31,9 +31,10 @@ import math
 import torch
 from numba import cuda, float64
 
+from .batch_stats import channel_sums
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, launch
-from .warp import MAX_WARPS, WARP_SIZE, block_sum
+from .warp import MAX_WARPS
 
 BLOCK = 256          # local_moments: one block per channel
 POOL_BLOCK = 256     # pooled_statistics: one block, threads over channels
@@ -46,38 +47,16 @@ def local_moments(means, ss, volume, packed):
     S, the output voxels per (n, c). Launched as the previous kernel's programmatic dependent."""
     allow_dependents()
     wait_prior_grid()
-    n_batch, channels, slots = ss.shape[0], ss.shape[1], ss.shape[2]
+    channels = ss.shape[1]
     scratch = cuda.shared.array(MAX_WARPS, float64)
     mu_shared = cuda.shared.array(1, float64)
-    t = cuda.threadIdx.x
-    lane = t % WARP_SIZE
-    warp = t // WARP_SIZE
-    warps = cuda.blockDim.x // WARP_SIZE
-    if cuda.blockIdx.x == 0 and t == 0:
-        packed[0] = float64(n_batch) * volume
+    if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+        packed[0] = float64(ss.shape[0]) * volume
     for c in range(cuda.blockIdx.x, channels, cuda.gridDim.x):  # block-uniform
-        m_sum = 0.0
-        for n in range(t, n_batch, cuda.blockDim.x):
-            m_sum += means[n, c]
-        m_sum = block_sum(m_sum, scratch)
-        if t == 0:
-            mu_shared[0] = m_sum / n_batch if n_batch > 0 else 0.0
-        cuda.syncthreads()  # mu is in shared memory
-        mu = mu_shared[0]
-        between = 0.0
-        for n in range(t, n_batch, cuda.blockDim.x):
-            d = means[n, c] - mu
-            between += d * d
-        within = 0.0
-        for n in range(warp, n_batch, warps):  # warps over n, lanes over slots: no division
-            for j in range(lane, slots, WARP_SIZE):
-                within += ss[n, c, j]
-        within = block_sum(within, scratch)
-        between = block_sum(between, scratch)
-        if t == 0:
+        mu, within, between = channel_sums(means, ss, c, scratch, mu_shared)
+        if cuda.threadIdx.x == 0:
             packed[1 + c] = mu
             packed[1 + channels + c] = within + volume * between
-        cuda.syncthreads()  # mu_shared is reused by the next channel
 
 
 @cuda.jit
