@@ -24,6 +24,7 @@ The backend is NCCL with a GPU per rank (``cuda:LOCAL_RANK``), gloo under the CU
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -103,6 +104,7 @@ def compare(everyone, expected, sizes, world: int) -> dict:
     worst: dict = {}
 
     def note(what: str, error: float) -> None:
+        error = float("inf") if math.isnan(error) else error  # a NaN is the worst error
         worst[what] = max(worst.get(what, 0.0), error)
 
     for r, steps in enumerate(everyone):

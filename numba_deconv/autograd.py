@@ -12,9 +12,9 @@ Three ops, all in the ``numba_deconv`` namespace:
 ``backward(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
 batch_stats, needs, sync)``
     ``-> (dx, dw, dgamma)``: ``backward.backward`` (docs/design.md §2.8); ``sync``, when not 0,
-    is the handle of the pipeline whose process group the batch statistics were synchronized
-    over (the backward exchanges its reduction over the same group). It has no backward of its
-    own: double backward raises.
+    names the process group the forward's batch statistics were synchronized over, as the
+    forward saw it (the backward exchanges its reduction over the same group). It has no
+    backward of its own: double backward raises.
 
 ``apply(pipe, x)`` is what ``Pipeline.__call__`` runs when the call must record its backward
 (grad mode, and the input or a parameter requires grad) and what ``ModelNew.forward`` runs under
@@ -48,6 +48,17 @@ def register(pipe) -> int:
     handle = next(_HANDLES)
     _PIPELINES[handle] = pipe
     return handle
+
+
+#: the process groups synchronized forwards ran over, by ``id`` (held, so ids stay unique): the
+#: backward exchanges over the group its forward used, whatever became of the pipeline since
+_GROUPS: dict[int, object] = {}
+
+
+def _group_handle(group) -> int:
+    """A plain value naming ``group`` in the backward op's arguments."""
+    _GROUPS[id(group)] = group
+    return id(group)
 
 
 def _pipeline(handle: int):
@@ -113,7 +124,8 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor,
                          momentum: Optional[float], seen: bool) -> None:
     """``folding.update_running_buffers`` with the batch statistics ``forward`` returned (its
     mean and unbiased variance); a batch whose statistics nobody saw (``seen`` false: an empty
-    batch, on every rank when synchronized) only counts the batch, as PyTorch does."""
+    batch, unsynchronized) only counts the batch, as PyTorch does. (Synchronized, the group's
+    statistics are always seen: a group whose slices are all empty is refused.)"""
     _update_running_stats(running_mean, running_var, num_batches_tracked, stats, momentum, seen)
 
 
@@ -143,7 +155,7 @@ def backward(grad: Tensor, x: Tensor, weight: Tensor, gamma: Optional[Tensor], y
              rows: Tensor, stats: Tensor, stride: list[int], padding: list[int],
              dilation: list[int], groups: int, batch_stats: bool, needs: list[bool],
              sync: int) -> tuple[Tensor, Tensor, Tensor]:
-    group = _pipeline(sync).process_group if sync else None
+    group = _GROUPS[sync] if sync else None
     dx, dw, dgamma = run_backward((tuple(stride), tuple(padding), tuple(dilation), groups),
                                   grad, x, weight, gamma, yc, rows, stats, batch_stats,
                                   tuple(needs), group)
@@ -166,7 +178,8 @@ def _setup_context(ctx, inputs, output):
     geom = pipe.geometry
     ctx.conv = (list(geom.stride), list(geom.padding), list(geom.dilation), geom.groups)
     ctx.batch_stats = _batch_stats(running_mean, training)
-    ctx.sync = handle if training and pipe.process_group is not None else 0
+    synced = training and pipe.process_group is not None
+    ctx.sync = _group_handle(pipe.process_group) if synced else 0
     ctx.mark_non_differentiable(yc, rows, stats)
 
 
@@ -193,6 +206,14 @@ forward.register_autograd(_backward, setup_context=_setup_context)
 backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
+def _plain_eager(compiling: bool) -> bool:
+    """Whether a call runs eagerly on real tensors: not under torch.compile, and no dispatch
+    mode (fake tensors, make_fx's proxies) is active."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return not compiling and _get_current_dispatch_mode() is None
+
+
 def apply(pipe, x: Tensor) -> Tensor:
     """One call of ``pipe`` on ``x`` through the ops: the output, with its backward recorded,
     and in training the running statistics updated."""
@@ -208,7 +229,8 @@ def apply(pipe, x: Tensor) -> Tensor:
     if training and tracks:
         # synchronized, the statistics are the group's even where this rank's slice is empty
         seen = x.shape[0] > 0 or pipe.process_group is not None
-        # the op where torch.compile must see the mutation, the op's body in eager calls
-        update = update_running_stats if compiling else _update_running_stats
+        # the op where a tracer (torch.compile, make_fx, fake tensors) must see the mutation,
+        # the op's body in plain eager calls
+        update = _update_running_stats if _plain_eager(compiling) else update_running_stats
         update(bn.running_mean, bn.running_var, bn.num_batches_tracked, stats, bn.momentum, seen)
     return out

@@ -194,10 +194,11 @@ def test_ddp_rows_and_files(tmp_path, monkeypatch):
     from numba_deconv import bench_ddp
 
     def world(w):
-        times = {"numba_deconv": 1.0, "torch_eager": 4.0}
-        return [bench_ddp.DdpRow(shape, p, w, 16, t * (1 + (w - 1) / 4), t * (1 + (w - 1) / 2),
+        # (one GPU's b2b ms, its growth per extra GPU b2b / KB): each provider scales its own way
+        times = {"numba_deconv": (1.0, 0.25, 0.5), "torch_eager": (4.0, 0.1, 0.2)}
+        return [bench_ddp.DdpRow(shape, p, w, 16, t * (1 + (w - 1) * gb), t * (1 + (w - 1) * gk),
                                  0.1 * (w - 1)) for shape in bench_ddp.SHAPES
-                for p, t in times.items()]
+                for p, (t, gb, gk) in times.items()]
 
     monkeypatch.setattr(bench_ddp, "run_world", world)
     monkeypatch.setattr(bench_ddp.torch.cuda, "device_count", lambda: 2)
@@ -210,11 +211,15 @@ def test_ddp_rows_and_files(tmp_path, monkeypatch):
     ours = summary[("default", "numba_deconv")]
     assert ours["efficiency_b2b"] == pytest.approx(0.8) and ours["efficiency_kb"] == \
         pytest.approx(2 / 3)
-    assert ours["speedup_b2b"] == pytest.approx(4.0) and ours["speedup_kb"] == pytest.approx(4.0)
+    # eager's two-GPU step over ours: 4.4 / 1.25 and 4.8 / 1.5
+    assert ours["speedup_b2b"] == pytest.approx(3.52) and ours["speedup_kb"] == pytest.approx(3.2)
+    eager = summary[("default", "torch_eager")]
+    assert eager["efficiency_b2b"] == pytest.approx(1 / 1.1)
+    assert eager["efficiency_kb"] == pytest.approx(1 / 1.2)
     table = (tmp_path / "ddp.md").read_text()
     assert "2 x test GPU" in table
     assert "| default | numba_deconv | 2 | 1.250 / 1.500 | 25,600 | 0.100 | 80% / 67% | " \
-        "4.00 / 4.00 |" in table
+        "3.52 / 3.20 |" in table
     assert "| default | numba_deconv | 1 | 1.000 / 1.000 | 16,000 | 0.000 | - | - |" in table
 
 

@@ -57,15 +57,15 @@ def test_local_moments_are_the_law_of_total_variance():
 
 
 @given(st.integers(0, 5), st.integers(1, 3), st.integers(1, 40), st.integers(0, 2**31 - 1),
-       st.sampled_from([0.0, 1e3]))
+       st.sampled_from([0.0, 1e3]), st.sampled_from([3, 70]))
 @settings(deadline=None)
-def test_local_moments_kernel_is_the_torch_reference(batch, slots, volume, seed, offset):
+def test_local_moments_kernel_is_the_torch_reference(batch, slots, volume, seed, offset,
+                                                     channels):
     """``kernels.sync_stats.local_moments`` packs (count, mean, M2) as ``sync.local_moments``
-    computes them from the same sums, for empty and one-sample slices and offsets far larger
-    than the spread."""
+    computes them from the same sums, for empty and one-sample slices, offsets far larger
+    than the spread and more channels than a block has threads."""
     device = tensor_device()
     gen = torch.Generator().manual_seed(seed)
-    channels = 3
     means = torch.randn(batch, channels, generator=gen, dtype=torch.float64) + offset
     ss = torch.rand(batch, channels, slots, generator=gen, dtype=torch.float64) * volume
     packed = torch.full((1 + 2 * channels,), float("nan"), dtype=torch.float64)
@@ -80,15 +80,17 @@ def test_local_moments_kernel_is_the_torch_reference(batch, slots, volume, seed,
 
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=4).filter(lambda c: sum(c) > 1),
        st.integers(0, 2**31 - 1), st.sampled_from([None, 0.1]), st.booleans(),
-       st.sampled_from([0.0, 1e4]))
+       st.sampled_from([0.0, 1e4]), st.sampled_from([3, 300]))
 @settings(deadline=None)
-def test_pooled_statistics_kernel_is_the_torch_reference(counts, seed, momentum, update, offset):
+def test_pooled_statistics_kernel_is_the_torch_reference(counts, seed, momentum, update, offset,
+                                                         channels):
     """``kernels.sync_stats.pooled_statistics`` on a gathered table (empty ranks included):
     ``sync.combine``'s pooled moments, then the scale, the statistics, the saved rows and
-    PyTorch's running update (``folding``), as torch operations compute them."""
+    PyTorch's running update (``folding``), as torch operations compute them; more channels
+    than its one block has threads."""
     device = tensor_device()
     gen = torch.Generator().manual_seed(seed)
-    world, channels = len(counts), 3
+    world = len(counts)
     counts_t = torch.tensor(counts, dtype=torch.float64)
     means = (torch.randn(world, channels, generator=gen, dtype=torch.float64) + offset)
     means = means * (counts_t[:, None] > 0)

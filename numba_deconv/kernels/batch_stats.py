@@ -51,8 +51,9 @@ def _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running
 def channel_sums(means, ss, c, scratch, mu_shared):
     """Channel c's ``(mu, within, between)`` over its N means and N*SLOTS partials: the mean of
     ``means[:, c]``, the sum of ``ss[:, c, :]`` and the sum of ``(means[n, c] - mu)^2``, each
-    thread in a fixed order, then ``block_sum``; every thread of the block calls it (barriers)
-    and gets the three. ``scratch``: MAX_WARPS float64, ``mu_shared``: 1 float64 (shared)."""
+    thread in a fixed order, then ``block_sum``. Every thread of the block calls it (barriers);
+    every thread gets ``mu``, and thread 0 alone the two sums (``block_sum``'s totals).
+    ``scratch``: MAX_WARPS float64, ``mu_shared``: 1 float64 (shared)."""
     n_batch, slots = ss.shape[0], ss.shape[2]
     t = cuda.threadIdx.x
     lane = t % WARP_SIZE
