@@ -32,18 +32,40 @@ GRAM_BLOCK = 256  # gram_statistics: one block per channel over gram_reduce's bl
 
 
 @cuda.jit(device=True, inline="always")
-def _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running_mean,
-                    running_var, scale, stats):
-    """Thread 0 of channel c's block: the scale a_c, the statistics and the running update."""
-    a = gamma[c] / math.sqrt(var + eps)
+def running_factor(tracked, momentum):
+    """``(batches, factor)``: num_batches_tracked once this batch counts, and the running
+    update's factor (momentum, or 1/batches where momentum < 0: None, the cumulative average).
+    Every thread reads ``tracked`` before any writes ``batches`` back."""
+    batches = tracked[0] + 1
+    if momentum < 0:
+        factor = 1.0 / batches
+    else:
+        factor = momentum
+    return batches, factor
+
+
+@cuda.jit(device=True, inline="always")
+def finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running_mean,
+                   running_var, scale, stats, saved, save):
+    """One thread per channel c: the scale a_c, the statistics, the running update (with
+    ``update``) and, with ``save``, the rows a saving call keeps (mean + bias, the unbiased
+    variance, sigma, the bias-free mean; ``Pipeline.forward_saving``). Returns a_c."""
+    sigma = math.sqrt(var + eps)
+    a = gamma[c] / sigma
     scale[c] = a
     mean_c = mu + bias[c]
     stats[0, c] = mean_c
     stats[1, c] = var
-    if update:
+    if update or save:  # M/(M-1) needs two values, which only these callers guarantee
         unbiased = var * (count / (count - 1.0))
-        running_mean[c] = (1.0 - factor) * running_mean[c] + factor * mean_c
-        running_var[c] = (1.0 - factor) * running_var[c] + factor * unbiased
+        if update:
+            running_mean[c] = (1.0 - factor) * running_mean[c] + factor * mean_c
+            running_var[c] = (1.0 - factor) * running_var[c] + factor * unbiased
+        if save:
+            saved[0, c] = mean_c
+            saved[1, c] = unbiased
+            saved[2, c] = sigma
+            saved[3, c] = mu
     return a
 
 
@@ -136,22 +158,13 @@ def batch_statistics(means, ss, bias, gamma, running_mean, running_var, tracked,
     mu_shared = cuda.shared.array(1, float64)
     last = cuda.shared.array(1, int32)
     t = cuda.threadIdx.x
-    batches = tracked[0] + 1  # read by every thread of every block before the last one writes it
-    if momentum < 0:
-        factor = 1.0 / batches
-    else:
-        factor = momentum
+    # read by every thread of every block before the last one writes it
+    batches, factor = running_factor(tracked, momentum)
     for c in range(cuda.blockIdx.x, channels, cuda.gridDim.x):  # block-uniform: every thread
         mu, within, between = channel_sums(means, ss, c, scratch, mu_shared)  # reaches barriers
         if t == 0:
-            var = within / count + between / n_batch
-            _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update, running_mean,
-                            running_var, scale, stats)
-            if save:
-                saved[0, c] = mu + bias[c]
-                saved[1, c] = var * (count / (count - 1.0))
-                saved[2, c] = math.sqrt(var + eps)
-                saved[3, c] = mu
+            finish_channel(c, within / count + between / n_batch, mu, bias, gamma, eps, factor,
+                           count, update, running_mean, running_var, scale, stats, saved, save)
     _count_block(done, tracked, batches, update, last)
 
 
@@ -185,11 +198,8 @@ def gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracke
     last = cuda.shared.array(1, int32)
     t = cuda.threadIdx.x
     step = cuda.blockDim.x
-    batches = tracked[0] + 1  # read by every thread of every block before the last one writes it
-    if momentum < 0:
-        factor = 1.0 / batches
-    else:
-        factor = momentum
+    # read by every thread of every block before the last one writes it
+    batches, factor = running_factor(tracked, momentum)
     # launched as gram_reduce's programmatic dependent (``griddep``): its shares, and the means
     # (box_sums, earlier in the chain), are read after the wait
     wait_prior_grid()
@@ -217,8 +227,8 @@ def gram_statistics(qpart, means, bias, gamma, running_mean, running_var, tracke
             # PyTorch: on the GPU ``max(var, 0.0)`` compiled to ``fmax``, which returns the 0
             if var < 0.0:
                 var = 0.0
-            shared[0] = _finish_channel(c, var, mu, bias, gamma, eps, factor, count, update,
-                                        running_mean, running_var, scale, stats)
+            shared[0] = finish_channel(c, var, mu, bias, gamma, eps, factor, count, update,
+                                       running_mean, running_var, scale, stats, stats, 0)
         cuda.syncthreads()  # a_c is in shared memory
         a = shared[0]
         for n in range(t, n_batch, step):
@@ -235,11 +245,7 @@ def running_update(stats, running_mean, running_var, tracked, momentum, count_ba
     every thread has read it for the factor (momentum < 0: None, the cumulative average)."""
     channels = running_mean.shape[0]
     t = cuda.threadIdx.x
-    batches = tracked[0] + 1
-    if momentum < 0:
-        factor = 1.0 / batches
-    else:
-        factor = momentum
+    batches, factor = running_factor(tracked, momentum)
     for c in range(t, channels, cuda.blockDim.x):  # float64 throughout, also simulated
         running_mean[c] = (1.0 - factor) * float64(running_mean[c]) + factor * stats[0, c]
         running_var[c] = (1.0 - factor) * float64(running_var[c]) + factor * stats[1, c]

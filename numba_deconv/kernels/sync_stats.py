@@ -16,7 +16,8 @@ function, ``batch_stats.channel_sums``); an empty slice writes zeros.
 
 ``pooled_statistics``: every rank's vector, gathered in rank order (W, 1 + 2C), pooled by the
 parallel-variance formula for W parts (``sync.combine``; each thread one channel, the ranks in
-order: every rank computes the same bits), then what ``batch_statistics`` finishes: the scale
+order: every rank computes the same bits), then what ``batch_statistics`` finishes
+(``batch_stats.finish_channel``): the scale
 ``a_c``, the statistics ``(mean + bias, var)``, the running update when asked for, and for a
 call whose backward will run the four rows ``Pipeline.forward_saving`` returns (mean + bias,
 unbiased variance, sigma, bias-free mean). One block: C threads at most a few thousand, W a
@@ -26,19 +27,16 @@ has read it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from numba import cuda, float64
 
-from .batch_stats import channel_sums
+from .batch_stats import channel_sums, finish_channel, grid_size, running_factor
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import block_size, launch
 from .warp import MAX_WARPS
 
 BLOCK = 256          # local_moments: one block per channel
 POOL_BLOCK = 256     # pooled_statistics: one block, threads over channels
-MAX_BLOCKS = 65535
 
 
 @cuda.jit
@@ -74,11 +72,7 @@ def pooled_statistics(table, bias, gamma, running_mean, running_var, tracked, ep
     world = table.shape[0]
     channels = scale.shape[0]
     t = cuda.threadIdx.x
-    batches = tracked[0] + 1  # every thread reads it before thread 0 writes it
-    if momentum < 0:
-        factor = 1.0 / batches
-    else:
-        factor = momentum
+    batches, factor = running_factor(tracked, momentum)  # read before thread 0 writes it
     for c in range(t, channels, cuda.blockDim.x):
         count = 0.0
         for r in range(world):
@@ -92,20 +86,8 @@ def pooled_statistics(table, bias, gamma, running_mean, running_var, tracked, ep
             m2 += table[r, 1 + channels + c]
             d = table[r, 1 + c] - mu
             between += table[r, 0] * (d * d)
-        var = (m2 + between) / count
-        sigma = math.sqrt(var + eps)
-        scale[c] = gamma[c] / sigma
-        mean_c = mu + bias[c]
-        unbiased = var * (count / (count - 1.0))
-        stats[0, c] = mean_c
-        stats[1, c] = var
-        saved[0, c] = mean_c
-        saved[1, c] = unbiased
-        saved[2, c] = sigma
-        saved[3, c] = mu
-        if update:
-            running_mean[c] = (1.0 - factor) * running_mean[c] + factor * mean_c
-            running_var[c] = (1.0 - factor) * running_var[c] + factor * unbiased
+        finish_channel(c, (m2 + between) / count, mu, bias, gamma, eps, factor, count, update,
+                       running_mean, running_var, scale, stats, saved, 1)
     cuda.syncthreads()  # every thread has read num_batches_tracked
     if t == 0 and update:
         tracked[0] = batches
@@ -115,7 +97,7 @@ def launch_local_moments(means: torch.Tensor, ss: torch.Tensor, volume: int,
                          packed: torch.Tensor) -> None:
     """``packed`` (1 + 2C) float64 from ``means`` (N, C) and ``ss`` (N, C, SLOTS), float64."""
     channels = ss.shape[1]
-    launch(local_moments, max(1, min(channels, MAX_BLOCKS)), block_size(BLOCK),
+    launch(local_moments, grid_size(channels), block_size(BLOCK),
            (means, ss, float(volume), packed), after_prior=True)
 
 
