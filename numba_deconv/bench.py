@@ -445,7 +445,10 @@ class GeneralModel(nn.Module):
 
 
 class NumbaModel(nn.Module):
-    """A numba pipeline over a copy of a reference-like model (keeps its parameters/buffers)."""
+    """A numba pipeline over a copy of a reference-like model (keeps its parameters/buffers),
+    on the specialised kernels from its first call (``specialize=True``): the benchmark times
+    them, and its warm-up calls compile them (``specialize="auto"`` would serve a new shape's
+    first calls from the generic tier)."""
 
     def __init__(self, model: nn.Module, conv_impl: str, graphs: bool | str = "auto",
                  variance: str = "auto"):
@@ -454,7 +457,7 @@ class NumbaModel(nn.Module):
 
         self.inner = model
         self.pipe = Pipeline.from_torch(model, conv_impl=conv_impl, graphs=graphs,
-                                        variance=variance)
+                                        variance=variance, specialize=True)
 
     def forward(self, x):
         return self.pipe.train(self.training)(x)

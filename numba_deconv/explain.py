@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from . import folding
+from . import folding, tiers
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
@@ -564,6 +564,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     elif pipe.conv_impl == "gather":
         report.notes.append("tier: specialised: kernels compiled for this geometry (tap "
                             "patterns, tile, sizes' shape), or loaded from the kernel cache")
+        now = "" if pipe.path() == "gram" else tiers.status(pipe, input_shape, dtype)
+        if now:
+            report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
     if batch_stats and pipe.path() in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()
         if gram_path:

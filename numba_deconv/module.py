@@ -24,14 +24,16 @@ from .pipeline import Pipeline
 
 class ModelNew(nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride, padding, bias=True,
-                 *, conv_impl: str = "gather", graphs: bool | str = "auto", process_group=None):
+                 *, conv_impl: str = "gather", graphs: bool | str = "auto", process_group=None,
+                 specialize: bool | str = "auto"):
         super().__init__()
         self.conv_transpose = nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
         self.batch_norm = nn.BatchNorm3d(out_channels)
         # The pipeline holds references to the two modules above, never copies of them.
         self._pipeline = Pipeline(self.conv_transpose, self.batch_norm, conv_impl=conv_impl,
-                                  graphs=graphs, process_group=process_group)
+                                  graphs=graphs, process_group=process_group,
+                                  specialize=specialize)
 
     @property
     def pipeline(self) -> Pipeline:

@@ -65,7 +65,7 @@ from numba import cuda
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from . import autograd, dtypes, folding, sync
+from . import autograd, dtypes, folding, sync, tiers
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gather_simple, gram, scatter,
@@ -120,7 +120,8 @@ class Pipeline:
 
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
                  variance: str = "auto", poison: bool = False, graphs: bool | str = "auto",
-                 options: Options | None = None, process_group=None, specialize: bool = True):
+                 options: Options | None = None, process_group=None,
+                 specialize: bool | str = "auto"):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -139,10 +140,16 @@ class Pipeline:
         self.options = Options() if options is None else options  # kernel arrangements (plan)
         self.conv_impl = conv_impl
         self.variance = variance
-        if specialize is not True and specialize is not False:
-            raise ValueError(f"specialize must be True or False, got {specialize!r}")
-        # False: the generic tier, kernels that take the geometry at run time (``path``)
-        self.specialize = specialize
+        if specialize is not True and specialize is not False and specialize != tiers.AUTO:
+            raise ValueError(f"specialize must be True, False or 'auto', got {specialize!r}")
+        # False: the generic tier, kernels that take the geometry at run time (``path``);
+        # "auto": the generic tier until a kind of call's specialised kernels are ready
+        # (``tiers``)
+        self.specialize = tiers.AUTO if specialize == tiers.AUTO else specialize
+        # this call is served by the generic tier while its specialised kernels are not ready
+        # (``specialize="auto"``), and the last call was (``_forward``)
+        self._transitional = self._last_transitional = False
+        self._kinds: dict[tuple, str] = {}  # (call key, alignment, saving, settings) -> name
         if variance == "gram" and not specialize:
             raise ValueError("variance='gram' runs the specialised kernels: not with "
                              "specialize=False")
@@ -295,7 +302,8 @@ class Pipeline:
             return self._forward(x, record=None)
         if prepared is None or prepared.state != self._state():
             out = self._forward(x, record=None)
-            self._remember(key, _Prepared(self._state(), None, self._updates(None)))
+            if not self._last_transitional:  # (the generic tier stands in: not kept)
+                self._remember(key, _Prepared(self._state(), None, self._updates(None)))
             return out
         if prepared.recorded:  # it could not be replayed: a plain call
             out = self._forward(x, record=None)
@@ -351,7 +359,7 @@ class Pipeline:
         """
         if self.conv_impl != "gather":
             return False, "the scatter path has its own finish"
-        if not self.specialize:
+        if self.specialize is False:
             return False, "the generic tier (specialize=False) has the scatter path's finish"
         if self.variance != "auto":
             return self.variance == "gram", f"variance={self.variance!r}"
@@ -392,8 +400,11 @@ class Pipeline:
         entry = self._graphs.get(key)
         if entry is None:
             # First call of this kind: run it for real (compiles kernels, builds the launch plan,
-            # applies the running-statistics update once), then capture the same work.
+            # applies the running-statistics update once), then capture the same work (not
+            # while the generic tier stands in for kernels not yet ready).
             out = self._forward(x, record=None)
+            if self._last_transitional:
+                return out
             static_x = x.detach().clone()
             graph = torch.cuda.CUDAGraph()
             self._capturing = True
@@ -447,7 +458,7 @@ class Pipeline:
         settings and ``variance``."""
         if self.conv_impl == "scatter":
             return "scatter"
-        if not self.specialize:
+        if self.specialize is False or self._transitional:
             return "generic"
         if not folding.uses_batch_statistics(self.bn, self.training):
             return "eval"
@@ -589,7 +600,49 @@ class Pipeline:
 
     def _forward(self, x: torch.Tensor, record: dict | None,
                  save: dict | None = None) -> torch.Tensor:
-        batch, out_spatial = self._check(x)
+        """A call: its tier (``specialize``, ``tiers``), then its launches; the first call of a
+        kind on the specialised kernels records them, for the kernel cache's marker."""
+        checked = self._check(x)
+        name = self._tier_kind(x, checked[0], save is not None)
+        # (a trace shows the specialised kernels' stages, ``stages``; the Gram path has no
+        # generic counterpart: asked for, it is compiled)
+        gram = self.variance == "gram" and save is None \
+            and folding.uses_batch_statistics(self.bn, self.training)
+        generic = name is not None and self.specialize == tiers.AUTO and record is None \
+            and not gram \
+            and tiers.serve_generic(name, lambda: tiers.spec(self, x, save is not None, name))
+        self._transitional = generic
+        try:
+            if name is None or generic or tiers.kind(name).ready:
+                return self._forward_body(x, record, save, checked)
+            with recording() as launches:
+                out = self._forward_body(x, record, save, checked)
+            tiers.specialised(name, launches)
+            return out
+        finally:
+            self._transitional = False
+            self._last_transitional = generic
+
+    def _tier_kind(self, x: torch.Tensor, batch: int, saving: bool) -> str | None:
+        """The name of this call's kind (``tiers.kind_name``) where a tier is to be chosen or
+        its kernels marked ready: a non-empty call on the gather path's kernels that compile
+        (not the scatter path, not ``specialize=False``, not under the simulator); else None.
+        Kept per kind of call, so a call pays one dictionary lookup."""
+        if self.specialize is False or self.conv_impl != "gather" or batch == 0 \
+                or not tiers.compiles():
+            return None
+        offset = x.data_ptr() % 16
+        key = (x.shape, x.dtype, x.device, self.training, offset, saving, self.variance,
+               self.options, self._synced())
+        name = self._kinds.get(key)
+        if name is None:
+            name = self._kinds[key] = tiers.kind_name(self, tuple(x.shape), x.dtype, x.device,
+                                                      offset, saving)
+        return name
+
+    def _forward_body(self, x: torch.Tensor, record: dict | None, save: dict | None,
+                      checked: tuple) -> torch.Tensor:
+        batch, out_spatial = checked
         bn, geom = self.bn, self.geometry
         batch_stats = folding.uses_batch_statistics(bn, self.training)
         if batch == 0:

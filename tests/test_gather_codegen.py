@@ -61,7 +61,8 @@ def _check_against_pytorch(geom, batch: int, in_spatial, training: bool, device,
     made = []
 
     def make(conv, bn):
-        made.append(Pipeline.from_modules(conv, bn, poison=True, options=options))
+        made.append(Pipeline.from_modules(conv, bn, poison=True, options=options,
+                                          specialize=True))
         return made[-1]
 
     testing.check_case(case, make, device)

@@ -1,6 +1,8 @@
 """CUDA graphs: ``Pipeline(graphs=True)`` replays exactly what eager calls compute, the default
 ``graphs="auto"`` replays launches instead, and a call inside the caller's own capture is
-captured with it."""
+captured with it. All on the specialised kernels from the first call (``specialize=True``):
+calls the generic tier serves while a new shape compiles are never captured
+(tests/test_tiers.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def test_graph_replay_matches_reference_across_steps(training):
                         2, (5, 6, 7), training, seed=3)
     conv64, bn64 = testing.build_modules(case, "cuda")
     conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
-    pipe = Pipeline(conv, bn, graphs=True, poison=True)
+    pipe = Pipeline(conv, bn, graphs=True, poison=True, specialize=True)
     for step in range(4):
         x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
         if step == 2:  # parameters change in place between replays: the graph must see it
@@ -49,7 +51,7 @@ def test_graph_outputs_are_fresh_tensors():
     case = testing.Case(testing.ConvGeometry.create(3, 4, 3, 2, 1), testing.BatchNormSettings(),
                         1, (4, 4, 4), False, seed=5)
     conv, bn = (m.float() for m in testing.build_modules(case, "cuda"))
-    pipe = Pipeline(conv, bn, graphs=True)
+    pipe = Pipeline(conv, bn, graphs=True, specialize=True)
     x = torch.randn(case.input_shape, device="cuda")
     first = pipe(x)
     second = pipe(x)
@@ -64,7 +66,7 @@ def test_eager_eval_after_graph_training_sees_the_new_statistics():
                         2, (4, 5, 4), True, seed=9)
     conv64, bn64 = testing.build_modules(case, "cuda")
     conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
-    pipe = Pipeline(conv, bn, graphs=True)
+    pipe = Pipeline(conv, bn, graphs=True, specialize=True)
     x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
     pipe.eval()(x.float())  # eager first call: caches weights folded from the running stats
     pipe.train()
@@ -85,7 +87,7 @@ def test_auto_replays_launches_not_a_graph():
                         2, (5, 6, 7), True, seed=11)
     conv64, bn64 = testing.build_modules(case, "cuda")
     conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
-    pipe = Pipeline(conv, bn)
+    pipe = Pipeline(conv, bn, specialize=True)
     assert pipe.graphs == "auto" and not pipe.graph_wanted(case.input_shape)
     for step in range(4):
         x = torch.randn(case.input_shape, dtype=torch.float64, device="cuda")
@@ -106,7 +108,7 @@ def test_a_call_inside_the_callers_own_capture_is_captured_with_it():
                         2, (5, 6, 7), False, seed=13)
     conv64, bn64 = testing.build_modules(case, "cuda")
     conv, bn = (copy.deepcopy(m).float() for m in (conv64, bn64))
-    pipe = Pipeline(conv, bn)
+    pipe = Pipeline(conv, bn, specialize=True)
     static_x = torch.randn(case.input_shape, device="cuda")
     for _ in range(3):  # outside the capture: compiles the kernels, builds the plan, and
         pipe(static_x)  # prepares the call (which a call inside a capture must not replay)

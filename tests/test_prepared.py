@@ -26,7 +26,10 @@ def _models(device, **kwargs):
     # forward-only parameters: under grad mode, parameters that require grad make every call
     # record its backward instead (tests/test_backward.py)
     model = copy.deepcopy(ref).float().requires_grad_(False)
-    return ref, model, Pipeline.from_torch(model, **kwargs)
+    # the specialised kernels from the first call: the generic tier's calls, which
+    # ``specialize="auto"`` serves while a new shape's kernels compile, are not kept
+    # (tests/test_tiers.py)
+    return ref, model, Pipeline.from_torch(model, **{"specialize": True, **kwargs})
 
 
 def _replayed(pipe, x) -> bool:

@@ -387,8 +387,8 @@ def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = Fals
     (``simulator.quiet_float_errors``). Every other warning, and every other caller's, is left
     alone.
     """
-    if _RECORDING:
-        _RECORDING[-1].append((kernel, grid, block, args, smem, after_prior))
+    for launches in _RECORDING:
+        launches.append((kernel, grid, block, args, smem, after_prior))
     if is_simulator():
         with simulator.quiet_float_errors():
             kernel[grid, block, 0, smem](*_views(args))
@@ -568,7 +568,8 @@ _RECORDING: list[list] = []
 @contextlib.contextmanager
 def recording():
     """Launches made inside the block are made as usual and also appended, as (kernel, grid,
-    block, args, smem, after_prior), to the list this yields (``Replay.build``)."""
+    block, args, smem, after_prior), to the list this yields (``Replay.build``); blocks may
+    nest, and each sees every launch made inside it."""
     launches: list = []
     _RECORDING.append(launches)
     try:
@@ -581,8 +582,23 @@ def unreplayable() -> None:
     """Called where a call does work other than kernel launches that a replay would have to
     repeat (a buffer reset by a torch op): the recording in progress, if any, cannot be
     replayed (``Replay.build`` returns None)."""
-    if _RECORDING:
-        _RECORDING[-1].append(None)
+    for launches in _RECORDING:
+        launches.append(None)
+
+
+def cache_names(launches) -> list[str] | None:
+    """The kernel cache's entry names of the kernels ``recording`` saw launched, or None where
+    one has none (the cache is off, or a kernel no key describes)."""
+    names = []
+    for entry in launches:
+        if entry is None:  # ``unreplayable``: no launch
+            continue
+        kernel, _, _, args, _, _ = entry
+        name = _cache_name(kernel, _views(args))
+        if name is None:
+            return None
+        names.append(name)
+    return names
 
 
 class Replay:

@@ -1,0 +1,350 @@
+"""Which tier serves a call under ``Pipeline(specialize="auto")``, and the background compile.
+
+The specialised kernels are compiled for one geometry and shape (seconds of compiling at every
+new one); the generic tier's take the geometry at run time and are compiled once per dtype and
+mode (docs/design.md §8). ``"auto"``, the default, serves each kind of call (a *kind*: the
+geometry, the input's shape, dtype and alignment, the mode, the pipeline's settings and the
+device's compute capability; ``kind_name``) from the tier that answers it fastest now:
+
+* the specialised kernels wherever they are ready: this process has run the kind on them, or
+  the kernel cache holds all of them (a *marker* per kind lists the cache entries its call
+  launched, written by whichever process first ran it specialised);
+* otherwise the generic tier, at once. The kind's ``SPECIALISE_AT``-th call asks a background
+  process (``python -m numba_deconv.tiers``, one at a time, ``Scheduler``) to run the kind on
+  the specialised kernels, which fills the kernel cache and writes the marker; calls keep to
+  the generic tier until it has finished, and then load the kernels from the cache (ms);
+* the kind's ``WAIT_AT``-th call waits for that process (or, if none could start, compiles in
+  this one) and runs specialised: a loop that calls one shape again and again runs at full
+  speed from that call on, and a fuzzing run that calls each shape once or twice never
+  compiles a specialised kernel.
+
+The compile runs in another process, not a thread, because numba's compiler holds the GIL: a
+thread compiling beside a loop of calls would stall each call that synchronizes for up to the
+interpreter's switch interval (5 ms), and calls cost tens of µs of host time. The process
+shares nothing with the caller but the kernel cache on disk and its own CUDA context on the
+same device (a few hundred MB while it runs).
+
+Without a kernel cache (``NUMBA_DECONV_CACHE=0``) a background process cannot hand its
+kernels over: the ``WAIT_AT``-th call compiles them here. Under the CUDA simulator nothing is
+compiled, and ``"auto"`` is the specialised tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from .kernels import disk_cache
+from .simulator import is_simulator
+
+#: the call of a kind (counted in this process) that asks for its specialised kernels
+SPECIALISE_AT = 2
+#: the call of a kind that waits for them (and from which every call runs on them)
+WAIT_AT = 3
+#: kinds waiting for the background process (the oldest request is dropped past this: a kind
+#: nobody calls again is not worth a compile)
+QUEUE = 4
+#: seconds a waiting call gives the background process before compiling here instead
+WAIT_S = 600.0
+AUTO = "auto"
+
+
+def compiles() -> bool:
+    """Whether specialised kernels cost a compile here (not under the simulator)."""
+    return not is_simulator()
+
+
+# ---- kinds of call -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Kind:
+    """What this process knows of one kind of call: its calls so far, and whether its
+    specialised kernels are ready (None: not looked up yet)."""
+
+    calls: int = 0
+    ready: bool | None = None
+
+
+#: kind name -> Kind, for the whole process (a notebook that builds its pipeline again in every
+#: cell still counts its calls)
+KINDS: dict[str, Kind] = {}
+
+
+def kind_name(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offset16: int,
+              saving: bool) -> str:
+    """The name of a kind of call (an input of ``shape`` and ``dtype`` on ``device`` at an
+    address ``offset16`` modulo 16; ``saving``: one whose backward will run): everything that
+    picks the specialised kernels and their argument types, with the compiler's versions and
+    the sources' digest (as the kernel cache's keys), so that a marker never outlives the code
+    it describes."""
+    from . import folding
+    from .kernels.launch import _compiler_versions
+
+    bn, conv = pipe.bn, pipe.conv
+    text = repr((pipe.geometry, tuple(shape), str(dtype), offset16, pipe.training,
+                 folding.uses_batch_statistics(bn, pipe.training), saving, pipe.variance,
+                 pipe.conv_impl, pipe.options, pipe._synced(), bn.affine,
+                 folding.tracks_running_stats(bn), bn.momentum is None, conv.bias is None,
+                 capability(device), _compiler_versions(), disk_cache.source_digest()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def capability(device: torch.device) -> tuple:
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else ()
+
+
+def kind(name: str) -> Kind:
+    found = KINDS.get(name)
+    if found is None:
+        found = KINDS[name] = Kind()
+    return found
+
+
+# ---- markers: a kind's kernels in the cache ------------------------------------------------------
+def marker_path(name: str) -> Path:
+    return disk_cache.directory() / f"{name}.ready"
+
+
+def ready_on_disk(name: str) -> bool:
+    """Whether the kernel cache holds every kernel kind ``name``'s call launched."""
+    if not disk_cache.enabled():
+        return False
+    try:
+        entries = json.loads(marker_path(name).read_bytes())["entries"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    root = disk_cache.directory()
+    return all((root / f"{e}.json").is_file() and (root / f"{e}.cubin").is_file()
+               for e in entries)
+
+
+def write_marker(name: str, entries: list[str]) -> None:
+    """Record that kind ``name``'s call launched the cache entries ``entries`` (renamed into
+    place, as the entries are)."""
+    root = disk_cache.directory()
+    root.mkdir(parents=True, exist_ok=True)
+    disk_cache._write(marker_path(name), json.dumps({"entries": sorted(set(entries))}).encode())
+
+
+# ---- the decision --------------------------------------------------------------------------------
+def serve_generic(name: str, make_spec) -> bool:
+    """Whether the generic tier serves this call of kind ``name`` (``specialize="auto"``).
+    Counts the call, asks for the background compile (``make_spec()``: its ``spec``) at
+    ``SPECIALISE_AT`` and waits for it at ``WAIT_AT``."""
+    if not compiles():
+        return False
+    state = kind(name)
+    if state.ready is None:
+        state.ready = ready_on_disk(name)
+    if state.ready:
+        return False
+    state.calls += 1
+    if state.calls >= WAIT_AT:
+        SCHEDULER.wait(name)
+        return False  # what the background process left out compiles in this call
+    if state.calls >= SPECIALISE_AT and disk_cache.enabled():
+        SCHEDULER.request(name, make_spec())
+    if SCHEDULER.finished(name) and ready_on_disk(name):
+        state.ready = True
+        return False
+    return True
+
+
+def specialised(name: str, launches) -> None:
+    """A call of kind ``name`` ran on the specialised kernels (``launches``: its recorded
+    launches, or None): they are ready in this process, and, where every one is in the kernel
+    cache, the marker says so to later processes."""
+    from .kernels.launch import cache_names
+
+    state = kind(name)
+    if state.ready is not True:
+        state.ready = True
+        if launches is not None and compiles() and disk_cache.enabled():
+            entries = cache_names(launches)
+            if entries is not None:
+                write_marker(name, entries)
+
+
+def status(pipe, shape, dtype: torch.dtype) -> str:
+    """In words, which tier a call of ``shape`` (one that records no backward, at an aligned
+    address) would take now (``explain``)."""
+    if pipe.specialize is not AUTO:
+        return ""
+    if not compiles():
+        return "specialised (nothing compiles under the simulator)"
+    from .backend import tensor_device
+
+    name = kind_name(pipe, tuple(shape), dtype, tensor_device(), 0, False)
+    state = KINDS.get(name, Kind())
+    if state.ready or ready_on_disk(name):
+        return "specialised: its kernels are ready (in this process, or in the kernel cache)"
+    return (f"generic for now: {state.calls} call(s) of this kind so far; call "
+            f"{SPECIALISE_AT} asks a background process to compile the specialised kernels, "
+            f"and call {WAIT_AT} waits for them")
+
+
+# ---- the background process ----------------------------------------------------------------------
+def spec(pipe, x: torch.Tensor, saving: bool, name: str) -> dict:
+    """What a background process needs to make the same kind of call (JSON)."""
+    g, bn = pipe.geometry, pipe.bn
+    return {
+        "name": name,
+        "conv": {"in_channels": g.in_channels, "out_channels": g.out_channels,
+                 "kernel_size": list(g.kernel_size), "stride": list(g.stride),
+                 "padding": list(g.padding), "output_padding": list(g.output_padding),
+                 "dilation": list(g.dilation), "groups": g.groups, "bias": pipe.conv.bias is not None},
+        "bn": {"num_features": bn.num_features, "eps": bn.eps, "momentum": bn.momentum,
+               "affine": bn.affine, "track_running_stats": bn.track_running_stats},
+        "pipeline": {"conv_impl": pipe.conv_impl, "variance": pipe.variance,
+                     "options": dataclasses.asdict(pipe.options)},
+        "dtype": str(x.dtype).replace("torch.", ""), "shape": list(x.shape),
+        "offset_bytes": x.data_ptr() % 16, "training": pipe.training, "saving": saving,
+        "device": x.device.index if x.device.type == "cuda" else None,
+    }
+
+
+def run_spec(spec: dict) -> None:
+    """Make ``spec``'s call on the specialised kernels (in the background process; also the
+    tests' way to run one here)."""
+    from torch import nn
+
+    from .backend import tensor_device
+    from .kernels.launch import recording
+    from .pipeline import Pipeline
+    from .plan import Options
+
+    device = tensor_device() if spec["device"] is None else torch.device("cuda", spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, spec["dtype"])
+    conv = nn.ConvTranspose3d(**spec["conv"]).to(device, dtype)
+    bn = nn.BatchNorm3d(**spec["bn"]).to(device, dtype)
+    pipe = Pipeline(conv, bn, specialize=True, conv_impl=spec["pipeline"]["conv_impl"],
+                    variance=spec["pipeline"]["variance"],
+                    options=Options(**spec["pipeline"]["options"]))
+    pipe.train(spec["training"])
+    shape, itemsize = spec["shape"], torch.finfo(dtype).bits // 8
+    numel = 1
+    for n in shape:
+        numel *= n
+    buffer = torch.randn(numel + 16 // itemsize, dtype=dtype, device=device)
+    skip = (spec["offset_bytes"] - buffer.data_ptr() % 16) % 16 // itemsize
+    x = buffer[skip:skip + numel].view(shape)
+    with recording() as launches, torch.no_grad():
+        if spec["saving"]:
+            pipe.forward_saving(x)
+        else:
+            pipe(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    specialised(spec["name"], launches)
+
+
+def _spawn(spec: dict) -> subprocess.Popen:
+    """Start the background process for ``spec`` (its errors go to a temporary file, read if it
+    fails)."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "numba_deconv.tiers", json.dumps(spec)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    proc.log = log
+    return proc
+
+
+class Scheduler:
+    """At most one background process at a time; kinds waiting for it, oldest first."""
+
+    def __init__(self, spawn=_spawn):
+        self._spawn = spawn
+        self._running: tuple[str, object] | None = None
+        self._queue: OrderedDict[str, dict] = OrderedDict()
+        self._finished: set[str] = set()
+
+    def request(self, name: str, spec: dict) -> None:
+        running = self._running is not None and self._running[0] == name
+        if not (running or name in self._queue or name in self._finished):
+            self._queue[name] = spec
+            if len(self._queue) > QUEUE:
+                self._queue.popitem(last=False)
+        self.poll()
+
+    def poll(self) -> None:
+        """Collect a finished process and start the next."""
+        if self._running is not None and self._running[1].poll() is not None:
+            self._done()
+        if self._running is None and self._queue:
+            name, spec = self._queue.popitem(last=False)
+            try:
+                self._running = (name, self._spawn(spec))
+            except OSError as exc:  # no process: the waiting call compiles here
+                warnings.warn(f"numba_deconv: no background compile ({exc})", RuntimeWarning,
+                              stacklevel=3)
+                self._finished.add(name)
+
+    def finished(self, name: str) -> bool:
+        self.poll()
+        return name in self._finished
+
+    def wait(self, name: str, timeout: float = WAIT_S) -> None:
+        """Until kind ``name``'s process has finished; a kind still queued is dropped (the
+        waiting call compiles it here)."""
+        self._queue.pop(name, None)
+        if self._running is not None and self._running[0] == name:
+            proc = self._running[1]
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self._done()
+        self.poll()
+
+    def stop(self) -> None:
+        """End the running process and forget the queue (at exit)."""
+        self._queue.clear()
+        if self._running is not None:
+            proc = self._running[1]
+            self._running = None
+            proc.kill()
+            proc.wait()
+            if getattr(proc, "log", None) is not None:
+                proc.log.close()
+
+    def _done(self) -> None:
+        name, proc = self._running
+        self._running = None
+        self._finished.add(name)
+        tail = ""
+        log = getattr(proc, "log", None)
+        if log is not None:
+            if proc.returncode:
+                log.seek(0)
+                tail = log.read()[-2000:].decode(errors="replace")
+            log.close()
+        if proc.returncode:
+            warnings.warn(f"numba_deconv: the background compile failed (exit "
+                          f"{proc.returncode}); its kernels compile in this process when "
+                          f"needed\n{tail}", RuntimeWarning, stacklevel=4)
+
+
+SCHEDULER = Scheduler()
+
+
+def _stop_at_exit() -> None:
+    SCHEDULER.stop()
+
+
+import atexit  # noqa: E402  (registered once the scheduler exists)
+
+atexit.register(_stop_at_exit)
+
+
+if __name__ == "__main__":
+    run_spec(json.loads(sys.argv[1]))
