@@ -218,7 +218,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                         "and synchronized after every call")
     b.add_argument("--first-call", action="store_true",
                    help="time first calls in new processes: cold and warm kernel cache, a "
-                        "new geometry in a warm process, and the same for the generic tier")
+                        "new geometry in a warm process, the same for the generic tier, and "
+                        "the calls of a new geometry under specialize='auto'")
     b.add_argument("--ddp", action="store_true",
                    help="time a DDP training step on one GPU and on two, against eager "
                         "SyncBatchNorm under DDP (needs two GPUs for the two-GPU rows)")

@@ -173,20 +173,33 @@ def test_first_call_rows_and_files(tmp_path, monkeypatch):
 
     def child(geometries, cache, specialize=True):
         seen.append(([name for name, _ in geometries], cache, specialize))
+        if specialize == "auto":
+            times = {f"call {call} {mode}": 0.5 * call for call in first_call.AUTO_CALLS
+                     for mode in ("eval", "train")}
+            return {**times, "busy idle": 0.07, "busy compiling eval": 0.08,
+                    "still compiling eval": True, "busy compiling train": 0.09,
+                    "still compiling train": False}
         return {f"{name} {mode}": 1.0 + len(seen) for name, _ in geometries
                 for mode in ("eval", "train")}
 
     monkeypatch.setattr(first_call, "_run_child", child)
     rows = first_call.measure(str(tmp_path))
     assert [names for names, _, _ in seen] == [["default", "other"], ["default", "other", "new"],
-                                               ["default", "other", "new"], ["newer"]]
-    assert [tier for _, _, tier in seen] == [True, True, False, False]
+                                               ["default", "other", "new"], ["newer"], []]
+    assert [tier for _, _, tier in seen] == [True, True, False, False, "auto"]
     assert seen[0][1] == seen[1][1]  # the warm process reads what the cold one wrote
     assert seen[2][1] == seen[3][1] != seen[0][1]  # the generic tier's own cache
-    assert len(rows) == 14 and {r["seconds"] for r in rows} == {2.0, 3.0, 4.0, 5.0}
+    assert seen[4][1] not in (seen[0][1], seen[2][1])  # and "auto" its own
+    assert len(rows) == 22
+    assert {r["seconds"] for r in rows} == {2.0, 3.0, 4.0, 5.0, 0.5, 1.0, 1.5, 2.0}
     table = (tmp_path / "first_call.md").read_text()
     assert "| new process, warm cache: default problem | eval | 3.000 |" in table
     assert "| generic tier, new process, warm cache: new geometry | train | 5.000 |" in table
+    assert "| auto (the default), warm process, new geometry: call 3 (waits for it; " \
+           "specialised) | train | 1.500 |" in table
+    assert "while the eval geometry compiles in the background | 0.0800 |" in table
+    assert "while the train geometry compiles in the background (it had finished) | " \
+           "0.0900 |" in table
 
 
 def test_ddp_rows_and_files(tmp_path, monkeypatch):
