@@ -636,6 +636,8 @@ class Pipeline:
                self.options, self._synced())
         name = self._kinds.get(key)
         if name is None:
+            if len(self._kinds) >= 4 * PLAN_CACHE:  # many shapes (fuzzing): start afresh
+                self._kinds.clear()
             name = self._kinds[key] = tiers.kind_name(self, tuple(x.shape), x.dtype, x.device,
                                                       offset, saving)
         return name

@@ -31,6 +31,7 @@ compiled, and ``"auto"`` is the specialised tier.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -74,8 +75,9 @@ class Kind:
 
 
 #: kind name -> Kind, for the whole process (a notebook that builds its pipeline again in every
-#: cell still counts its calls)
+#: cell still counts its calls); at most ``MAX_KINDS``, the oldest forgotten first
 KINDS: dict[str, Kind] = {}
+MAX_KINDS = 4096
 
 
 def kind_name(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offset16: int,
@@ -104,6 +106,8 @@ def capability(device: torch.device) -> tuple:
 def kind(name: str) -> Kind:
     found = KINDS.get(name)
     if found is None:
+        if len(KINDS) >= MAX_KINDS:
+            del KINDS[next(iter(KINDS))]
         found = KINDS[name] = Kind()
     return found
 
@@ -337,13 +341,11 @@ class Scheduler:
 SCHEDULER = Scheduler()
 
 
+@atexit.register
 def _stop_at_exit() -> None:
+    """A background process still compiling at exit is ended (its partial writes are
+    temporary files, removed by the cache later)."""
     SCHEDULER.stop()
-
-
-import atexit  # noqa: E402  (registered once the scheduler exists)
-
-atexit.register(_stop_at_exit)
 
 
 if __name__ == "__main__":

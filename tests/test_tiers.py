@@ -157,6 +157,13 @@ def test_a_finished_background_compile_hands_over_before_the_waiting_call(gpu_li
     assert tiers.KINDS["k"].ready and not gpu_like.started[0].waited
 
 
+def test_kinds_are_bounded(gpu_like, monkeypatch):
+    monkeypatch.setattr(tiers, "MAX_KINDS", 2)
+    for name in "abc":
+        tiers.kind(name).calls = 1
+    assert list(tiers.KINDS) == ["b", "c"]
+
+
 # ---- the scheduler -----------------------------------------------------------------------------------
 def test_scheduler_runs_one_process_at_a_time_oldest_first():
     spawner = Spawner(running=True)
