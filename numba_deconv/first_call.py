@@ -13,10 +13,11 @@ Each measurement runs in a new Python process with its own, initially empty kern
    kernels compiled once), new geometries in that process (nothing to compile), and a new
    geometry in a new process with a warm cache;
 5. the default, ``specialize="auto"`` (``tiers``), in a warm process: each call of a new
-   geometry until it runs specialised (the first two on the generic tier, the second asking a
-   background process to compile, the third waiting for it), and what that background compile
-   costs a loop of calls of another shape meanwhile (the tiny problem, specialised, each call
-   synchronized: KernelBench's way, where host time counts).
+   geometry until it runs specialised, in a row (the first two on the generic tier, the second
+   asking a background process to compile, the third ending it and compiling what it has not
+   stored); another geometry's third call once its background compile has finished; and what
+   that background compile costs a loop of calls of another shape meanwhile (the tiny
+   problem, specialised, each call synchronized: KernelBench's way, where host time counts).
 
 It writes ``first_call.json`` and ``first_call.md`` and prints the table.
 """
@@ -37,14 +38,21 @@ NEW = (6, 10, (2, 3, 2), (1, 2, 2), 1, 2, (5, 6, 7))
 NEWER = (5, 7, 3, 3, 0, 3, (4, 5, 6))
 AUTO_EVAL = (7, 5, (3, 3, 2), (2, 1, 2), (1, 1, 0), 2, (5, 6, 5))
 AUTO_TRAIN = (6, 9, (2, 3, 3), (1, 2, 2), (0, 1, 1), 3, (4, 5, 6))
+#: geometries whose second and third calls are spaced by the background compile's whole run
+SPACED_EVAL = (9, 6, (2, 2, 3), (2, 2, 1), (0, 1, 1), 2, (5, 5, 6))
+SPACED_TRAIN = (5, 8, (3, 2, 2), (1, 1, 2), (1, 0, 0), 2, (6, 5, 4))
 TINY = (4, 4, 3, 2, 1, 1, (4, 4, 4))
-#: synchronized calls of the tiny problem timed per measurement (their median)
-BUSY_CALLS = 300
+#: seconds of synchronized calls of the tiny problem timed with no compile running
+IDLE_S = 2.0
+#: the longest a loop of them runs beside a background compile
+BUSY_S = 120.0
 
 
-#: what happens at each call of a new kind under ``specialize="auto"`` (``tiers``)
+#: what happens at each call of a new kind under ``specialize="auto"`` (``tiers``), its third
+#: call following the second at once
 AUTO_CALLS = {1: " (generic tier)", 2: " (generic tier; asks for the background compile)",
-              3: " (waits for it; specialised)", 4: " (specialised)"}
+              3: " (ends it, compiles what it has not stored; specialised)",
+              4: " (specialised)"}
 
 
 def _modules(geometry):
@@ -58,24 +66,30 @@ def _modules(geometry):
     return conv, bn, torch.randn(batch, cin, *spatial, device="cuda")
 
 
-def _synchronized_ms(pipe, x, calls: int = BUSY_CALLS) -> float:
-    """Median milliseconds of a call followed by a synchronize."""
+def _synchronized_ms(pipe, x, seconds: float, until=lambda: False) -> dict:
+    """Milliseconds of a call followed by a synchronize, for ``seconds`` or until ``until()``:
+    median, 90th percentile and the number of calls."""
     import statistics
 
     import torch
 
     times = []
-    for _ in range(calls):
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop and not until():
         start = time.perf_counter()
         pipe(x)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times.sort()
+    return {"median": statistics.median(times) * 1e3,
+            "p90": times[int(0.9 * (len(times) - 1))] * 1e3, "calls": len(times)}
 
 
 def _auto_child() -> dict:
-    """In the child process: ``specialize="auto"``'s calls of new geometries (seconds), and
-    the tiny problem's synchronized calls idle and beside a background compile (ms)."""
+    """In the child process: ``specialize="auto"``'s calls of new geometries (seconds), one
+    geometry's calls in a row and another's third call after its background compile finished;
+    and the tiny problem's synchronized calls with no compile running and during that compile
+    (ms)."""
     import torch
 
     import numba_deconv as nd
@@ -87,21 +101,33 @@ def _auto_child() -> dict:
     conv, bn, x = _modules(TINY)
     busy = nd.Pipeline(conv, bn, specialize=True).eval()
     out = {}
+
+    def timed(pipe, inp) -> float:
+        start = time.perf_counter()
+        pipe(inp)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     with torch.no_grad():
         for _ in range(20):
             busy(x)
-        out["busy idle"] = _synchronized_ms(busy, x)
-        for mode, geometry in (("eval", AUTO_EVAL), ("train", AUTO_TRAIN)):
+        out["busy idle"] = _synchronized_ms(busy, x, IDLE_S)
+        for mode, geometry, spaced in (("eval", AUTO_EVAL, SPACED_EVAL),
+                                       ("train", AUTO_TRAIN, SPACED_TRAIN)):
             conv, bn, x_new = _modules(geometry)
             pipe = nd.Pipeline(conv, bn).train(mode == "train")
-            for call in range(1, tiers.WAIT_AT + 2):
-                if call == tiers.WAIT_AT:  # the background process compiles now
-                    out[f"busy compiling {mode}"] = _synchronized_ms(busy, x)
-                    out[f"still compiling {mode}"] = tiers.SCHEDULER._running is not None
-                start = time.perf_counter()
-                pipe(x_new)
-                torch.cuda.synchronize()
-                out[f"call {call} {mode}"] = time.perf_counter() - start
+            for call in AUTO_CALLS:
+                out[f"call {call} {mode}"] = timed(pipe, x_new)
+            conv, bn, x_new = _modules(spaced)
+            pipe = nd.Pipeline(conv, bn).train(mode == "train")
+            for _ in range(tiers.SPECIALISE_AT):
+                timed(pipe, x_new)
+            start = time.perf_counter()
+            out[f"busy compiling {mode}"] = _synchronized_ms(
+                busy, x, BUSY_S, until=lambda: tiers.SCHEDULER._running is None
+                or tiers.SCHEDULER._running[1].poll() is not None)
+            out[f"compile s {mode}"] = time.perf_counter() - start
+            out[f"spaced call 3 {mode}"] = timed(pipe, x_new)
     return out
 
 
@@ -176,26 +202,30 @@ def measure(out_dir: str) -> list[dict]:
                           + AUTO_CALLS.get(call, ""), "mode": mode,
                   "seconds": auto[f"call {call} {mode}"]}
                  for call in AUTO_CALLS]
-    busy = [{"what": "tiny problem, a synchronized call, no compile running", "ms":
-             auto["busy idle"]}]
-    busy += [{"what": f"tiny problem, a synchronized call, while the {mode} geometry "
-                      f"compiles in the background", "ms": auto[f"busy compiling {mode}"],
-              "compiling": auto[f"still compiling {mode}"]} for mode in ("eval", "train")]
+        rows.append({"what": "auto, warm process, new geometry: call 3 after the background "
+                             "compile finished", "mode": mode,
+                     "seconds": auto[f"spaced call 3 {mode}"]})
+    busy = [{"what": "tiny problem, a synchronized call, no compile running",
+             **auto["busy idle"]}]
+    busy += [{"what": f"tiny problem, a synchronized call, while the {mode} geometry compiles "
+                      f"in the background ({auto[f'compile s {mode}']:.1f} s)",
+              **auto[f"busy compiling {mode}"]} for mode in ("eval", "train")]
     os.makedirs(out_dir, exist_ok=True)
     from .bench import device_name
 
     meta = {"device": device_name(), "default": DEFAULT, "other": OTHER, "new": NEW,
-            "newer": NEWER, "auto_eval": AUTO_EVAL, "auto_train": AUTO_TRAIN, "tiny": TINY,
-            "busy_calls": BUSY_CALLS}
+            "newer": NEWER, "auto_eval": AUTO_EVAL, "auto_train": AUTO_TRAIN,
+            "spaced_eval": SPACED_EVAL, "spaced_train": SPACED_TRAIN, "tiny": TINY}
     with open(os.path.join(out_dir, "first_call.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "background": busy}, f, indent=1)
     lines = [f"## First calls on {meta['device']}", "",
              "| first call | mode | seconds |", "| --- | --- | --- |"]
     lines += [f"| {r['what']} | {r['mode']} | {r['seconds']:.3f} |" for r in rows]
-    lines += ["", f"Beside a background compile (median of {BUSY_CALLS} calls):", "",
-              "| calls | ms per call |", "| --- | --- |"]
-    lines += [f"| {r['what']}{'' if r.get('compiling', True) else ' (it had finished)'} | "
-              f"{r['ms']:.4f} |" for r in busy]
+    lines += ["", "Beside a background compile:", "",
+              "| calls | ms per call, median | 90th percentile | calls |",
+              "| --- | --- | --- | --- |"]
+    lines += [f"| {r['what']} | {r['median']:.4f} | {r['p90']:.4f} | {r['calls']} |"
+              for r in busy]
     table = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "first_call.md"), "w") as f:
         f.write(table)

@@ -13,10 +13,13 @@ device's compute capability; ``kind_name``) from the tier that answers it fastes
   process (``python -m numba_deconv.tiers``, one at a time, ``Scheduler``) to run the kind on
   the specialised kernels, which fills the kernel cache and writes the marker; calls keep to
   the generic tier until it has finished, and then load the kernels from the cache (ms);
-* the kind's ``WAIT_AT``-th call waits for that process (or, if none could start, compiles in
-  this one) and runs specialised: a loop that calls one shape again and again runs at full
-  speed from that call on, and a fuzzing run that calls each shape once or twice never
-  compiles a specialised kernel.
+* the kind's ``COMPILE_AT``-th call runs specialised whatever happens: a background process
+  still at work for the kind is ended, and the call loads what it stored and compiles the rest
+  here (which costs at most what ``specialize=True``'s first call costs: the background
+  process's own start-up, Python, torch and a CUDA context, is not waited for). A loop that
+  calls one shape again and again runs at full speed from that call on; calls further apart
+  (a notebook) find the kernels ready; a fuzzing run that calls each shape once or twice
+  never compiles a specialised kernel.
 
 The compile runs in another process, not a thread, because numba's compiler holds the GIL: a
 thread compiling beside a loop of calls would stall each call that synchronizes for up to the
@@ -25,7 +28,7 @@ shares nothing with the caller but the kernel cache on disk and its own CUDA con
 same device (a few hundred MB while it runs).
 
 Without a kernel cache (``NUMBA_DECONV_CACHE=0``) a background process cannot hand its
-kernels over: the ``WAIT_AT``-th call compiles them here. Under the CUDA simulator nothing is
+kernels over: the ``COMPILE_AT``-th call compiles them here. Under the CUDA simulator nothing is
 compiled, and ``"auto"`` is the specialised tier.
 """
 
@@ -49,13 +52,12 @@ from .simulator import is_simulator
 
 #: the call of a kind (counted in this process) that asks for its specialised kernels
 SPECIALISE_AT = 2
-#: the call of a kind that waits for them (and from which every call runs on them)
-WAIT_AT = 3
+#: the call of a kind that compiles what the background process has not stored (and from which
+#: every call runs on the specialised kernels)
+COMPILE_AT = 3
 #: kinds waiting for the background process (the oldest request is dropped past this: a kind
 #: nobody calls again is not worth a compile)
 QUEUE = 4
-#: seconds a waiting call gives the background process before compiling here instead
-WAIT_S = 600.0
 AUTO = "auto"
 
 
@@ -142,7 +144,7 @@ def write_marker(name: str, entries: list[str]) -> None:
 def serve_generic(name: str, make_spec) -> bool:
     """Whether the generic tier serves this call of kind ``name`` (``specialize="auto"``).
     Counts the call, asks for the background compile (``make_spec()``: its ``spec``) at
-    ``SPECIALISE_AT`` and waits for it at ``WAIT_AT``."""
+    ``SPECIALISE_AT``, and at ``COMPILE_AT`` ends it and runs specialised."""
     if not compiles():
         return False
     state = kind(name)
@@ -151,14 +153,14 @@ def serve_generic(name: str, make_spec) -> bool:
     if state.ready:
         return False
     state.calls += 1
-    if state.calls >= WAIT_AT:
-        SCHEDULER.wait(name)
-        return False  # what the background process left out compiles in this call
     if state.calls >= SPECIALISE_AT and disk_cache.enabled():
         SCHEDULER.request(name, make_spec())
     if SCHEDULER.finished(name) and ready_on_disk(name):
         state.ready = True
         return False
+    if state.calls >= COMPILE_AT:
+        SCHEDULER.cancel(name)
+        return False  # loads what the background process stored, compiles the rest here
     return True
 
 
@@ -192,7 +194,7 @@ def status(pipe, shape, dtype: torch.dtype) -> str:
         return "specialised: its kernels are ready (in this process, or in the kernel cache)"
     return (f"generic for now: {state.calls} call(s) of this kind so far; call "
             f"{SPECIALISE_AT} asks a background process to compile the specialised kernels, "
-            f"and call {WAIT_AT} waits for them")
+            f"and call {COMPILE_AT} runs on them (compiling here what it has not stored)")
 
 
 # ---- the background process ----------------------------------------------------------------------
@@ -287,7 +289,7 @@ class Scheduler:
             name, spec = self._queue.popitem(last=False)
             try:
                 self._running = (name, self._spawn(spec))
-            except OSError as exc:  # no process: the waiting call compiles here
+            except OSError as exc:  # no process: the kind's COMPILE_AT-th call compiles here
                 warnings.warn(f"numba_deconv: no background compile ({exc})", RuntimeWarning,
                               stacklevel=3)
                 self._finished.add(name)
@@ -296,18 +298,17 @@ class Scheduler:
         self.poll()
         return name in self._finished
 
-    def wait(self, name: str, timeout: float = WAIT_S) -> None:
-        """Until kind ``name``'s process has finished; a kind still queued is dropped (the
-        waiting call compiles it here)."""
+    def cancel(self, name: str) -> None:
+        """Kind ``name``'s call compiles here: its request leaves the queue, and a process at
+        work for it is ended (what it stored stays in the cache)."""
         self._queue.pop(name, None)
         if self._running is not None and self._running[0] == name:
             proc = self._running[1]
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+            ended = proc.poll() is None
+            if ended:
                 proc.kill()
                 proc.wait()
-            self._done()
+            self._done(ended=ended)
         self.poll()
 
     def stop(self) -> None:
@@ -321,18 +322,20 @@ class Scheduler:
             if getattr(proc, "log", None) is not None:
                 proc.log.close()
 
-    def _done(self) -> None:
+    def _done(self, ended: bool = False) -> None:
+        """Collect the running process (``ended``: this process ended it, no failure)."""
         name, proc = self._running
         self._running = None
         self._finished.add(name)
         tail = ""
+        failed = proc.returncode and not ended
         log = getattr(proc, "log", None)
         if log is not None:
-            if proc.returncode:
+            if failed:
                 log.seek(0)
                 tail = log.read()[-2000:].decode(errors="replace")
             log.close()
-        if proc.returncode:
+        if failed:
             warnings.warn(f"numba_deconv: the background compile failed (exit "
                           f"{proc.returncode}); its kernels compile in this process when "
                           f"needed\n{tail}", RuntimeWarning, stacklevel=4)

@@ -176,9 +176,11 @@ def test_first_call_rows_and_files(tmp_path, monkeypatch):
         if specialize == "auto":
             times = {f"call {call} {mode}": 0.5 * call for call in first_call.AUTO_CALLS
                      for mode in ("eval", "train")}
-            return {**times, "busy idle": 0.07, "busy compiling eval": 0.08,
-                    "still compiling eval": True, "busy compiling train": 0.09,
-                    "still compiling train": False}
+            busy = lambda ms: {"median": ms, "p90": 2 * ms, "calls": 100}  # noqa: E731
+            return {**times, "spaced call 3 eval": 0.25, "spaced call 3 train": 0.25,
+                    "busy idle": busy(0.07), "busy compiling eval": busy(0.08),
+                    "compile s eval": 12.0, "busy compiling train": busy(0.09),
+                    "compile s train": 9.0}
         return {f"{name} {mode}": 1.0 + len(seen) for name, _ in geometries
                 for mode in ("eval", "train")}
 
@@ -190,16 +192,18 @@ def test_first_call_rows_and_files(tmp_path, monkeypatch):
     assert seen[0][1] == seen[1][1]  # the warm process reads what the cold one wrote
     assert seen[2][1] == seen[3][1] != seen[0][1]  # the generic tier's own cache
     assert seen[4][1] not in (seen[0][1], seen[2][1])  # and "auto" its own
-    assert len(rows) == 22
-    assert {r["seconds"] for r in rows} == {2.0, 3.0, 4.0, 5.0, 0.5, 1.0, 1.5, 2.0}
+    assert len(rows) == 24
+    assert {r["seconds"] for r in rows} == {2.0, 3.0, 4.0, 5.0, 0.25, 0.5, 1.0, 1.5, 2.0}
     table = (tmp_path / "first_call.md").read_text()
     assert "| new process, warm cache: default problem | eval | 3.000 |" in table
     assert "| generic tier, new process, warm cache: new geometry | train | 5.000 |" in table
-    assert "| auto (the default), warm process, new geometry: call 3 (waits for it; " \
-           "specialised) | train | 1.500 |" in table
-    assert "while the eval geometry compiles in the background | 0.0800 |" in table
-    assert "while the train geometry compiles in the background (it had finished) | " \
-           "0.0900 |" in table
+    assert "| auto (the default), warm process, new geometry: call 3 (ends it, compiles what " \
+           "it has not stored; specialised) | train | 1.500 |" in table
+    assert "call 3 after the background compile finished | eval | 0.250 |" in table
+    assert "| tiny problem, a synchronized call, no compile running | 0.0700 | 0.1400 | 100 |" \
+        in table
+    assert "while the train geometry compiles in the background (9.0 s) | 0.0900 | 0.1800 | " \
+           "100 |" in table
 
 
 def test_ddp_rows_and_files(tmp_path, monkeypatch):
