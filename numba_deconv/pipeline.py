@@ -38,8 +38,8 @@ counts a batch as PyTorch does). Under grad mode, when the input or a parameter 
 grad, a call records its backward (``autograd``: the custom op ``numba_deconv::forward``, whose
 backward runs on the kernels too, ``backward``); other calls never reach the dispatcher.
 
-Host time per call: a kind of call (input shape, dtype, device, mode) seen a second time under
-the same parameters (their addresses and version counters, ``_state``) is recorded, and later
+Host time per call: a kind of call (input shape, dtype, device, mode) seen a second time on the
+specialised kernels (``specialize``) under the same parameters (their addresses and version counters, ``_state``) is recorded, and later
 calls of that kind replay its launches with only the input's and the output's addresses written
 (``launch.Replay``): no validation, planning or weight derivation, a few µs per launch. With
 ``graphs=True`` a call replays a captured CUDA graph of the whole call instead (the input copied
@@ -311,6 +311,8 @@ class Pipeline:
             return out
         with recording() as launches:
             out = self._forward(x, record=None)
+        if self._last_transitional:  # an input aligned otherwise, its kind not ready: not kept
+            return out
         # the state after the call: a training call bumped the running buffers' versions
         replay = Replay.build(launches, {"x": x, "out": out}, fixed=self._module_tensor)
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),
@@ -604,12 +606,13 @@ class Pipeline:
         kind on the specialised kernels records them, for the kernel cache's marker."""
         checked = self._check(x)
         name = self._tier_kind(x, checked[0], save is not None)
-        # (a trace shows the specialised kernels' stages, ``stages``; the Gram path has no
-        # generic counterpart: asked for, it is compiled)
+        # (a trace shows the specialised kernels' stages, ``stages``; a graph, ours or the
+        # caller's, captures the specialised kernels; the Gram path has no generic counterpart:
+        # asked for, it is compiled)
         gram = self.variance == "gram" and save is None \
             and folding.uses_batch_statistics(self.bn, self.training)
         generic = name is not None and self.specialize == tiers.AUTO and record is None \
-            and not gram \
+            and not gram and not self._capturing and not self._stream_capturing() \
             and tiers.serve_generic(name, lambda: tiers.spec(self, x, save is not None, name))
         self._transitional = generic
         try:
@@ -631,9 +634,11 @@ class Pipeline:
         if self.specialize is False or self.conv_impl != "gather" or batch == 0 \
                 or not tiers.compiles():
             return None
-        offset = x.data_ptr() % 16
+        offset = x.data_ptr() % 16 if x.is_contiguous() else 0  # (else a contiguous copy runs)
+        bn = self.bn
         key = (x.shape, x.dtype, x.device, self.training, offset, saving, self.variance,
-               self.options, self._synced())
+               self.options, self._synced(), bn.affine, bn.track_running_stats,
+               bn.momentum is None, self.conv.bias is None)
         name = self._kinds.get(key)
         if name is None:
             if len(self._kinds) >= 4 * PLAN_CACHE:  # many shapes (fuzzing): start afresh

@@ -11,15 +11,14 @@ device's compute capability; ``kind_name``) from the tier that answers it fastes
   launched, written by whichever process first ran it specialised);
 * otherwise the generic tier, at once. The kind's ``SPECIALISE_AT``-th call asks a background
   process (``python -m numba_deconv.tiers``, one at a time, ``Scheduler``) to run the kind on
-  the specialised kernels, which fills the kernel cache and writes the marker; calls keep to
-  the generic tier until it has finished, and then load the kernels from the cache (ms);
+  the specialised kernels, which fills the kernel cache and writes the marker; the next call
+  after it has finished loads the kernels from the cache (ms);
 * the kind's ``COMPILE_AT``-th call runs specialised whatever happens: a background process
   still at work for the kind is ended, and the call loads what it stored and compiles the rest
-  here (which costs at most what ``specialize=True``'s first call costs: the background
-  process's own start-up, Python, torch and a CUDA context, is not waited for). A loop that
-  calls one shape again and again runs at full speed from that call on; calls further apart
-  (a notebook) find the kernels ready; a fuzzing run that calls each shape once or twice
-  never compiles a specialised kernel.
+  here, without waiting for the process's own start-up (Python, torch, a CUDA context). A loop
+  that calls one shape again and again runs at full speed from that call on; calls further
+  apart (a notebook) find the kernels ready; a fuzzing run that calls each shape once compiles
+  no specialised kernel (a second call starts a background compile).
 
 The compile runs in another process, not a thread, because numba's compiler holds the GIL: a
 thread compiling beside a loop of calls would stall each call that synchronizes for up to the
@@ -38,6 +37,7 @@ import atexit
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -147,13 +147,14 @@ def serve_generic(name: str, make_spec) -> bool:
     ``SPECIALISE_AT``, and at ``COMPILE_AT`` ends it and runs specialised."""
     if not compiles():
         return False
+    SCHEDULER.poll()  # a finished process collected, the next started
     state = kind(name)
     if state.ready is None:
         state.ready = ready_on_disk(name)
     if state.ready:
         return False
     state.calls += 1
-    if state.calls >= SPECIALISE_AT and disk_cache.enabled():
+    if state.calls >= SPECIALISE_AT and disk_cache.enabled() and not SCHEDULER.knows(name):
         SCHEDULER.request(name, make_spec())
     if SCHEDULER.finished(name) and ready_on_disk(name):
         state.ready = True
@@ -176,7 +177,11 @@ def specialised(name: str, launches) -> None:
         if launches is not None and compiles() and disk_cache.enabled():
             entries = cache_names(launches)
             if entries is not None:
-                write_marker(name, entries)
+                try:
+                    write_marker(name, entries)
+                except OSError as exc:  # a cache that cannot be written costs time only
+                    warnings.warn(f"numba_deconv: kernel cache marker not written ({exc})",
+                                  RuntimeWarning, stacklevel=3)
 
 
 def status(pipe, shape, dtype: torch.dtype) -> str:
@@ -207,7 +212,8 @@ def spec(pipe, x: torch.Tensor, saving: bool, name: str) -> dict:
                  "kernel_size": list(g.kernel_size), "stride": list(g.stride),
                  "padding": list(g.padding), "output_padding": list(g.output_padding),
                  "dilation": list(g.dilation), "groups": g.groups, "bias": pipe.conv.bias is not None},
-        "bn": {"num_features": bn.num_features, "eps": bn.eps, "momentum": bn.momentum,
+        "bn": {"num_features": bn.num_features, "eps": float(bn.eps),
+               "momentum": None if bn.momentum is None else float(bn.momentum),
                "affine": bn.affine, "track_running_stats": bn.track_running_stats},
         "pipeline": {"conv_impl": pipe.conv_impl, "variance": pipe.variance,
                      "options": dataclasses.asdict(pipe.options)},
@@ -251,15 +257,27 @@ def run_spec(spec: dict) -> None:
             pipe(x)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    specialised(spec["name"], launches)
+    # the caller's kind only where this call was of it (not one this process cannot make, a
+    # synchronized call say: the caller then compiles, loading what this process stored)
+    made = pipe._tier_kind(x, shape[0], spec["saving"])
+    if made == spec["name"]:
+        specialised(spec["name"], launches)
 
 
 def _spawn(spec: dict) -> subprocess.Popen:
     """Start the background process for ``spec`` (its errors go to a temporary file, read if it
     fails)."""
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "numba_deconv.tiers", json.dumps(spec)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    # this package, whatever the child's working directory and path
+    path = os.pathsep.join(p for p in (str(disk_cache.PACKAGE_ROOT.parent),
+                                       os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "numba_deconv.tiers", json.dumps(spec)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                env=dict(os.environ, PYTHONPATH=path))
+    except BaseException:
+        log.close()
+        raise
     proc.log = log
     return proc
 
@@ -273,9 +291,13 @@ class Scheduler:
         self._queue: OrderedDict[str, dict] = OrderedDict()
         self._finished: set[str] = set()
 
+    def knows(self, name: str) -> bool:
+        """Whether kind ``name`` was asked for: queued, running or finished."""
+        return (name in self._queue or name in self._finished
+                or (self._running is not None and self._running[0] == name))
+
     def request(self, name: str, spec: dict) -> None:
-        running = self._running is not None and self._running[0] == name
-        if not (running or name in self._queue or name in self._finished):
+        if not self.knows(name):
             self._queue[name] = spec
             if len(self._queue) > QUEUE:
                 self._queue.popitem(last=False)
@@ -289,7 +311,7 @@ class Scheduler:
             name, spec = self._queue.popitem(last=False)
             try:
                 self._running = (name, self._spawn(spec))
-            except OSError as exc:  # no process: the kind's COMPILE_AT-th call compiles here
+            except Exception as exc:  # noqa: BLE001 - no process: call COMPILE_AT compiles here
                 warnings.warn(f"numba_deconv: no background compile ({exc})", RuntimeWarning,
                               stacklevel=3)
                 self._finished.add(name)

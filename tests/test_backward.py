@@ -236,7 +236,7 @@ def test_compiled_model_matches_eager(device):
 def test_gamma_gradient_of_constant_channels(specialize, device):
     """No output receives a tap, so every channel is constant and dL/dgamma is zero in exact
     arithmetic; PyTorch's is the rounding of its terms (2.7e-16 here), which the comparison's
-    floor covers (a case the GPU profile drew)."""
+    floor covers (a case hypothesis drew)."""
     geom = testing.ConvGeometry.create(1, 1, (2, 1, 2), 1, (0, 0, 2), dilation=(2, 1, 3),
                                        bias=False)
     case = testing.Case(geom, testing.BatchNormSettings(momentum=None), 1, (1, 1, 2), False,

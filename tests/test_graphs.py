@@ -1,8 +1,8 @@
 """CUDA graphs: ``Pipeline(graphs=True)`` replays exactly what eager calls compute, the default
 ``graphs="auto"`` replays launches instead, and a call inside the caller's own capture is
-captured with it. All on the specialised kernels from the first call (``specialize=True``):
-calls the generic tier serves while a new shape compiles are never captured
-(tests/test_tiers.py)."""
+captured with it. All on the specialised kernels from the first call (``specialize=True``),
+whose capture these tests are about (under ``specialize="auto"`` a call inside a capture runs
+specialised too)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def clear() -> int:
     root = directory()
     if root.is_dir():
         for path in root.iterdir():
-            if path.suffix in (".cubin", ".json") or _dead_tmp(path):
+            if path.suffix in (".cubin", ".json", ".ready") or _dead_tmp(path):
                 path.unlink(missing_ok=True)
                 removed += 1
     return removed
