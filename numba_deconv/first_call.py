@@ -66,6 +66,27 @@ def _modules(geometry):
     return conv, bn, torch.randn(batch, cin, *spatial, device="cuda")
 
 
+def _start_cuda() -> None:
+    """CUDA contexts made (torch's and numba's): first calls are timed after them."""
+    import torch
+    from numba import cuda
+
+    torch.zeros(1, device="cuda")
+    cuda.current_context()
+    torch.cuda.synchronize()
+
+
+def _timed(pipe, x) -> float:
+    """Seconds of one call (no autograd), from the call to its result."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        pipe(x)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def _synchronized_ms(pipe, x, seconds: float, until=lambda: False) -> dict:
     """Milliseconds of a call followed by a synchronize, for ``seconds`` or until ``until()``:
     median, 90th percentile and the number of calls."""
@@ -93,21 +114,12 @@ def _auto_child() -> dict:
     import torch
 
     import numba_deconv as nd
-    from numba import cuda
     from numba_deconv import tiers
 
-    torch.zeros(1, device="cuda")
-    cuda.current_context()
+    _start_cuda()
     conv, bn, x = _modules(TINY)
     busy = nd.Pipeline(conv, bn, specialize=True).eval()
     out = {}
-
-    def timed(pipe, inp) -> float:
-        start = time.perf_counter()
-        pipe(inp)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
     with torch.no_grad():
         for _ in range(20):
             busy(x)
@@ -117,44 +129,31 @@ def _auto_child() -> dict:
             conv, bn, x_new = _modules(geometry)
             pipe = nd.Pipeline(conv, bn).train(mode == "train")
             for call in AUTO_CALLS:
-                out[f"call {call} {mode}"] = timed(pipe, x_new)
+                out[f"call {call} {mode}"] = _timed(pipe, x_new)
             conv, bn, x_new = _modules(spaced)
             pipe = nd.Pipeline(conv, bn).train(mode == "train")
             for _ in range(tiers.SPECIALISE_AT):
-                timed(pipe, x_new)
+                _timed(pipe, x_new)
             start = time.perf_counter()
             out[f"busy compiling {mode}"] = _synchronized_ms(
                 busy, x, BUSY_S, until=lambda: tiers.SCHEDULER._running is None
                 or tiers.SCHEDULER._running[1].poll() is not None)
             out[f"compile s {mode}"] = time.perf_counter() - start
-            out[f"spaced call 3 {mode}"] = timed(pipe, x_new)
+            out[f"spaced call 3 {mode}"] = _timed(pipe, x_new)
     return out
 
 
 def _child(geometries: list, specialize: bool = True) -> dict:
     """In the child process: first-call seconds per (geometry, mode), in order."""
-    import torch
-    from torch import nn
-
     import numba_deconv as nd
-    from numba import cuda
 
-    torch.zeros(1, device="cuda")
-    cuda.current_context()
-    torch.cuda.synchronize()
+    _start_cuda()
     times = {}
-    for name, (cin, cout, k, s, p, batch, spatial) in geometries:
-        torch.manual_seed(0)
-        conv = nn.ConvTranspose3d(cin, cout, k, stride=s, padding=p).cuda()
-        bn = nn.BatchNorm3d(cout).cuda()
-        x = torch.randn(batch, cin, *spatial, device="cuda")
+    for name, geometry in geometries:
+        conv, bn, x = _modules(geometry)
         for mode in ("eval", "train"):
             pipe = nd.Pipeline(conv, bn, specialize=specialize).train(mode == "train")
-            start = time.perf_counter()
-            with torch.no_grad():
-                pipe(x)
-            torch.cuda.synchronize()
-            times[f"{name} {mode}"] = time.perf_counter() - start
+            times[f"{name} {mode}"] = _timed(pipe, x)
     return times
 
 
