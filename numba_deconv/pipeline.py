@@ -149,7 +149,7 @@ class Pipeline:
         # this call is served by the generic tier while its specialised kernels are not ready
         # (``specialize="auto"``), and the last call was (``_forward``)
         self._transitional = self._last_transitional = False
-        self._kinds: dict[tuple, str] = {}  # (call key, alignment, saving, settings) -> name
+        self._kinds: dict[tuple, str] = {}  # tiers.kind_key -> tiers.kind_name
         if variance == "gram" and not specialize:
             raise ValueError("variance='gram' runs the specialised kernels: not with "
                              "specialize=False")
@@ -635,16 +635,12 @@ class Pipeline:
                 or not tiers.compiles():
             return None
         offset = x.data_ptr() % 16 if x.is_contiguous() else 0  # (else a contiguous copy runs)
-        bn = self.bn
-        key = (x.shape, x.dtype, x.device, self.training, offset, saving, self.variance,
-               self.options, self._synced(), bn.affine, bn.track_running_stats,
-               bn.momentum is None, self.conv.bias is None)
+        key = tiers.kind_key(self, x.shape, x.dtype, x.device, offset, saving)
         name = self._kinds.get(key)
         if name is None:
             if len(self._kinds) >= 4 * PLAN_CACHE:  # many shapes (fuzzing): start afresh
                 self._kinds.clear()
-            name = self._kinds[key] = tiers.kind_name(self, tuple(x.shape), x.dtype, x.device,
-                                                      offset, saving)
+            name = self._kinds[key] = tiers.kind_name(key)
         return name
 
     def _forward_body(self, x: torch.Tensor, record: dict | None, save: dict | None,

@@ -82,22 +82,30 @@ KINDS: dict[str, Kind] = {}
 MAX_KINDS = 4096
 
 
-def kind_name(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offset16: int,
-              saving: bool) -> str:
-    """The name of a kind of call (an input of ``shape`` and ``dtype`` on ``device`` at an
-    address ``offset16`` modulo 16; ``saving``: one whose backward will run): everything that
-    picks the specialised kernels and their argument types, with the compiler's versions and
-    the sources' digest (as the kernel cache's keys), so that a marker never outlives the code
-    it describes."""
+def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offset16: int,
+             saving: bool) -> tuple:
+    """What picks the specialised kernels of a call and their argument types: an input of
+    ``shape`` and ``dtype`` on ``device`` at an address ``offset16`` modulo 16, ``saving`` (its
+    backward will run), and the pipeline's geometry, mode and settings. A pipeline keeps its
+    kinds' names by it (``Pipeline._tier_kind``)."""
     from . import folding
+
+    bn = pipe.bn
+    return (pipe.geometry, tuple(shape), dtype, device, offset16, pipe.training,
+            folding.uses_batch_statistics(bn, pipe.training), saving, pipe.variance,
+            pipe.conv_impl, pipe.options, pipe._synced(), bn.affine,
+            folding.tracks_running_stats(bn), bn.momentum is None, pipe.conv.bias is None)
+
+
+def kind_name(key: tuple) -> str:
+    """The name of a kind of call (``kind_key``): its key with the device's capability, the
+    compiler's versions and the sources' digest (as the kernel cache's keys), hashed, so that
+    a marker never outlives the code it describes."""
     from .kernels.launch import _compiler_versions
 
-    bn, conv = pipe.bn, pipe.conv
-    text = repr((pipe.geometry, tuple(shape), str(dtype), offset16, pipe.training,
-                 folding.uses_batch_statistics(bn, pipe.training), saving, pipe.variance,
-                 pipe.conv_impl, pipe.options, pipe._synced(), bn.affine,
-                 folding.tracks_running_stats(bn), bn.momentum is None, conv.bias is None,
-                 capability(device), _compiler_versions(), disk_cache.source_digest()))
+    device = key[3]
+    text = repr((key[:3], key[4:], capability(device), _compiler_versions(),
+                 disk_cache.source_digest()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -193,7 +201,7 @@ def status(pipe, shape, dtype: torch.dtype) -> str:
         return "specialised (nothing compiles under the simulator)"
     from .backend import tensor_device
 
-    name = kind_name(pipe, tuple(shape), dtype, tensor_device(), 0, False)
+    name = kind_name(kind_key(pipe, tuple(shape), dtype, tensor_device(), 0, False))
     state = KINDS.get(name, Kind())
     if state.ready or ready_on_disk(name):
         return "specialised: its kernels are ready (in this process, or in the kernel cache)"

@@ -298,7 +298,7 @@ def test_kinds_differ_by_what_picks_kernels(gpu_like, device):
     pipe = Pipeline(conv, bn)
     base = dict(shape=(2, 3, 4, 4, 4), dtype=torch.float32, device=device, offset16=0,
                 saving=False)
-    name = lambda **kw: tiers.kind_name(pipe, **{**base, **kw})  # noqa: E731
+    name = lambda **kw: tiers.kind_name(tiers.kind_key(pipe, **{**base, **kw}))  # noqa: E731
     names = {name(), name(shape=(3, 3, 4, 4, 4)), name(dtype=torch.float64), name(offset16=4),
              name(saving=True)}
     pipe.eval()
