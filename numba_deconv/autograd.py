@@ -18,7 +18,10 @@ batch_stats, needs, sync)``
 
 ``apply(pipe, x)`` is what ``Pipeline.__call__`` runs when the call must record its backward
 (grad mode, and the input or a parameter requires grad) and what ``ModelNew.forward`` runs under
-torch.compile; calls that record nothing never reach the dispatcher. The pipeline is named by
+torch.compile; calls that record nothing never reach the dispatcher. Outside any tracer the
+same bodies run as a plain ``autograd.Function`` (``_Eager``), and the backward's body is called
+directly: the dispatcher's layers around a custom op cost a training step more host time than
+its launches (tracers, and a backward that records a graph, see the ops). The pipeline is named by
 an integer handle (``register``): an op's arguments can only be tensors and plain values. The
 convolution's bias and batch norm's beta get gradients of zeros: the mean subtraction removes
 both exactly (§2.8).
@@ -33,7 +36,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._C._functorch import peek_interpreter_stack as _peek_interpreter_stack
 from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import folding
 from .backward import backward as run_backward
@@ -93,11 +98,16 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
             running_var: Optional[Tensor], handle: int,
             training: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     pipe = _pipeline(handle)
+    with _bound(pipe, weight, bias, gamma, beta, running_mean, running_var):
+        return _saving_call(pipe, x, training)
+
+
+def _saving_call(pipe, x: Tensor, training: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``pipe.forward_saving(x)`` in the mode ``training`` says."""
     was = pipe.training
     pipe.training = training
     try:
-        with _bound(pipe, weight, bias, gamma, beta, running_mean, running_var):
-            return pipe.forward_saving(x)
+        return pipe.forward_saving(x)
     finally:
         pipe.training = was
 
@@ -188,8 +198,17 @@ def _backward(ctx, grad_out, *_):
     need_x, need_w, need_b, need_gamma, need_beta = ctx.needs_input_grad[:5]
     dx = dw = dgamma = None
     if need_x or need_w or need_gamma:
-        dx, dw, dgamma = backward(grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv,
-                                  ctx.batch_stats, [need_x, need_w, need_gamma], ctx.sync)
+        needs = [need_x, need_w, need_gamma]
+        if torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling()):
+            # the op: a tracer sees it, and under create_graph its own backward refuses
+            dx, dw, dgamma = backward(grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv,
+                                      ctx.batch_stats, needs, ctx.sync)
+        else:  # the op's body, without the dispatcher
+            stride, padding, dilation, groups = ctx.conv
+            dx, dw, dgamma = run_backward(
+                (tuple(stride), tuple(padding), tuple(dilation), groups), grad_out, x, weight,
+                gamma, yc, rows, stats, ctx.batch_stats, tuple(needs),
+                _GROUPS[ctx.sync] if ctx.sync else None)
     # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8)
     zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
     return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,
@@ -206,12 +225,30 @@ forward.register_autograd(_backward, setup_context=_setup_context)
 backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _plain_eager(compiling: bool) -> bool:
-    """Whether a call runs eagerly on real tensors: not under torch.compile, and no dispatch
-    mode (fake tensors, make_fx's proxies) is active."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+class _Eager(torch.autograd.Function):
+    """The forward op and its autograd formula as a plain ``autograd.Function``: what a call on
+    real tensors runs outside any tracer (``_plain_eager``). The same bodies without the
+    dispatcher's layers, which cost more host time than the whole operator's work at small
+    sizes; tracers (torch.compile, fake tensors, make_fx, torch.func) see the ops."""
 
-    return not compiling and _get_current_dispatch_mode() is None
+    @staticmethod
+    def forward(ctx, *inputs):
+        # (with a separate ``setup_context``, every ``apply`` would bind its arguments to this
+        # signature through ``inspect``: more host time than the rest of ``apply``)
+        x, handle, training = inputs[0], inputs[7], inputs[8]
+        # the tensors are the modules' own here (``apply``): no rebinding
+        output = _saving_call(_pipeline(handle), x, training)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+def _plain_eager(compiling: bool) -> bool:
+    """Whether a call runs eagerly on real tensors: not under torch.compile, no dispatch mode
+    (fake tensors, make_fx's proxies) active and no torch.func transform."""
+    return not compiling and _get_current_dispatch_mode() is None \
+        and _peek_interpreter_stack() is None
 
 
 def apply(pipe, x: Tensor) -> Tensor:
@@ -223,14 +260,16 @@ def apply(pipe, x: Tensor) -> Tensor:
         pipe._check(x)  # bad input fails here, on any device (meta tensors run no kernel)
     tracks = folding.tracks_running_stats(bn)
     training = pipe.training
-    out, _, _, stats = forward(x, conv.weight, conv.bias, bn.weight, bn.bias,
-                               bn.running_mean if tracks else None,
-                               bn.running_var if tracks else None, pipe._handle, training)
+    # the ops where a tracer (torch.compile, make_fx, fake tensors, torch.func) must see them,
+    # their bodies in plain eager calls
+    plain = _plain_eager(compiling)
+    run = _Eager.apply if plain else forward
+    out, _, _, stats = run(x, conv.weight, conv.bias, bn.weight, bn.bias,
+                           bn.running_mean if tracks else None,
+                           bn.running_var if tracks else None, pipe._handle, training)
     if training and tracks:
         # synchronized, the statistics are the group's even where this rank's slice is empty
         seen = x.shape[0] > 0 or pipe.process_group is not None
-        # the op where a tracer (torch.compile, make_fx, fake tensors) must see the mutation,
-        # the op's body in plain eager calls
-        update = _update_running_stats if _plain_eager(compiling) else update_running_stats
+        update = _update_running_stats if plain else update_running_stats
         update(bn.running_mean, bn.running_var, bn.num_batches_tracked, stats, bn.momentum, seen)
     return out

@@ -30,14 +30,24 @@ so ``k2`` takes ``A_c`` and the count over the group (one ``all_gather``, ``sync
 whenever ``dL/dx`` or ``dL/dW`` is asked for; a rank with an empty slice still takes part).
 ``dL/dgamma`` stays the rank's own share, as ``nn.SyncBatchNorm``'s: data parallelism adds the
 ranks' parameter gradients.
+
+Host time: with batch statistics, every tensor the launches take is made first and named
+(``_batch_stats_tensors``), so the second call of a kind (shapes, dtypes, device, geometry,
+what is asked for) is recorded and later ones replay it (``launch.Replay``, ``_replayed``),
+writing only their tensors' addresses: a training loop's backward pays neither the launchers'
+Python nor their argument checks. Synchronized calls, which exchange between launches, and
+evaluation, which folds on the host between them, launch as recorded nowhere.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
 from . import folding, sync
 from .kernels import conv_grads, grad_rows
+from .kernels.launch import Replay, recording
 
 
 def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -60,55 +70,132 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         return (torch.zeros_like(x) if need_x else None,
                 torch.zeros_like(weight) if need_w else None,
                 torch.zeros_like(gamma) if need_gamma else None)
+    g = g.detach().contiguous()
+    if batch_stats:
+        t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x, need_w)
+        if pooled:  # an exchange between the launches: no replay
+            _batch_stats_launches(conv, t, gamma is not None, group)
+        else:
+            key = (conv, g.shape, g.dtype, g.device, x.shape, x.dtype, weight.shape,
+                   weight.dtype, None if gamma is None else gamma.dtype, need_x, need_w)
+            _replayed(key, t, lambda: _batch_stats_launches(conv, t, gamma is not None, None))
+        return t.get("dx"), t.get("dw"), t["dgamma"] if need_gamma else None
     volume = g[0, 0].numel()
     r = batch * channels
-    g = g.detach().contiguous()
     g_rows = g.view(r, volume)
     sigma = stats[2]
     gsum = torch.empty(r, **f64)
     dy = torch.empty_like(g)
     dgamma = None
-    if batch_stats:
-        y_rows = yc.view(r, volume)
-        off, means = rows[0], rows[1]
-        gy = torch.empty(r, **f64)
-        grad_rows.launch_grad_row_sums(g_rows, gsum, y_rows, off.reshape(r), gy)
-        totals = None
-        if pooled:  # the group's count and A_c
-            totals = sync.all_sums(batch * volume, gy.view(batch, channels).sum(dim=0), group)
-        # dy = k1 (g - gm) - k2 (yc - off + m - mu): a = k1, e = -k2 and the per-(n, c)
-        # constants b, worked out in one launch
-        coef = torch.empty(2 * channels + r, **f64)
-        a, e, b = coef[:channels], coef[channels:2 * channels], coef[2 * channels:]
-        grad_gamma = None if gamma is None else torch.empty_like(gamma)  # A_c(local) / sigma
-        grad_rows.launch_grad_coefficients(
-            gsum.view(batch, channels), gy.view(batch, channels), off, means, stats,
-            None if gamma is None else gamma.detach(), volume, batch * volume, a, e,
-            b.view(batch, channels), grad_gamma, totals)
-        dgamma = grad_gamma if need_gamma else None
-        grad_rows.launch_form_grad(g_rows, a, b, dy.view(r, volume), y_rows, e)
-        conv_weight = weight.detach()
-    else:
-        k1 = 1.0 / sigma if gamma is None else gamma.detach().to(torch.float64) / sigma
-        grad_rows.launch_grad_row_sums(g_rows, gsum)
-        ones = torch.ones(channels, **f64)
-        grad_rows.launch_form_grad(g_rows, ones, -gsum / volume, dy.view(r, volume))
-        conv_weight = folding.fold_weights(weight.detach(), k1, groups) if need_x else None
+    k1 = 1.0 / sigma if gamma is None else gamma.detach().to(torch.float64) / sigma
+    grad_rows.launch_grad_row_sums(g_rows, gsum)
+    ones = torch.ones(channels, **f64)
+    grad_rows.launch_form_grad(g_rows, ones, -gsum / volume, dy.view(r, volume))
+    conv_weight = folding.fold_weights(weight.detach(), k1, groups) if need_x else None
     dx = dw = None
     if need_x:
         dx = torch.empty_like(x)
         conv_grads.launch_input_grad(dy, conv_weight.contiguous(), dx, stride, padding, dilation)
-    if need_w or (need_gamma and not batch_stats):
+    if need_w or need_gamma:
         v = torch.empty_like(weight)
-        conv_grads.launch_weight_grad(x.detach().contiguous(), dy, v, stride, padding, dilation, groups)
-        if batch_stats:
-            dw = v
-        else:
-            # V: the weight gradient of P g; dL/dW = k1 * V, A_c = <w_c, V_c>
-            dw = folding.fold_weights(v, k1, groups) if need_w else None
-            if need_gamma:  # dL/dgamma = A_c / sigma, A_c = <w_c, V_c>
-                dgamma = (_channel_dots(weight.detach(), v, groups) / sigma).to(gamma.dtype)
+        conv_grads.launch_weight_grad(x.detach().contiguous(), dy, v, stride, padding, dilation,
+                                      groups)
+        # V: the weight gradient of P g; dL/dW = k1 * V, A_c = <w_c, V_c>
+        dw = folding.fold_weights(v, k1, groups) if need_w else None
+        if need_gamma:  # dL/dgamma = A_c / sigma, A_c = <w_c, V_c>
+            dgamma = (_channel_dots(weight.detach(), v, groups) / sigma).to(gamma.dtype)
     return dx, dw, dgamma
+
+
+def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: bool,
+                         need_w: bool) -> dict:
+    """Every tensor the backward's launches with batch statistics take, by name: the call's
+    inputs, a new output for each gradient asked for (``dx``, ``dw``; ``dgamma`` whenever
+    there is a gamma) and new scratch. Every one is contiguous and none shares another's address, so a
+    replay can put another call's tensors in their places (``_replayed``)."""
+    stride, padding, dilation, groups = conv
+    batch, channels = g.shape[0], g.shape[1]
+    volume = g[0, 0].numel()
+    r = batch * channels
+    f64 = dict(dtype=torch.float64, device=g.device)
+    rows = rows.contiguous()
+    # dy = k1 (g - gm) - k2 (yc - off + m - mu): a = k1, e = -k2 and the per-(n, c)
+    # constants b, worked out in one launch
+    coef = torch.empty(2 * channels + r, **f64)
+    t = dict(g=g.view(r, volume), yc=yc.contiguous().view(r, volume), off=rows[0],
+             means=rows[1], stats=stats.contiguous(), gsum=torch.empty(r, **f64),
+             gy=torch.empty(r, **f64), a=coef[:channels], e=coef[channels:2 * channels],
+             b=coef[2 * channels:], dy=torch.empty_like(g))
+    if gamma is not None:
+        t["gamma"] = gamma.detach().contiguous()
+        t["dgamma"] = torch.empty_like(t["gamma"])  # A_c(local) / sigma
+    if need_x:
+        t["weight"] = weight.detach().contiguous()
+        t["dx"] = torch.empty_like(x)
+    if need_w:
+        t["x"] = x.detach().contiguous()
+        t["dw"] = torch.empty_like(weight)
+        t["part"] = conv_grads.weight_grad_scratch(t["x"], g, t["dw"], stride, padding,
+                                                   dilation, groups)
+    return t
+
+
+def _batch_stats_launches(conv, t: dict, affine: bool, group) -> None:
+    """The backward's launches with batch statistics, on the tensors ``t`` names (and, with
+    ``group``, the exchange of the group's count and ``A_c`` between them)."""
+    stride, padding, dilation, groups = conv
+    batch, channels = t["off"].shape
+    volume = t["g"].shape[1]
+    gsum, gy = t["gsum"], t["gy"]
+    grad_rows.launch_grad_row_sums(t["g"], gsum, t["yc"], t["off"].view(-1), gy)
+    totals = None
+    if group is not None:  # the group's count and A_c
+        totals = sync.all_sums(batch * volume, gy.view(batch, channels).sum(dim=0), group)
+    grad_rows.launch_grad_coefficients(
+        gsum.view(batch, channels), gy.view(batch, channels), t["off"], t["means"], t["stats"],
+        t.get("gamma"), volume, batch * volume, t["a"], t["e"], t["b"].view(batch, channels),
+        t["dgamma"] if affine else None, totals)
+    dy = t["dy"]
+    grad_rows.launch_form_grad(t["g"], t["a"], t["b"], dy.view(batch * channels, volume),
+                               t["yc"], t["e"])
+    if "dx" in t:
+        conv_grads.launch_input_grad(dy, t["weight"], t["dx"], stride, padding, dilation)
+    if "dw" in t:
+        conv_grads.launch_weight_grad(t["x"], dy, t["dw"], stride, padding, dilation, groups,
+                                      scratch=t["part"])
+
+
+#: The backward's recorded calls by kind (shapes, dtypes, device, geometry, what is asked
+#: for): None after a kind's first call, then the ``Replay`` of its second (False where that
+#: cannot replay), which later calls run with their own tensors: the launches' arguments
+#: written once, each call writing only its tensors' addresses. The newest REPLAYS are kept.
+_REPLAYS: OrderedDict = OrderedDict()
+REPLAYS = 32
+_NEW = object()
+
+
+def _replayed(key: tuple, tensors: dict, launches) -> None:
+    """Run ``launches()`` on ``tensors``, or the recorded replay of this kind of call with them."""
+    entry = _REPLAYS.get(key, _NEW)
+    if isinstance(entry, Replay) and entry.ready():
+        _REPLAYS.move_to_end(key)
+        entry(tensors)
+        return
+    if entry is None:  # the second call of its kind: recorded
+        with recording() as made:
+            launches()
+        _REPLAYS[key] = Replay.build(made, tensors) or False
+        return
+    launches()
+    if entry is _NEW:
+        _REPLAYS[key] = None
+        if len(_REPLAYS) > REPLAYS:
+            _REPLAYS.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every recorded backward call."""
+    _REPLAYS.clear()
 
 
 def _channel_dots(w: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:

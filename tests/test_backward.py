@@ -147,6 +147,44 @@ def test_retained_graph_gives_the_same_gradients_twice(device):
         assert torch.equal(a, b)
 
 
+# (one combination under the simulator: the CI run keeps to its 20 minutes)
+@pytest.mark.parametrize("wants", [
+    (True, True, True), pytest.param((False, True, False), marks=pytest.mark.gpu),
+    pytest.param((True, False, True), marks=pytest.mark.gpu)],
+    ids=["all", "weight", "input-gamma"])
+def test_replayed_backward_is_the_launched_one(wants, device):
+    """From the third call of a kind the backward replays its recorded launches with the call's
+    own tensors (``backward._replayed``): every gradient of every call, new inputs and
+    incoming gradients each time, bitwise the gradient of the same call launched afresh."""
+    from numba_deconv import backward
+
+    need_x, need_w, need_gamma = wants
+    conv, bn = _modules(True, device, dtype=torch.float32)
+    conv.weight.requires_grad_(need_w)
+    bn.weight.requires_grad_(need_gamma)
+    # (one tier throughout: the first calls of a new kind may run the generic one, whose sums
+    # round otherwise)
+    pipe = Pipeline(conv, bn, specialize=True)
+
+    def step(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        x = (torch.randn(2, 2, 3, 2, 2, generator=gen) * (seed + 1)).to(device)
+        x.requires_grad_(need_x)
+        out = pipe(x)
+        g = torch.randn(out.shape, generator=gen).to(device)
+        asked = [t for t, need in ((x, need_x), (conv.weight, need_w), (bn.weight, need_gamma))
+                 if need]
+        return torch.autograd.grad(out, asked, g)
+
+    backward.clear()
+    replayed = [step(seed) for seed in range(3)]  # launched, recorded, replayed
+    assert any(isinstance(entry, backward.Replay) for entry in backward._REPLAYS.values())
+    for seed, grads in enumerate(replayed):
+        backward.clear()  # the first call of its kind: launched
+        for ours, fresh in zip(grads, step(seed)):
+            assert torch.equal(ours, fresh)
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_empty_batch_backward(training, device):
     """An empty batch: empty output and input gradient, zero parameter gradients, and in

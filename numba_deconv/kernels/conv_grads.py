@@ -559,9 +559,20 @@ def _weight_plan(x_shape, w_shape, groups, dtype, tiles, warps, chunk_pos, batch
                 n_pos=n_pos)
 
 
+def weight_grad_scratch(x, dy, dw, stride, padding, dilation, groups: int = 1) -> torch.Tensor:
+    """A new float64 scratch for ``launch_weight_grad`` with the same arguments and the
+    launcher's own choices: (chunks * dw.numel(),)."""
+    dtype = _check_tensors(("x", "dy", "dw"), (x, dy, dw))
+    chunks = _weight_launch(tuple(x.shape), tuple(dw.shape), tuple(dy.shape), _hashable(stride),
+                            _hashable(padding), _hashable(dilation), groups, dtype, None, None,
+                            None, None)[6]
+    return torch.empty(chunks * dw.numel(), dtype=torch.float64, device=dw.device)
+
+
 def launch_weight_grad(x, dy, dw, stride, padding, dilation, groups: int = 1, *,
                        tiles: tuple[int, int, int] | None = None, warps: int | None = None,
-                       chunk_pos: int | None = None, batch: int | None = None) -> None:
+                       chunk_pos: int | None = None, batch: int | None = None,
+                       scratch: torch.Tensor | None = None) -> None:
     """Write the weight gradient of ``y = conv_transpose3d(x, w, stride=stride,
     padding=padding, dilation=dilation, groups=groups)`` into ``dw``, bitwise the same on every
     run.
@@ -571,14 +582,20 @@ def launch_weight_grad(x, dy, dw, stride, padding, dilation, groups: int = 1, *,
     padding is read off dy's shape. Allocates a float64 scratch of (chunks, CI, OPG, KD*KH*KW).
     ``tiles`` (CIT, OCT, KWT), ``warps`` (per block, at most ``WEIGHT_WARPS``), ``chunk_pos``
     (input positions per chunk) and ``batch`` (positions staged at a time) override the
-    launcher's choices (tests).
+    launcher's choices (tests). ``scratch``: that scratch, made by ``weight_grad_scratch`` (a
+    recorded call's caller names it, ``backward``), instead of a new one.
     """
     dtype = _check_tensors(("x", "dy", "dw"), (x, dy, dw))
     (kernel, grid, block, sizes, divs, smem, chunks, sum_kernel, sum_grid,
      sum_block) = _weight_launch(tuple(x.shape), tuple(dw.shape), tuple(dy.shape),
                                  _hashable(stride), _hashable(padding), _hashable(dilation),
                                  groups, dtype, _hashable(tiles), warps, chunk_pos, batch)
-    part = torch.empty(chunks * dw.numel(), dtype=torch.float64, device=dw.device)
+    part = scratch
+    if part is None:
+        part = torch.empty(chunks * dw.numel(), dtype=torch.float64, device=dw.device)
+    elif part.shape != (chunks * dw.numel(),) or part.dtype != torch.float64:
+        raise ValueError(f"scratch must be ({chunks * dw.numel()},) float64, got "
+                         f"{tuple(part.shape)} {part.dtype}")
     launch(kernel, grid, block, (x.view(-1), dy.view(-1), part, sizes, divs), smem=smem)
     launch(sum_kernel, sum_grid, sum_block, (part, dw.view(-1), chunks))
 

@@ -636,6 +636,8 @@ class Replay:
     @classmethod
     def build(cls, launches, named: dict, fixed=lambda t: False) -> "Replay | None":
         ptrs = {t.data_ptr(): (name, t) for name, t in named.items()}
+        if len(ptrs) != len(named):  # two names, one address: which one a launch used is moot
+            return None
         steps, holds = [], []
         if any(entry is None for entry in launches):  # ``unreplayable``
             return None
