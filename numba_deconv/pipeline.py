@@ -93,8 +93,14 @@ class _Prepared:
     #: rows) serve only inputs aligned alike
     x_offset16: int = 0
     holds: tuple = ()  # the parameters and buffers ``state`` names, kept alive
+    #: with batch statistics, the recorded call's plan, whose derived buffers a replay
+    #: writes again where the parameters changed (``Pipeline._refresh_derived``)
+    plan: CallPlan | None = None
 
 
+#: the attribute under which a plan's derived buffer keeps the key of what it holds
+#: (``Pipeline._derived``): on the tensor itself, so a new buffer never inherits it
+_HOLDS = "_numba_deconv_holds"
 CONV_STRATEGIES = ("gather", "scatter")
 VARIANCE_STRATEGIES = ("auto", "epilogue", "gram")
 # Input shapes whose launch plans (configurations and GPU scratch buffers) a pipeline keeps, least
@@ -216,13 +222,8 @@ class Pipeline:
                 # through the custom op, which records the backward (``autograd``)
                 return autograd.apply(self, x)
             # a call like one made before, under the same parameters: replay its launches
-            key = self._call_key(x)
-            prepared = self._prepared.get(key)
-            if (prepared is not None and prepared.replay is not None
-                    and prepared.state == self._state() and x.is_contiguous()
-                    and x.data_ptr() % 16 == prepared.x_offset16
-                    and not self._stream_capturing() and prepared.replay.ready()):
-                self._prepared.move_to_end(key)
+            prepared = self._replayable(x, False)
+            if prepared is not None:
                 return self._replay_prepared(prepared, x)
         tensor, restore = self._accept(x)
         return restore(self._run(tensor))
@@ -267,21 +268,27 @@ class Pipeline:
 
     def _state(self) -> tuple:
         """What a prepared call's launches depend on besides the input's shape, dtype and
-        device: the settings, and where every parameter and buffer lives and its version
-        counter (which every in-place change through the tensor bumps, an optimizer step,
-        ``load_state_dict`` or ``copy_`` included; ``.data`` edits need ``clear_cache``).
+        device: the settings, and where every parameter and buffer lives. In evaluation also
+        their version counters (which every in-place change through the tensor bumps, an
+        optimizer step, ``load_state_dict`` or ``copy_`` included; ``.data`` edits need
+        ``clear_cache``): its folded weights derive from their values. With batch statistics
+        the kernels read the parameters where they live, and what derives from them is written
+        again before a replay where they changed (``_refresh_derived``), so a training loop's
+        optimizer steps keep its calls recorded.
 
         Read at every call, so it reads the modules' parameter and buffer dicts directly
         (``nn.Module.__getattr__`` costs more than the rest together)."""
         bn = self.bn
+        versions = not folding.uses_batch_statistics(bn, self.training)
         state = [self.options, self.variance, self.conv_impl, self.specialize, self.poison,
                  self.graphs, self.process_group, bn.eps, bn.momentum, bn.affine,
-                 bn.track_running_stats]
+                 bn.track_running_stats, versions]
         for tensors, name in self._watched:
             t = tensors.get(name)
             # the object too: a new parameter may take a freed one's address and version
             # (``_Prepared.holds`` keeps the recorded ones alive, so their ids stay theirs)
-            state.append(None if t is None else (id(t), t.data_ptr(), t._version))
+            state.append(None if t is None else
+                         (id(t), t.data_ptr(), t._version if versions else None))
         return tuple(state)
 
     def _module_tensor(self, t: torch.Tensor) -> bool:
@@ -291,40 +298,52 @@ class Pipeline:
         return any((m := tensors.get(name)) is not None and m.data_ptr() == ptr
                    for tensors, name in self._watched)
 
-    def _forward_prepared(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_prepared(self, x: torch.Tensor, save: dict | None = None) -> torch.Tensor:
         """A call, prepared for replay when the same kind of call (input shape, dtype, device,
-        mode) comes a second time under the same ``_state`` (a parameter that changes at every
-        call, a training loop's, never pays for the recording)."""
-        key = self._call_key(x)
+        mode, saving or not) comes a second time under the same ``_state`` (in evaluation, a
+        parameter that changes at every call never pays for the recording). ``save``: a saving
+        call's dict (``forward_saving``), which it fills; those are prepared with batch
+        statistics only."""
+        key = self._call_key(x, save is not None)
         prepared = self._prepared.get(key)
         if self.poison or not x.is_contiguous() or x.shape[0] == 0 \
-                or self.process_group is not None:  # (a collective is no kernel launch)
-            return self._forward(x, record=None)
+                or self.process_group is not None \
+                or (save is not None and not folding.uses_batch_statistics(self.bn,
+                                                                           self.training)):
+            # (a collective is no kernel launch; an evaluation's saving call keeps statistics
+            # worked out on the host)
+            return self._forward(x, record=None, save=save)
         if prepared is None or prepared.state != self._state():
-            out = self._forward(x, record=None)
+            out = self._forward(x, record=None, save=save)
             if not self._last_transitional:  # (the generic tier stands in: not kept)
                 self._remember(key, _Prepared(self._state(), None, self._updates(None)))
             return out
         if prepared.recorded:  # it could not be replayed: a plain call
-            out = self._forward(x, record=None)
+            out = self._forward(x, record=None, save=save)
             prepared.state = self._state()
             return out
         with recording() as launches:
-            out = self._forward(x, record=None)
+            out = self._forward(x, record=None, save=save)
         if self._last_transitional:  # an input aligned otherwise, its kind not ready: not kept
             return out
+        named = {"x": x, "out": out}
+        if save is not None:  # (its rows are copies made after the launches: ``_save``)
+            named.update(yc=save["yc"], stats=save["stats"])
+        replay = Replay.build(launches, named, fixed=self._module_tensor)
+        batch_stats = folding.uses_batch_statistics(self.bn, self.training)
         # the state after the call: a training call bumped the running buffers' versions
-        replay = Replay.build(launches, {"x": x, "out": out}, fixed=self._module_tensor)
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),
                                       tuple(out.shape), recorded=True,
                                       x_offset16=x.data_ptr() % 16,
-                                      holds=tuple(d.get(n) for d, n in self._watched)))
+                                      holds=tuple(d.get(n) for d, n in self._watched),
+                                      plan=self._plans.get(self._plan_key(x))
+                                      if batch_stats else None))
         return out
 
-    def _call_key(self, x: torch.Tensor) -> tuple:
-        """The kind of a call, which prepared calls are kept by: input shape, dtype, device and
-        the mode."""
-        return (x.shape, x.dtype, x.device, self.training)
+    def _call_key(self, x: torch.Tensor, saving: bool = False) -> tuple:
+        """The kind of a call, which prepared calls are kept by: input shape, dtype, device,
+        the mode and whether it saves for a backward."""
+        return (x.shape, x.dtype, x.device, self.training, saving)
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
@@ -332,13 +351,38 @@ class Pipeline:
         if len(self._prepared) > PLAN_CACHE:
             self._prepared.popitem(last=False)
 
-    def _replay_prepared(self, prepared: "_Prepared", x: torch.Tensor) -> torch.Tensor:
+    def _replay_prepared(self, prepared: "_Prepared", x: torch.Tensor,
+                         save: dict | None = None) -> torch.Tensor:
+        """A recorded call made again on ``x`` (and, for a saving call, what ``save`` keeps:
+        its statistics written by the replay, its rows copied after it, ``_save``)."""
+        if prepared.plan is not None:  # batch statistics: parameters may have changed since
+            self._refresh_derived(prepared.plan)
         out = torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
-        prepared.replay({"x": x, "out": out})
+        if save is None:
+            prepared.replay({"x": x, "out": out})
+        else:
+            yc = torch.empty_like(out)
+            stats = torch.empty((4, self.geometry.out_channels), dtype=torch.float64,
+                                device=x.device)
+            prepared.replay({"x": x, "out": out, "yc": yc, "stats": stats})
+            save["stats"] = stats
+            self._save(save, x, True, prepared.plan, yc)
         if prepared.updates:
             self._running_stats_written()
             prepared.state = self._state()
         return out
+
+    def _replayable(self, x: torch.Tensor, saving: bool) -> "_Prepared | None":
+        """The recorded call that replays a call like this one now, or None."""
+        key = self._call_key(x, saving)
+        prepared = self._prepared.get(key)
+        if (prepared is not None and prepared.replay is not None
+                and prepared.state == self._state() and x.is_contiguous()
+                and x.data_ptr() % 16 == prepared.x_offset16
+                and not self._stream_capturing() and prepared.replay.ready()):
+            self._prepared.move_to_end(key)
+            return prepared
+        return None
 
     @property
     def uses_gram(self) -> bool:
@@ -593,9 +637,16 @@ class Pipeline:
         On the Gram path (``variance="gram"``) such a call takes the epilogue path: the Gram
         path never stores the unscaled convolution."""
         save: dict = {}
+        x = x.detach()
         self._saving = save
         try:
-            out = self._forward(x.detach(), record=None, save=save)
+            prepared = self._replayable(x, True)
+            if prepared is not None:
+                out = self._replay_prepared(prepared, x, save)
+            elif is_simulator() or not self._stream_capturing():
+                out = self._forward_prepared(x, save)
+            else:
+                out = self._forward(x, record=None, save=save)
         finally:
             self._saving = None
         return out, save["yc"], save["rows"], save["stats"]
@@ -718,7 +769,35 @@ class Pipeline:
         bias = self.conv.bias
         if bias is None:
             return plan.scratch.zero_bias
-        return self._cached("bias64", self._version(bias), lambda: bias.detach().to(torch.float64))
+        return self._derived(plan.scratch.bias64, self._version(bias),
+                             lambda buf: buf.copy_(bias.detach()))
+
+    def _arranged(self, plan: CallPlan, conv_weight: torch.Tensor, key: tuple) -> torch.Tensor:
+        """The gather's weights (``conv_weight``, which ``key`` describes) in its arrangement,
+        in the plan's buffer."""
+        s = plan.scratch
+        return self._derived(s.wph, key, lambda buf: gather.arrange_weights(
+            conv_weight, s.wph_index, out=buf))
+
+    def _derived(self, buf: torch.Tensor, key: tuple, fill) -> torch.Tensor:
+        """``buf``, one of a plan's buffers, holding what ``fill(buf)`` writes from the
+        parameters ``key`` describes: written again only when ``key`` changed, so the buffer's
+        address never does (a recorded call reads it there, ``_replay_prepared``). Inside a
+        graph capture it is written at every replay, and by the next call outside it."""
+        if self._capturing or buf.__dict__.get(_HOLDS) != key:
+            with torch.no_grad():  # derived from parameters that may require grad
+                fill(buf)
+            buf.__dict__[_HOLDS] = None if self._capturing else key
+        return buf
+
+    def _refresh_derived(self, plan: CallPlan) -> None:
+        """Before a recorded training call is replayed: the plan's buffers derived from the
+        parameters, written again where a parameter changed in place since (an optimizer
+        step). Nothing else a training call launches with derives from their values."""
+        self._bias64(plan)
+        if plan.scratch.wph is not None:
+            weight = self.conv.weight
+            self._arranged(plan, weight.detach(), (self._version(weight),))
 
     # ---- synchronized batch statistics (``sync``) ---------------------------------------------
     def synchronize(self, process_group) -> "Pipeline":
@@ -905,9 +984,7 @@ class Pipeline:
                    self._version(self.bn.weight), self.bn.eps)
             conv_weight = self._cached("gather_folded", key,
                                        lambda: folding.fold_weights(weight, scale, geom.groups))
-        wph = self._cached("gather_wph" + ("_train" if batch_stats else "_eval"),
-                           key + (launch.tiling.nc, x.dtype),
-                           lambda: gather.arrange_weights(conv_weight, plan.scratch.wph_index))
+        wph = self._arranged(plan, conv_weight, key)
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
         if plan.path == "gram":

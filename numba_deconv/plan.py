@@ -82,12 +82,14 @@ class Scratch:
     scale: torch.Tensor        # (C,) the batch statistics' scale, in the input's dtype
     stats: torch.Tensor        # (2, C) batch mean (with the bias) and biased variance
     zero_rows: torch.Tensor    # (N*C,) zeros: per-(n, c) means of a tensor already centred
+    bias64: torch.Tensor       # (C,) the convolution's bias in float64 (``Pipeline._bias64``)
     box_lo: torch.Tensor | None = None        # (3, K) int32 per-tap input boxes (gather)
     box_hi: torch.Tensor | None = None
     boxes: torch.Tensor | None = None         # (N, CI, kD, kH, kW) box sums
     samples_done: torch.Tensor | None = None  # (N,) int32 plane counters of box_sums
     contrib: torch.Tensor | None = None       # (N, CI, OPG) each input plane's share of the means
     wph_index: torch.Tensor | None = None     # the gather's weight arrangement
+    wph: torch.Tensor | None = None           # the weights so arranged (``Pipeline._gather``)
     ss: torch.Tensor | None = None            # (N, C, slots) the gather's sums of squares
     zero_bias_x: torch.Tensor | None = None   # (C,) zeros in the input's dtype (generic tier)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
@@ -153,7 +155,8 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         counter=torch.zeros(1, dtype=torch.int64, device=dev),
         done=torch.zeros(1, dtype=torch.int32, device=dev),
         scale=empty(channels, dtype=x.dtype), stats=empty(2, channels),
-        zero_rows=torch.zeros(batch * channels, dtype=f64, device=dev))
+        zero_rows=torch.zeros(batch * channels, dtype=f64, device=dev),
+        bias64=empty(channels))
     launch = layout = None
     if path == "generic":
         common["zero_bias_x"] = torch.zeros(channels, dtype=x.dtype, device=dev)
@@ -169,12 +172,13 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         launch = gather.gather_launch(geom, batch, in_spatial, out_spatial,
                                       dtypes.name_of(x.dtype),
                                       heavy_first=options.tail_heavy_first)
+        wph_index = torch.from_numpy(gather.phase_weight_index(geom, launch.tiling)).to(dev)
         common.update(
             box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),
             boxes=empty(batch, geom.in_channels, kd, kh, kw),
             samples_done=torch.zeros(batch, dtype=torch.int32, device=dev),
             contrib=empty(batch, geom.in_channels, geom.out_per_group),
-            wph_index=torch.from_numpy(gather.phase_weight_index(geom, launch.tiling)).to(dev),
+            wph_index=wph_index, wph=empty(wph_index.numel(), dtype=x.dtype),
             ss=empty(batch, channels, launch.slots))
     if path == "gram":
         layout = gram.plan_for(geom, batch, x.shape[2:], gram_itemsize)

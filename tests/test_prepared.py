@@ -189,3 +189,47 @@ def test_an_input_aligned_otherwise_is_not_replayed(device, monkeypatch):
         assert not replays
         testing.assert_close(pipe(aligned[2]), ref(aligned[2].double()), 1e-5, "aligned again")
     assert len(replays) == 1
+
+
+def test_training_steps_replay_and_see_every_optimizer_step(device, monkeypatch):
+    """A training loop: each step's forward saves for its backward and an optimizer changes
+    the weights in place. From the third step the forward and the backward replay their
+    recorded launches, the gather's arranged weights and the bias written again where the
+    step changed them (``Pipeline._refresh_derived``): outputs, every gradient and the
+    running statistics stay those of PyTorch's modules stepped alike (float64)."""
+    from numba_deconv import backward
+
+    torch.manual_seed(4)
+    ref = Model(3, 4, (3, 2, 3), 2, 1).double().to(device)
+    model = copy.deepcopy(ref)
+    pipe = Pipeline.from_torch(model, specialize=True)
+    replays = []
+    real = pipe._replay_prepared
+    monkeypatch.setattr(pipe, "_replay_prepared",
+                        lambda p, x, save=None: replays.append(save is not None)
+                        or real(p, x, save))
+    backward.clear()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    for step in range(5):
+        x = _input(device, seed=step)
+        g = torch.randn((2, 4, 3, 4, 5), generator=torch.Generator().manual_seed(step),
+                        dtype=torch.float64).to(device)
+        outs, grads = [], []
+        for m, call, opt in ((ref, ref, opts[0]), (model, pipe, opts[1])):
+            opt.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            out = call(xi)
+            out.backward(g)
+            outs.append(out.detach())
+            grads.append([xi.grad] + [p.grad for p in m.parameters()])
+            opt.step()
+        testing.assert_close(outs[1], outs[0], 1e-10, f"step {step}")
+        for i, (ours, theirs) in enumerate(zip(grads[1], grads[0])):
+            # (the shifts' gradients: PyTorch's are rounding, ours exactly zero)
+            testing.assert_close(ours, theirs, 1e-10, f"gradient {i}, step {step}",
+                                 atol=1e-12)
+        for name, t in ref.state_dict().items():
+            testing.assert_close(model.state_dict()[name], t, 1e-10, f"{name}, step {step}",
+                                 atol=1e-13)
+    assert replays.count(True) == 3  # steps 3-5 replayed their saving forward
+    assert any(isinstance(e, backward.Replay) for e in backward._REPLAYS.values())

@@ -703,12 +703,15 @@ def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
     return index
 
 
-def arrange_weights(weight, index):
-    """The kernel's ``wph`` from a (CI, OPG, KD, KH, KW) weight and ``phase_weight_index``."""
+def arrange_weights(weight, index, out=None):
+    """The kernel's ``wph`` from a (CI, OPG, KD, KH, KW) weight and ``phase_weight_index``
+    (written into ``out``, a contiguous tensor of ``index.numel()`` elements, when given)."""
     import torch
 
     flat = torch.cat([weight.detach().reshape(-1), weight.new_zeros(1)])
-    return flat[index.reshape(-1)].contiguous()
+    if out is None:
+        return flat[index.reshape(-1)].contiguous()
+    return out.copy_(flat[index.reshape(-1)])
 
 
 def patch_edges(tiling: GatherTiling, strides: tuple, out_hw: tuple) -> tuple[int, int]:
