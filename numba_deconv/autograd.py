@@ -102,12 +102,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
         return _saving_call(pipe, x, training)
 
 
-def _saving_call(pipe, x: Tensor, training: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``pipe.forward_saving(x)`` in the mode ``training`` says."""
+def _saving_call(pipe, x: Tensor, training: bool,
+                 update: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``pipe.forward_saving(x, update)`` in the mode ``training`` says."""
     was = pipe.training
     pipe.training = training
     try:
-        return pipe.forward_saving(x)
+        return pipe.forward_saving(x, update)
     finally:
         pipe.training = was
 
@@ -136,14 +137,8 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor,
     mean and unbiased variance); a batch whose statistics nobody saw (``seen`` false: an empty
     batch, unsynchronized) only counts the batch, as PyTorch does. (Synchronized, the group's
     statistics are always seen: a group whose slices are all empty is refused.)"""
-    _update_running_stats(running_mean, running_var, num_batches_tracked, stats, momentum, seen)
-
-
-def _update_running_stats(running_mean, running_var, num_batches_tracked, stats, momentum,
-                          seen) -> None:
-    """The update op's body, which eager calls run without the dispatcher (~25 µs less host
-    time a call): one launch (``batch_stats.running_update``; ``folding.update_running_buffers``
-    is its reference), the buffers' versions bumped as an in-place update would."""
+    # one launch (``batch_stats.running_update``; ``folding.update_running_buffers`` is its
+    # reference), the buffers' versions bumped as an in-place update would
     if not seen:
         if num_batches_tracked is not None:
             num_batches_tracked.add_(1)
@@ -236,8 +231,9 @@ class _Eager(torch.autograd.Function):
         # (with a separate ``setup_context``, every ``apply`` would bind its arguments to this
         # signature through ``inspect``: more host time than the rest of ``apply``)
         x, handle, training = inputs[0], inputs[7], inputs[8]
-        # the tensors are the modules' own here (``apply``): no rebinding
-        output = _saving_call(_pipeline(handle), x, training)
+        # the tensors are the modules' own here (``apply``): no rebinding; the running
+        # statistics are updated by the call's own statistics kernel (one launch fewer)
+        output = _saving_call(_pipeline(handle), x, training, update=True)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -260,16 +256,17 @@ def apply(pipe, x: Tensor) -> Tensor:
         pipe._check(x)  # bad input fails here, on any device (meta tensors run no kernel)
     tracks = folding.tracks_running_stats(bn)
     training = pipe.training
-    # the ops where a tracer (torch.compile, make_fx, fake tensors, torch.func) must see them,
-    # their bodies in plain eager calls
+    # the ops where a tracer (torch.compile, make_fx, fake tensors, torch.func) must see them;
+    # plain eager calls run the forward's body as ``_Eager``, whose statistics kernel updates
+    # the running statistics too
     plain = _plain_eager(compiling)
     run = _Eager.apply if plain else forward
     out, _, _, stats = run(x, conv.weight, conv.bias, bn.weight, bn.bias,
                            bn.running_mean if tracks else None,
                            bn.running_var if tracks else None, pipe._handle, training)
-    if training and tracks:
+    if training and tracks and not plain:  # (``_Eager`` updated them)
         # synchronized, the statistics are the group's even where this rank's slice is empty
         seen = x.shape[0] > 0 or pipe.process_group is not None
-        update = _update_running_stats if plain else update_running_stats
-        update(bn.running_mean, bn.running_var, bn.num_batches_tracked, stats, bn.momentum, seen)
+        update_running_stats(bn.running_mean, bn.running_var, bn.num_batches_tracked, stats,
+                             bn.momentum, seen)
     return out

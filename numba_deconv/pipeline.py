@@ -174,6 +174,7 @@ class Pipeline:
         self._capturing = False
         # a call whose backward will run (``forward_saving``): what it keeps, filled as it runs
         self._saving: dict | None = None
+        self._saving_updates = False  # ... and whether it updates the running statistics
         self._handle = autograd.register(self)
         self.training = bn.training
         self._plans: OrderedDict[tuple, CallPlan] = OrderedDict()
@@ -342,8 +343,10 @@ class Pipeline:
 
     def _call_key(self, x: torch.Tensor, saving: bool = False) -> tuple:
         """The kind of a call, which prepared calls are kept by: input shape, dtype, device,
-        the mode and whether it saves for a backward."""
-        return (x.shape, x.dtype, x.device, self.training, saving)
+        the mode, whether it saves for a backward and, if so, whether it updates the running
+        statistics (``forward_saving``)."""
+        return (x.shape, x.dtype, x.device, self.training, saving,
+                saving and self._saving_updates)
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
@@ -618,10 +621,12 @@ class Pipeline:
     # ---- the forward pass -------------------------------------------------------------------
     # No ``torch.no_grad()`` around a call (~3-8 µs of host time): the kernels record nothing,
     # ``x`` is detached, and whatever derives from parameters does so in ``_cached``.
-    def forward_saving(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward_saving(self, x: torch.Tensor, update: bool = False) -> tuple[torch.Tensor, ...]:
         """A call whose backward will run (``autograd``'s custom op): ``(out, yc, rows,
-        stats)``, what ``backward.backward`` needs besides the input and the parameters, and
-        no running-statistics update (the op's caller makes it, ``autograd.apply``):
+        stats)``, what ``backward.backward`` needs besides the input and the parameters. The
+        running statistics are updated only with ``update`` (by the statistics kernel, as a
+        call that saves nothing updates them: what a plain eager call asks for); the op is
+        functional, and its caller updates them (``autograd.apply``):
 
         * ``yc``: with batch statistics the convolution (bias-free; centred per (n, c) on the
           gather path), the one full-size tensor kept, the counterpart of what eager batch norm
@@ -639,6 +644,7 @@ class Pipeline:
         save: dict = {}
         x = x.detach()
         self._saving = save
+        self._saving_updates = update
         try:
             prepared = self._replayable(x, True)
             if prepared is not None:
@@ -649,6 +655,7 @@ class Pipeline:
                 out = self._forward(x, record=None, save=save)
         finally:
             self._saving = None
+            self._saving_updates = False
         return out, save["yc"], save["rows"], save["stats"]
 
     def _forward(self, x: torch.Tensor, record: dict | None,
@@ -881,7 +888,8 @@ class Pipeline:
 
     def _updates(self, record) -> bool:
         """Whether this call updates the running statistics (training, not a trace)."""
-        return (self.training and record is None and self._saving is None
+        return (self.training and record is None
+                and (self._saving is None or self._saving_updates)
                 and folding.tracks_running_stats(self.bn))
 
     def _bn_buffers(self, plan: CallPlan) -> tuple:
