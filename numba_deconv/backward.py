@@ -177,8 +177,9 @@ _NEW = object()
 def _replayed(key: tuple, tensors: dict, launches) -> None:
     """Run ``launches()`` on ``tensors``, or the recorded replay of this kind of call with them."""
     entry = _REPLAYS.get(key, _NEW)
-    if isinstance(entry, Replay) and entry.ready():
+    if entry is not _NEW:
         _REPLAYS.move_to_end(key)
+    if isinstance(entry, Replay) and entry.ready():
         entry(tensors)
         return
     if entry is None:  # the second call of its kind: recorded

@@ -99,7 +99,8 @@ class _Prepared:
 
 
 #: the attribute under which a plan's derived buffer keeps the key of what it holds
-#: (``Pipeline._derived``): on the tensor itself, so a new buffer never inherits it
+#: (``Pipeline._derived``): on the tensor itself, so a new buffer never inherits it (a deep
+#: copy of a plan's buffer carries it with the contents it describes)
 _HOLDS = "_numba_deconv_holds"
 CONV_STRATEGIES = ("gather", "scatter")
 VARIANCE_STRATEGIES = ("auto", "epilogue", "gram")
@@ -187,7 +188,8 @@ class Pipeline:
                          (bn._buffers, "num_batches_tracked"))
         # plans whose buffers a graph the caller captured uses (kept for the pipeline's life)
         self._captured_plans: list[CallPlan] = []
-        # (input shape, dtype, device, training) -> the call's recorded launches (_Prepared)
+        # ``_call_key`` (input shape, dtype, device, mode, saving and updating or not) -> the
+        # call's recorded launches (_Prepared)
         self._prepared: OrderedDict[tuple, _Prepared] = OrderedDict()
 
     # ---- construction ------------------------------------------------------------------------
@@ -269,8 +271,8 @@ class Pipeline:
 
     def _state(self) -> tuple:
         """What a prepared call's launches depend on besides the input's shape, dtype and
-        device: the settings, and where every parameter and buffer lives. In evaluation also
-        their version counters (which every in-place change through the tensor bumps, an
+        device: the settings, and where every parameter and buffer lives. Without batch
+        statistics (evaluation) also their version counters (which every in-place change through the tensor bumps, an
         optimizer step, ``load_state_dict`` or ``copy_`` included; ``.data`` edits need
         ``clear_cache``): its folded weights derive from their values. With batch statistics
         the kernels read the parameters where they live, and what derives from them is written
@@ -616,11 +618,13 @@ class Pipeline:
 
     @staticmethod
     def _version(t: torch.Tensor | None) -> tuple:
-        return (None,) if t is None else (t.data_ptr(), t._version, t.device, t.dtype)
+        # (the object too: a new tensor may take a freed one's address and version)
+        return (None,) if t is None else (id(t), t.data_ptr(), t._version, t.device, t.dtype)
 
     # ---- the forward pass -------------------------------------------------------------------
     # No ``torch.no_grad()`` around a call (~3-8 µs of host time): the kernels record nothing,
-    # ``x`` is detached, and whatever derives from parameters does so in ``_cached``.
+    # ``x`` is detached, and whatever derives from parameters does so in ``_cached`` and
+    # ``_derived``.
     def forward_saving(self, x: torch.Tensor, update: bool = False) -> tuple[torch.Tensor, ...]:
         """A call whose backward will run (``autograd``'s custom op): ``(out, yc, rows,
         stats)``, what ``backward.backward`` needs besides the input and the parameters. The
@@ -992,7 +996,14 @@ class Pipeline:
                    self._version(self.bn.weight), self.bn.eps)
             conv_weight = self._cached("gather_folded", key,
                                        lambda: folding.fold_weights(weight, scale, geom.groups))
-        wph = self._arranged(plan, conv_weight, key)
+        if batch_stats:  # in the plan's buffer, written again where the weight changed
+            wph = self._arranged(plan, conv_weight, key)
+        else:
+            # a tensor of its own per folded weights: a recorded evaluation call keeps the one
+            # it read, whatever other calls of its shape (other weights bound, say) read since
+            wph = self._cached("gather_wph_eval", key + (launch.tiling.nc, x.dtype),
+                               lambda: gather.arrange_weights(conv_weight,
+                                                              plan.scratch.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
         if plan.path == "gram":

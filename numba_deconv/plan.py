@@ -89,7 +89,8 @@ class Scratch:
     samples_done: torch.Tensor | None = None  # (N,) int32 plane counters of box_sums
     contrib: torch.Tensor | None = None       # (N, CI, OPG) each input plane's share of the means
     wph_index: torch.Tensor | None = None     # the gather's weight arrangement
-    wph: torch.Tensor | None = None           # the weights so arranged (``Pipeline._gather``)
+    wph: torch.Tensor | None = None           # the weights so arranged, with batch statistics
+    #                                           (``Pipeline._arranged``)
     ss: torch.Tensor | None = None            # (N, C, slots) the gather's sums of squares
     zero_bias_x: torch.Tensor | None = None   # (C,) zeros in the input's dtype (generic tier)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
@@ -178,7 +179,8 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
             boxes=empty(batch, geom.in_channels, kd, kh, kw),
             samples_done=torch.zeros(batch, dtype=torch.int32, device=dev),
             contrib=empty(batch, geom.in_channels, geom.out_per_group),
-            wph_index=wph_index, wph=empty(wph_index.numel(), dtype=x.dtype),
+            wph_index=wph_index,
+            wph=empty(wph_index.numel(), dtype=x.dtype) if batch_statistics else None,
             ss=empty(batch, channels, launch.slots))
     if path == "gram":
         layout = gram.plan_for(geom, batch, x.shape[2:], gram_itemsize)

@@ -233,3 +233,29 @@ def test_training_steps_replay_and_see_every_optimizer_step(device, monkeypatch)
                                  atol=1e-13)
     assert replays.count(True) == 3  # steps 3-5 replayed their saving forward
     assert any(isinstance(e, backward.Replay) for e in backward._REPLAYS.values())
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_replay_reads_the_modules_arranged_weights(device, training):
+    """A recorded call reads the arranged weights of the modules' own parameters, whatever a
+    call of its shape under other weights (bound for one call, as gradcheck and the ops bind
+    them) arranged since: in evaluation the ones it was recorded with, in training the plan's
+    buffer written again (``Pipeline._refresh_derived``). (The output in training does not
+    depend on the running statistics the bound call updated.)"""
+    from numba_deconv import autograd
+
+    ref, model, pipe = _models(device, graphs=False)
+    ref.train(training)
+    pipe.train(training)
+    xs = [_input(device, seed=s).float() for s in range(4)]
+    with torch.no_grad():
+        for x in xs[:3]:
+            pipe(x)
+    assert _replayed(pipe, xs[0])
+    conv, bn = model.conv_transpose, model.batch_norm
+    other = (conv.weight.detach() * 2 + 0.1).requires_grad_(True)
+    with autograd._bound(pipe, other, conv.bias, bn.weight, bn.bias, bn.running_mean,
+                         bn.running_var):
+        pipe(xs[3])  # under grad mode: a call that saves, with the other weights
+    with torch.no_grad():
+        testing.assert_close(pipe(xs[3]), ref(xs[3].double()), 1e-5, "replayed after")
