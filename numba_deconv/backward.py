@@ -111,8 +111,8 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
                          need_w: bool) -> dict:
     """Every tensor the backward's launches with batch statistics take, by name: the call's
     inputs, a new output for each gradient asked for (``dx``, ``dw``; ``dgamma`` whenever
-    there is a gamma) and new scratch. Every one is contiguous and none shares another's address, so a
-    replay can put another call's tensors in their places (``_replayed``)."""
+    there is a gamma) and new scratch. Every one is contiguous and none shares another's
+    address, so a replay can put another call's tensors in their places (``_replayed``)."""
     stride, padding, dilation, groups = conv
     batch, channels = g.shape[0], g.shape[1]
     volume = g[0, 0].numel()

@@ -272,12 +272,12 @@ class Pipeline:
     def _state(self) -> tuple:
         """What a prepared call's launches depend on besides the input's shape, dtype and
         device: the settings, and where every parameter and buffer lives. Without batch
-        statistics (evaluation) also their version counters (which every in-place change through the tensor bumps, an
-        optimizer step, ``load_state_dict`` or ``copy_`` included; ``.data`` edits need
-        ``clear_cache``): its folded weights derive from their values. With batch statistics
-        the kernels read the parameters where they live, and what derives from them is written
-        again before a replay where they changed (``_refresh_derived``), so a training loop's
-        optimizer steps keep its calls recorded.
+        statistics (evaluation) also their version counters, which every in-place change
+        through the tensor bumps (an optimizer step, ``load_state_dict`` or ``copy_``;
+        ``.data`` edits need ``clear_cache``): its folded weights derive from their values.
+        With batch statistics the kernels read the parameters where they live, and what
+        derives from them is written again before a replay where they changed
+        (``_refresh_derived``), so a training loop's optimizer steps keep its calls recorded.
 
         Read at every call, so it reads the modules' parameter and buffer dicts directly
         (``nn.Module.__getattr__`` costs more than the rest together)."""
@@ -653,9 +653,9 @@ class Pipeline:
             prepared = self._replayable(x, True)
             if prepared is not None:
                 out = self._replay_prepared(prepared, x, save)
-            elif is_simulator() or not self._stream_capturing():
+            elif not self._stream_capturing():
                 out = self._forward_prepared(x, save)
-            else:
+            else:  # inside the caller's graph capture: captured with it, never recorded
                 out = self._forward(x, record=None, save=save)
         finally:
             self._saving = None
