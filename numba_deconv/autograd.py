@@ -160,11 +160,18 @@ def backward(grad: Tensor, x: Tensor, weight: Tensor, gamma: Optional[Tensor], y
              rows: Tensor, stats: Tensor, stride: list[int], padding: list[int],
              dilation: list[int], groups: int, batch_stats: bool, needs: list[bool],
              sync: int) -> tuple[Tensor, Tensor, Tensor]:
-    group = _GROUPS[sync] if sync else None
-    dx, dw, dgamma = run_backward((tuple(stride), tuple(padding), tuple(dilation), groups),
-                                  grad, x, weight, gamma, yc, rows, stats, batch_stats,
-                                  tuple(needs), group)
+    dx, dw, dgamma = _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding,
+                                    dilation, groups, batch_stats, needs, sync)
     return tuple(x.new_empty(0) if t is None else t for t in (dx, dw, dgamma))
+
+
+def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
+                   batch_stats, needs, sync):
+    """The backward op's body on its arguments: ``backward.backward``'s gradients, None where
+    not needed."""
+    return run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
+                        weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
+                        _GROUPS[sync] if sync else None)
 
 
 @backward.register_fake
@@ -193,17 +200,12 @@ def _backward(ctx, grad_out, *_):
     need_x, need_w, need_b, need_gamma, need_beta = ctx.needs_input_grad[:5]
     dx = dw = dgamma = None
     if need_x or need_w or need_gamma:
-        needs = [need_x, need_w, need_gamma]
-        if torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling()):
-            # the op: a tracer sees it, and under create_graph its own backward refuses
-            dx, dw, dgamma = backward(grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv,
-                                      ctx.batch_stats, needs, ctx.sync)
-        else:  # the op's body, without the dispatcher
-            stride, padding, dilation, groups = ctx.conv
-            dx, dw, dgamma = run_backward(
-                (tuple(stride), tuple(padding), tuple(dilation), groups), grad_out, x, weight,
-                gamma, yc, rows, stats, ctx.batch_stats, tuple(needs),
-                _GROUPS[ctx.sync] if ctx.sync else None)
+        # the op where a tracer must see it, and under create_graph (its own backward
+        # refuses); else its body, without the dispatcher
+        traced = torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling())
+        dx, dw, dgamma = (backward if traced else _backward_body)(
+            grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv, ctx.batch_stats,
+            [need_x, need_w, need_gamma], ctx.sync)
     # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8)
     zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
     return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,

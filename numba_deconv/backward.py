@@ -36,7 +36,7 @@ Host time: with batch statistics, every tensor the launches take is made first a
 what is asked for) is recorded and later ones replay it (``launch.Replay``, ``_replayed``),
 writing only their tensors' addresses: a training loop's backward pays neither the launchers'
 Python nor their argument checks. Synchronized calls, which exchange between launches, and
-evaluation, which folds on the host between them, launch as recorded nowhere.
+evaluation, which folds on the host between them, launch unrecorded every time.
 """
 
 from __future__ import annotations

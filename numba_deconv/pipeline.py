@@ -309,10 +309,9 @@ class Pipeline:
         statistics only."""
         key = self._call_key(x, save is not None)
         prepared = self._prepared.get(key)
+        batch_stats = folding.uses_batch_statistics(self.bn, self.training)
         if self.poison or not x.is_contiguous() or x.shape[0] == 0 \
-                or self.process_group is not None \
-                or (save is not None and not folding.uses_batch_statistics(self.bn,
-                                                                           self.training)):
+                or self.process_group is not None or (save is not None and not batch_stats):
             # (a collective is no kernel launch; an evaluation's saving call keeps statistics
             # worked out on the host)
             return self._forward(x, record=None, save=save)
@@ -333,7 +332,6 @@ class Pipeline:
         if save is not None:  # (its rows are copies made after the launches: ``_save``)
             named.update(yc=save["yc"], stats=save["stats"])
         replay = Replay.build(launches, named, fixed=self._module_tensor)
-        batch_stats = folding.uses_batch_statistics(self.bn, self.training)
         # the state after the call: a training call bumped the running buffers' versions
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),
                                       tuple(out.shape), recorded=True,

@@ -562,11 +562,17 @@ def _weight_plan(x_shape, w_shape, groups, dtype, tiles, warps, chunk_pos, batch
 def weight_grad_scratch(x, dy, dw, stride, padding, dilation, groups: int = 1) -> torch.Tensor:
     """A new float64 scratch for ``launch_weight_grad`` with the same arguments and the
     launcher's own choices: (chunks * dw.numel(),)."""
-    dtype = _check_tensors(("x", "dy", "dw"), (x, dy, dw))
-    chunks = _weight_launch(tuple(x.shape), tuple(dw.shape), tuple(dy.shape), _hashable(stride),
-                            _hashable(padding), _hashable(dilation), groups, dtype, None, None,
-                            None, None)[6]
+    chunks = _weight_launch_of(x, dy, dw, stride, padding, dilation, groups)[6]
     return torch.empty(chunks * dw.numel(), dtype=torch.float64, device=dw.device)
+
+
+def _weight_launch_of(x, dy, dw, stride, padding, dilation, groups, tiles=None, warps=None,
+                      chunk_pos=None, batch=None) -> tuple:
+    """``_weight_launch`` for these tensors (checked) and settings."""
+    dtype = _check_tensors(("x", "dy", "dw"), (x, dy, dw))
+    return _weight_launch(tuple(x.shape), tuple(dw.shape), tuple(dy.shape), _hashable(stride),
+                          _hashable(padding), _hashable(dilation), groups, dtype,
+                          _hashable(tiles), warps, chunk_pos, batch)
 
 
 def launch_weight_grad(x, dy, dw, stride, padding, dilation, groups: int = 1, *,
@@ -585,11 +591,9 @@ def launch_weight_grad(x, dy, dw, stride, padding, dilation, groups: int = 1, *,
     launcher's choices (tests). ``scratch``: that scratch, made by ``weight_grad_scratch`` (a
     recorded call's caller names it, ``backward``), instead of a new one.
     """
-    dtype = _check_tensors(("x", "dy", "dw"), (x, dy, dw))
     (kernel, grid, block, sizes, divs, smem, chunks, sum_kernel, sum_grid,
-     sum_block) = _weight_launch(tuple(x.shape), tuple(dw.shape), tuple(dy.shape),
-                                 _hashable(stride), _hashable(padding), _hashable(dilation),
-                                 groups, dtype, _hashable(tiles), warps, chunk_pos, batch)
+     sum_block) = _weight_launch_of(x, dy, dw, stride, padding, dilation, groups, tiles, warps,
+                                    chunk_pos, batch)
     part = scratch
     if part is None:
         part = torch.empty(chunks * dw.numel(), dtype=torch.float64, device=dw.device)
