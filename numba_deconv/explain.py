@@ -45,23 +45,25 @@ from typing import Any
 
 import torch
 
-from . import folding, tiers
+from . import folding, precision as precisions, tiers
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
 from .plan import STORED_PATHS
-from .kernels import box_sums, epilogue, gather, gather_simple, gram, scatter, spatial_reduce
+from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gram, scatter,
+                      spatial_reduce)
 from .backend import tensor_device
 from .kernels.launch import block_size, grid_for, loaded_attributes
 from .simulator import is_simulator
 
-#: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores (no
-#: tensor cores: the kernels are plain FMAs) and DRAM bandwidth in bytes/s. Vendor datasheets.
+#: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores,
+#: dense TF32 FLOP/s on tensor cores (the TF32 gather, ``kernels.gather_mma``) and DRAM
+#: bandwidth in bytes/s. Vendor datasheets.
 DEVICE_PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"fp32": 67e12, "fp64": 34e12, "bandwidth": 4.8e12},
-    "H100 PCIe": {"fp32": 51e12, "fp64": 26e12, "bandwidth": 2.0e12},
-    "H100 NVL": {"fp32": 60e12, "fp64": 30e12, "bandwidth": 3.9e12},
-    "H100": {"fp32": 67e12, "fp64": 34e12, "bandwidth": 3.35e12},
+    "H200": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 4.8e12},
+    "H100 PCIe": {"fp32": 51e12, "fp64": 26e12, "tf32": 378e12, "bandwidth": 2.0e12},
+    "H100 NVL": {"fp32": 60e12, "fp64": 30e12, "tf32": 418e12, "bandwidth": 3.9e12},
+    "H100": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 3.35e12},
 }
 #: Used when the device is unknown (or under the simulator): an H100 SXM.
 DEFAULT_DEVICE = "H100"
@@ -219,9 +221,30 @@ def _box_sums_flops(geom, batch: int, in_spatial) -> int:
 
 
 def _gather_label(launch, variant: str) -> str:
-    """The gather's row label: its register tile, the patch stored without tests, ``variant``."""
-    t, (rows, cols) = launch.tiling, launch.edges
+    """The gather's row label: its register tile, the patch stored without tests, ``variant``;
+    for the tensor-core gather its channel tile, m-tiles per warp and quotient tile."""
+    t = launch.tiling
+    if isinstance(launch, gather_mma.MmaLaunch):
+        return (f"conv_transpose3d_gather_mma[tf32,nt={t.nt},mt={t.mt},"
+                f"tile={t.tqh}x{t.tqw}{variant}]")
+    rows, cols = launch.edges
     return f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},edges={rows}x{cols}{variant}]"
+
+
+def _gather_rows_launch(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype):
+    """The gather's launch for these shapes, as ``plan.build`` makes it."""
+    if pipe.tensor_cores(dtype, tensor_device()):
+        return gather_mma.mma_launch(pipe.geometry, batch, tuple(in_spatial), tuple(out_spatial))
+    return gather.gather_launch(pipe.geometry, batch, tuple(in_spatial), tuple(out_spatial),
+                                name_of(dtype), heavy_first=pipe.options.tail_heavy_first)
+
+
+def _gather_kernel(launch, name: str, train: bool, scaled: bool = False):
+    """(kernel, block, dynamic shared memory bytes) of a gather launch."""
+    if isinstance(launch, gather_mma.MmaLaunch):
+        mode = "train" if train else ("scaled" if scaled else "eval")
+        return gather_mma.mma_kernel(launch, mode), launch.block, 0
+    return gather.gather_kernel(launch, name, train, scaled), launch.tiling.block, launch.smem
 
 
 def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, batch_stats: bool):
@@ -281,24 +304,22 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                 else [*box_rows, *gram_rows]
         else:
             out += box_rows
-        launch = gather.gather_launch(geom, batch, tuple(in_spatial), tuple(out_spatial), name,
-                                      heavy_first=pipe.options.tail_heavy_first)
-        t = launch.tiling
+        launch = _gather_rows_launch(pipe, batch, in_spatial, out_spatial, dtype)
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
+            kernel, blk, smem = _gather_kernel(launch, name, False, True)
             out.append(("conv_transpose3d_gather",
-                        _gather_label(launch, ",scaled"),
-                        gather.gather_kernel(launch, name, False, True), (launch.grid,), t.block,
-                        2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e, launch.smem))
+                        _gather_label(launch, ",scaled"), kernel, (launch.grid,), blk,
+                        2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e, smem))
             out.append(("scale", FUSED_SCALE, None, None, None, 0, 0))
             return out, macs, x_bytes + w_bytes + n_out * e
-        kernel = gather.gather_kernel(launch, name, batch_stats)
+        kernel, blk, smem = _gather_kernel(launch, name, batch_stats)
         flops = 2 * macs + (3 * n_out if batch_stats else 0)
         nbytes = x_bytes + w_bytes + rows_nc * 8 + n_out * e
         if batch_stats:
             nbytes += rows_nc * launch.slots * 8
         out.append(("conv_transpose3d_gather",
                     _gather_label(launch, ",train" if batch_stats else ""),
-                    kernel, (launch.grid,), t.block, flops, nbytes, launch.smem))
+                    kernel, (launch.grid,), blk, flops, nbytes, smem))
     if batch_stats:
         slots = 1 if stored else launch.slots
         out.append(("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
@@ -507,6 +528,26 @@ def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
     return total, stages
 
 
+def _precision_note(pipe, dtype: torch.dtype, tensor_cores: bool) -> str:
+    """Which units run the gather's multiply-adds, at which precision, and why."""
+    asked = "precision=None follows PyTorch's cuDNN flag" if pipe.precision is None \
+        else f"precision={pipe.precision!r}"
+    if tensor_cores:
+        return f"convolution: TF32 tensor cores, float32 accumulation ({asked})"
+    if dtype != torch.float32:
+        why = f"{name_of(dtype)} runs exact on CUDA cores"
+    elif precisions.resolve(pipe.precision, tensor_device()) != "tf32":
+        why = f"{asked}: strict float32"
+    elif pipe.precision is None and not gather_mma.TAKEN_WHEN_ALLOWED:
+        why = (f"{asked}, which allows TF32; the FFMA gather is the faster at the measured "
+               "shapes and exact in float32 (precision='tf32' takes the tensor cores)")
+    elif pipe._mma_unsupported is not None:
+        why = f"the tensor-core gather does not take it: {pipe._mma_unsupported}"
+    else:
+        why = "this device has no TF32 tensor cores"
+    return f"convolution: CUDA cores (FFMA), {why}"
+
+
 # ---- the public entry point ----------------------------------------------------------------------
 def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool = False, *,
             device_name: str | None = None, peak_flops: float | None = None,
@@ -533,7 +574,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
 
     gpu_name = None if sim else _device_name()
     key, table = device_peaks(device_name or gpu_name)
-    flops_peak = peak_flops or table["fp32" if dtype == torch.float32 else "fp64"]
+    tensor_cores = pipe.path() not in STORED_PATHS and pipe.tensor_cores(dtype, tensor_device())
+    flops_peak = peak_flops or table["tf32" if tensor_cores else
+                                     "fp32" if dtype == torch.float32 else "fp64"]
     bw = bandwidth or table["bandwidth"]
     peaks = {"flops": float(flops_peak), "bandwidth": float(bw)}
     label = gpu_name or f"{key} (assumed)"
@@ -567,6 +610,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         now = "" if pipe.path() == "gram" else tiers.status(pipe, input_shape, dtype)
         if now:
             report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
+    if pipe.path() not in STORED_PATHS:
+        report.notes.append(_precision_note(pipe, dtype, tensor_cores))
     if batch_stats and pipe.path() in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()
         if gram_path:

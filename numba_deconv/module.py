@@ -11,6 +11,7 @@ under grad mode a call records its backward through the ``numba_deconv::forward`
 compiled graph does not break at it. ``process_group=`` (or
 ``convert_sync`` on a model holding ``ModelNew`` modules) takes training's batch statistics over
 a ``torch.distributed`` group's ranks, as ``nn.SyncBatchNorm`` does (``Pipeline.synchronize``).
+``precision=`` is the float32 convolution's (``numba_deconv.precision``): PyTorch's by default.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .pipeline import Pipeline
 class ModelNew(nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride, padding, bias=True,
                  *, conv_impl: str = "gather", graphs: bool | str = "auto", process_group=None,
-                 specialize: bool | str = "auto"):
+                 specialize: bool | str = "auto", precision: str | None = None):
         super().__init__()
         self.conv_transpose = nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
@@ -33,7 +34,7 @@ class ModelNew(nn.Module):
         # The pipeline holds references to the two modules above, never copies of them.
         self._pipeline = Pipeline(self.conv_transpose, self.batch_norm, conv_impl=conv_impl,
                                   graphs=graphs, process_group=process_group,
-                                  specialize=specialize)
+                                  specialize=specialize, precision=precision)
 
     @property
     def pipeline(self) -> Pipeline:

@@ -65,11 +65,11 @@ from numba import cuda
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from . import autograd, dtypes, folding, sync, tiers
+from . import autograd, dtypes, folding, precision as precisions, sync, tiers
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
-from .kernels import (batch_stats, box_sums, epilogue, gather, gather_simple, gram, scatter,
-                      spatial_reduce, sync_stats)
+from .kernels import (batch_stats, box_sums, epilogue, gather, gather_mma, gather_simple, gram,
+                      scatter, spatial_reduce, sync_stats)
 from .backend import tensor_device
 from .kernels.launch import Replay, block_size, pin, recording
 from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages as path_stages
@@ -128,7 +128,7 @@ class Pipeline:
     def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
                  variance: str = "auto", poison: bool = False, graphs: bool | str = "auto",
                  options: Options | None = None, process_group=None,
-                 specialize: bool | str = "auto"):
+                 specialize: bool | str = "auto", precision: str | None = None):
         if not isinstance(conv, nn.ConvTranspose3d):
             raise TypeError(f"conv must be a torch.nn.ConvTranspose3d, got {type(conv).__name__}")
         if not isinstance(bn, nn.BatchNorm3d):
@@ -147,6 +147,11 @@ class Pipeline:
         self.options = Options() if options is None else options  # kernel arrangements (plan)
         self.conv_impl = conv_impl
         self.variance = variance
+        precisions.check(precision)
+        # float32 convolutions: PyTorch's precision now (None), "tf32" or "ieee" (``precision``)
+        self.precision = precision
+        # why the tensor-core gather cannot take this geometry (None: it can)
+        self._mma_unsupported = gather_mma.unsupported(self.geometry, "float32")
         if specialize is not True and specialize is not False and specialize != tiers.AUTO:
             raise ValueError(f"specialize must be True, False or 'auto', got {specialize!r}")
         # False: the generic tier, kernels that take the geometry at run time (``path``);
@@ -346,7 +351,7 @@ class Pipeline:
         the mode, whether it saves for a backward and, if so, whether it updates the running
         statistics (``forward_saving``)."""
         return (x.shape, x.dtype, x.device, self.training, saving,
-                saving and self._saving_updates)
+                saving and self._saving_updates, self.tensor_cores(x.dtype, x.device))
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
@@ -442,7 +447,7 @@ class Pipeline:
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
-                bn.eps, bn.momentum, self.poison)
+                bn.eps, bn.momentum, self.poison, self.tensor_cores(x.dtype, x.device))
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
         key = self._graph_key(x)
@@ -587,9 +592,9 @@ class Pipeline:
         if plan is not None:
             self._plans.move_to_end(key)
             return plan
-        _, _, _, path, _, options = key
+        _, _, _, path, _, options, tensor_cores = key
         plan = build_plan(self.geometry, x, out_spatial, path, batch_stats, options,
-                          GRAM_ITEMSIZE)
+                          GRAM_ITEMSIZE, tensor_cores)
         self._plans[key] = plan
         if len(self._plans) > PLAN_CACHE:  # a captured graph keeps its own plan alive
             self._plans.popitem(last=False)
@@ -597,7 +602,22 @@ class Pipeline:
 
     def _plan_key(self, x: torch.Tensor) -> tuple:
         return (tuple(x.shape), x.dtype, x.device, self.path(),
-                folding.uses_batch_statistics(self.bn, self.training), self.options)
+                folding.uses_batch_statistics(self.bn, self.training), self.options,
+                self.tensor_cores(x.dtype, x.device))
+
+    def tensor_cores(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a call on an input of ``dtype`` on ``device`` runs its convolution on tensor
+        cores (``kernels.gather_mma``): float32 at TF32 precision, a device that has them, a
+        geometry the kernel takes (``explain`` says why not). ``precision="tf32"`` asks for
+        them; with ``precision=None`` PyTorch's flag may allow TF32, and the tensor-core gather
+        is then taken only where it is the faster (``gather_mma.TAKEN_WHEN_ALLOWED``)."""
+        if dtype != torch.float32 or self._mma_unsupported is not None \
+                or self.precision == "ieee":
+            return False
+        if self.precision is None and not gather_mma.TAKEN_WHEN_ALLOWED:
+            return False  # TF32 only allowed: the faster gather, the exact one, runs
+        return precisions.resolve(self.precision, device) == "tf32" \
+            and gather_mma.device_supports(device)
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""
@@ -999,7 +1019,7 @@ class Pipeline:
         else:
             # a tensor of its own per folded weights: a recorded evaluation call keeps the one
             # it read, whatever other calls of its shape (other weights bound, say) read since
-            wph = self._cached("gather_wph_eval", key + (launch.tiling.nc, x.dtype),
+            wph = self._cached("gather_wph_eval", key + (launch.arrangement, x.dtype),
                                lambda: gather.arrange_weights(conv_weight,
                                                               plan.scratch.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
@@ -1009,8 +1029,8 @@ class Pipeline:
             return
         self._box_sums(x, plan, flat_w, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since
-        gather.launch_gather(launch, dtype, batch_stats, x.view(-1), wph, plan.scratch.means,
-                             conv_out.view(-1), plan.scratch.ss, after_prior=record is None)
+        launch.run(dtype, batch_stats, x.view(-1), wph, plan.scratch.means, conv_out.view(-1),
+                   plan.scratch.ss, after_prior=record is None)
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()
@@ -1080,8 +1100,8 @@ class Pipeline:
             self._running_stats_written()
         if record is not None:
             record["batch_statistics"] = s.stats.clone()
-        gather.launch_gather(plan.gather, dtype, False, x.view(-1), wph, s.means_scaled,
-                             out.view(-1), s.ss, scale=s.scale, after_prior=chained)
+        plan.gather.run(dtype, False, x.view(-1), wph, s.means_scaled, out.view(-1), s.ss,
+                        scale=s.scale, after_prior=chained)
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()
             record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer

@@ -27,7 +27,7 @@ import torch
 
 from . import dtypes
 from .geometry import ConvGeometry
-from .kernels import gather, gram
+from .kernels import gather, gather_mma, gram
 from .kernels.launch import pin
 
 PATHS = ("eval", "epilogue", "gram", "generic", "scatter")
@@ -127,7 +127,7 @@ class CallPlan:
     volume: int
     stages: tuple[str, ...]
     scratch: Scratch
-    gather: gather.GatherLaunch | None = None
+    gather: gather.GatherLaunch | gather_mma.MmaLaunch | None = None
     gram: gram.GramLaunch | None = None
     gram_buffers: GramBuffers | None = None
 
@@ -141,9 +141,10 @@ class CallPlan:
 
 
 def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_statistics: bool,
-          options: Options, gram_itemsize: int) -> CallPlan:
+          options: Options, gram_itemsize: int, tensor_cores: bool = False) -> CallPlan:
     """The plan of calls with inputs like ``x`` on ``path`` (launch configurations, tables and
-    buffers; the kernels themselves compile at their first launch)."""
+    buffers; the kernels themselves compile at their first launch). ``tensor_cores``: the
+    gather paths' convolution runs on ``gather_mma`` (TF32) instead of ``gather``."""
     batch = x.shape[0]
     dev, f64 = x.device, torch.float64
     volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
@@ -170,10 +171,13 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
             for k in range(axis.kernel):
                 lo[a, k], hi[a, k] = axis.box(k, in_spatial[a])
         kd, kh, kw = geom.kernel_size
-        launch = gather.gather_launch(geom, batch, in_spatial, out_spatial,
-                                      dtypes.name_of(x.dtype),
-                                      heavy_first=options.tail_heavy_first)
-        wph_index = torch.from_numpy(gather.phase_weight_index(geom, launch.tiling)).to(dev)
+        if tensor_cores:
+            launch = gather_mma.mma_launch(geom, batch, in_spatial, out_spatial)
+        else:
+            launch = gather.gather_launch(geom, batch, in_spatial, out_spatial,
+                                          dtypes.name_of(x.dtype),
+                                          heavy_first=options.tail_heavy_first)
+        wph_index = torch.from_numpy(launch.weight_index(geom)).to(dev)
         common.update(
             box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),
             boxes=empty(batch, geom.in_channels, kd, kh, kw),

@@ -159,10 +159,13 @@ def warp_timeout(seconds: float):
 # Per-block / per-warp state
 
 
+_UNSET = object()  # a rendezvous whose combined result nobody has made yet
+
+
 class _Rendezvous:
     """One execution of one warp operation by the lanes of one mask."""
 
-    __slots__ = ("op", "mask", "values", "arrived", "error")
+    __slots__ = ("op", "mask", "values", "arrived", "error", "combined")
 
     def __init__(self, op, mask):
         self.op = op
@@ -170,6 +173,7 @@ class _Rendezvous:
         self.values = [None] * WARP_SIZE
         self.arrived = 0  # bitmask of lanes that deposited a value
         self.error = None  # deadlock message, or _ABORTED when another thread raised
+        self.combined = _UNSET  # ``warp_exchange``'s combine(values), made by the first lane
 
 
 class _Warp:
@@ -350,11 +354,13 @@ def _rendezvous(op, mask, value):
     return rv, lane, rv.arrived
 
 
-def warp_exchange(op: str, value) -> tuple[list, int]:
+def warp_exchange(op: str, value, combine=None) -> tuple:
     """(every lane's ``value``, the calling lane) for a whole-warp ``.aligned`` operation such as
     ``mma.sync``: a rendezvous of all 32 lanes of the calling lane's warp, which must all exist
     and take part (on hardware anything else is undefined). Used by the Python stand-ins of
-    such instructions (``kernels.mma``); the list is shared, read-only."""
+    such instructions (``kernels.mma``); the list is shared, read-only. With ``combine``, the
+    first lane back computes ``combine(values)`` once for the warp, and every lane gets
+    (that result, its lane) instead: a whole tile's product is worked out once, not per lane."""
     thread, warp, lane = _current()
     if warp.exists != FULL_MASK:
         raise RuntimeError(f"{op}: {_where(thread, warp)} has lanes {_fmt_lanes(warp.exists)} "
@@ -363,7 +369,12 @@ def warp_exchange(op: str, value) -> tuple[list, int]:
     if live != FULL_MASK:
         raise RuntimeError(f"{op}: lanes {_fmt_lanes(FULL_MASK & ~live)} of "
                            f"{_where(thread, warp)} exited before it; every lane must take part")
-    return rv.values, lane
+    if combine is None:
+        return rv.values, lane
+    with warp.lock:
+        if rv.combined is _UNSET:
+            rv.combined = combine(rv.values)
+    return rv.combined, lane
 
 
 def _on_thread_exit(thread):

@@ -94,7 +94,8 @@ def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offse
     return (pipe.geometry, tuple(shape), dtype, device, offset16, pipe.training,
             folding.uses_batch_statistics(bn, pipe.training), saving, pipe.variance,
             pipe.conv_impl, pipe.options, pipe._synced(), bn.affine,
-            folding.tracks_running_stats(bn), bn.momentum is None, pipe.conv.bias is None)
+            folding.tracks_running_stats(bn), bn.momentum is None, pipe.conv.bias is None,
+            pipe.tensor_cores(dtype, device))
 
 
 def kind_name(key: tuple) -> str:
@@ -224,7 +225,8 @@ def spec(pipe, x: torch.Tensor, saving: bool, name: str) -> dict:
                "momentum": None if bn.momentum is None else float(bn.momentum),
                "affine": bn.affine, "track_running_stats": bn.track_running_stats},
         "pipeline": {"conv_impl": pipe.conv_impl, "variance": pipe.variance,
-                     "options": dataclasses.asdict(pipe.options)},
+                     "options": dataclasses.asdict(pipe.options),
+                     "precision": "tf32" if pipe.tensor_cores(x.dtype, x.device) else "ieee"},
         "dtype": str(x.dtype).replace("torch.", ""), "shape": list(x.shape),
         "offset_bytes": x.data_ptr() % 16, "training": pipe.training, "saving": saving,
         "device": x.device.index if x.device.type == "cuda" else None,
@@ -249,7 +251,8 @@ def run_spec(spec: dict) -> None:
     bn = nn.BatchNorm3d(**spec["bn"]).to(device, dtype)
     pipe = Pipeline(conv, bn, specialize=True, conv_impl=spec["pipeline"]["conv_impl"],
                     variance=spec["pipeline"]["variance"],
-                    options=Options(**spec["pipeline"]["options"]))
+                    options=Options(**spec["pipeline"]["options"]),
+                    precision=spec["pipeline"]["precision"])
     pipe.train(spec["training"])
     shape, itemsize = spec["shape"], torch.finfo(dtype).bits // 8
     numel = 1

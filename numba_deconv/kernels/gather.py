@@ -748,6 +748,20 @@ class GatherLaunch:
     chunked: bool      # several chunks of input channels (compile-time)
     edges: tuple = (1, 1)  # ``patch_edges`` (compile-time)
 
+    @property
+    def arrangement(self) -> tuple:
+        """What the arranged weights depend on besides the geometry."""
+        return ("ffma", self.tiling.nc)
+
+    def weight_index(self, geom) -> np.ndarray:
+        return phase_weight_index(geom, self.tiling)
+
+    def run(self, dtype: str, train: bool, x, wph, mean, out, ss, *, scale=None,
+            after_prior: bool = False) -> None:
+        """``launch_gather`` with this launch."""
+        launch_gather(self, dtype, train, x, wph, mean, out, ss, scale=scale,
+                      after_prior=after_prior)
+
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                   tiling: GatherTiling | None = None, heavy_first: bool = True) -> GatherLaunch:

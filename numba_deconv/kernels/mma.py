@@ -135,28 +135,41 @@ if is_simulator():
         """``cvt.rna.tf32.f32`` (the simulator's stand-in)."""
         return np.uint32(round_tf32_bits(np.float32(x)))
 
+    def _where(fragments: dict, names) -> tuple:
+        """Row and column index arrays (32 lanes x fragments) of ``names`` in their matrix."""
+        at = [[fragments[name][1](lane >> 2, lane & 3) for name in names] for lane in range(32)]
+        return np.array([[r for r, _ in row] for row in at]), \
+            np.array([[c for _, c in row] for row in at])
+
+    _A = _where(FRAGMENTS, ("a0", "a1", "a2", "a3"))
+    _B = _where(FRAGMENTS, ("b0", "b1"))
+    _C = _where(FRAGMENTS, ("c0", "c1", "c2", "c3"))
+    _A16 = _where(FRAGMENTS_K16, ("a0", "a1", "a2", "a3"))
+    _B16 = _where(FRAGMENTS_K16, ("b0", "b1"))
+
+    def _tile_tf32(values):
+        """D = A B + C of one warp's fragments (``mma_tf32``), as a 16 x 8 float32 matrix."""
+        regs = np.array([v[:6] for v in values], dtype=np.uint32)
+        a = np.empty((M, K), np.float64)
+        b = np.empty((K, N), np.float64)
+        a[_A] = tf32_value(regs[:, :4])
+        b[_B] = tf32_value(regs[:, 4:6])
+        return _product(a, b, values)
+
+    def _product(a, b, values):
+        c = np.empty((M, N), np.float64)
+        c[_C] = np.array([v[6:] for v in values], dtype=np.float32)
+        return (a @ b + c).astype(np.float32)
+
+    def _lane_of(d, lane):
+        return tuple(d[_C[0][lane], _C[1][lane]])
+
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`` (the simulator's stand-in:
         see the module docstring)."""
-        values, lane = simulator.warp_exchange("mma.sync.m16n8k8.tf32",
-                                               (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
-        a = np.empty((M, K), np.float64)
-        b = np.empty((K, N), np.float64)
-        c = np.empty((M, N), np.float64)
-        mats = {"A": a, "B": b, "C": c}
-        for src in range(32):
-            g, t = src >> 2, src & 3
-            for (name, (matrix, at)), v in zip(FRAGMENTS.items(), values[src]):
-                mats[matrix][at(g, t)] = (tf32_value(v) if matrix != "C" else np.float32(v))
-        return _lane_result(a, b, c, lane)
-
-    def _lane_result(a, b, c, lane):
-        g, t = lane >> 2, lane & 3
-        out = []
-        for name in ("c0", "c1", "c2", "c3"):
-            row, col = FRAGMENTS[name][1](g, t)
-            out.append(np.float32(a[row] @ b[:, col] + c[row, col]))
-        return tuple(out)
+        d, lane = simulator.warp_exchange("mma.sync.m16n8k8.tf32",
+                                          (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), _tile_tf32)
+        return _lane_of(d, lane)
 
     def _pack(lo, hi, dtype):
         return np.uint32(int(half_bits(np.float32(lo), dtype))
@@ -170,26 +183,27 @@ if is_simulator():
         """``cvt.rn.f16x2.f32`` (the simulator's stand-in)."""
         return _pack(lo, hi, "float16")
 
+    def _tile_k16(dtype):
+        def tile(values):
+            """D = A B + C of one warp's m16n8k16 fragments, as a 16 x 8 float32 matrix."""
+            regs = np.array([v[:6] for v in values], dtype=np.uint32)
+            lo = half_value((regs & 0xFFFF).astype(np.uint16), dtype).astype(np.float64)
+            hi = half_value((regs >> 16).astype(np.uint16), dtype).astype(np.float64)
+            a = np.empty((M, 16), np.float64)
+            b = np.empty((16, N), np.float64)
+            a[_A16] = lo[:, :4]
+            a[_A16[0], _A16[1] + 1] = hi[:, :4]
+            b[_B16] = lo[:, 4:6]
+            b[_B16[0] + 1, _B16[1]] = hi[:, 4:6]
+            return _product(a, b, values)
+
+        return tile
+
+    _TILES_K16 = {dtype: _tile_k16(dtype) for dtype in HALF_DTYPES}
+
     def _mma_k16(dtype, regs):
-        values, lane = simulator.warp_exchange(f"mma.sync.m16n8k16.{dtype}", regs)
-        a = np.empty((M, 16), np.float64)
-        b = np.empty((16, N), np.float64)
-        c = np.empty((M, N), np.float64)
-        for src in range(32):
-            g, t = src >> 2, src & 3
-            v = values[src]
-            for (name, (matrix, at)), reg in zip(FRAGMENTS_K16.items(), v[:6]):
-                row, col = at(g, t)
-                reg = int(reg)
-                lo = half_value(reg & 0xFFFF, dtype)
-                hi = half_value(reg >> 16, dtype)
-                if matrix == "A":
-                    a[row, col], a[row, col + 1] = lo, hi
-                else:
-                    b[row, col], b[row + 1, col] = lo, hi
-            for name, reg in zip(("c0", "c1", "c2", "c3"), v[6:]):
-                c[FRAGMENTS[name][1](g, t)] = np.float32(reg)
-        return _lane_result(a, b, c, lane)
+        d, lane = simulator.warp_exchange(f"mma.sync.m16n8k16.{dtype}", regs, _TILES_K16[dtype])
+        return _lane_of(d, lane)
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` (the simulator's stand-in)."""

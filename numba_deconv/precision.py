@@ -1,0 +1,44 @@
+"""The precision of a float32 convolution: PyTorch's own unless asked otherwise.
+
+``Pipeline(precision=...)``:
+
+* ``None`` (the default): what ``torch.nn.functional.conv_transpose3d`` would do with the same
+  input now. On a CUDA tensor PyTorch's cuDNN convolution uses TF32 tensor cores when its flag
+  allows it: ``torch.backends.cudnn.conv.fp32_precision == "tf32"`` where the installed torch
+  has that flag (2.9 and later; its getter answers with what the convolution inherits, and
+  ``"none"`` there means no TF32), ``torch.backends.cudnn.allow_tf32`` where it does not
+  (reading ``allow_tf32`` raises on recent releases once the new flags disagree, so it is read
+  only where the new one is missing). PyTorch's CPU convolution, which the simulator's tensors
+  would take, computes in float32: ``"ieee"`` there.
+* ``"tf32"``: TF32 operands (10 mantissa bits), float32 accumulation, on every device.
+* ``"ieee"``: float32 throughout (the CUDA-core gather).
+
+float64 convolutions are exact whatever the setting; TF32 applies to float32 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PRECISIONS = (None, "tf32", "ieee")
+
+
+def check(precision) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def torch_uses_tf32() -> bool:
+    """Whether PyTorch's cuDNN convolutions of float32 CUDA tensors use TF32 now."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    flag = getattr(conv, "fp32_precision", None) if conv is not None else None
+    if flag is not None:
+        return flag == "tf32"
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+def resolve(precision, device: torch.device) -> str:
+    """``"tf32"`` or ``"ieee"``: the precision a float32 call on ``device`` runs at."""
+    if precision is not None:
+        return precision
+    return "tf32" if device.type == "cuda" and torch_uses_tf32() else "ieee"

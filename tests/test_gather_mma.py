@@ -1,0 +1,213 @@
+"""The tensor-core gather (``kernels.gather_mma``) and the precision setting.
+
+The kernel is held to the TF32 computation it does: the float64 transposed convolution of the
+input and weights rounded to TF32, within float32 accumulation's rounding, element by element
+and with every output written (outputs start as NaN). The pipeline with ``precision="tf32"``
+is held to TF32's own error on the same input: the float64 operator on TF32-rounded operands,
+against the exact one."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from numba_deconv import Pipeline, precision
+from numba_deconv.geometry import ConvGeometry
+from numba_deconv.kernels import gather_mma, mma
+from numba_deconv.kernels.gather import arrange_weights
+from numba_deconv.reference import Model
+from numba_deconv.testing import reference, relative_error
+
+# (in, out, kernel, stride, padding, output_padding, dilation, groups, batch, input): the
+# default problem's pattern, every phase's taps of a non-cubic kernel with odd strides,
+# dilation and groups, a stride-1 kernel taller than its input, channels that are not whole
+# tiles of 8, and a 2x2 stride with a single tap per phase
+KERNEL_CASES = [
+    (4, 8, 3, 2, 1, 0, 1, 1, 1, (2, 3, 4)),
+    (6, 4, (3, 2, 4), (3, 2, 1), (1, 0, 2), (1, 1, 0), (2, 1, 2), 2, 2, (2, 2, 3)),
+    (3, 10, (1, 4, 1), 1, (3, 1, 2), 0, 1, 1, 1, (7, 1, 5)),
+    (9, 17, 2, 2, 0, 0, 1, 1, 1, (1, 3, 9)),
+]
+
+
+def _tf32(t: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(mma.round_tf32(t.detach().cpu().float().numpy())).to(t.device)
+
+
+def _kernel_run(device, case, mode: str):
+    ci, co, k, s, p, op, d, g, batch, spatial = case
+    geom = ConvGeometry.create(ci, co, k, s, p, op, g, False, d)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(batch, ci, *spatial, generator=gen).to(device)
+    w = torch.randn(*geom.weight_shape(), generator=gen).to(device)
+    conv = lambda a, b: torch.nn.functional.conv_transpose3d(  # noqa: E731
+        a, b, None, geom.stride, geom.padding, geom.output_padding, g, geom.dilation)
+    y = conv(_tf32(x).double(), _tf32(w).double())
+    bound_y = conv(_tf32(x).double().abs(), _tf32(w).double().abs())
+    out_spatial = tuple(y.shape[2:])
+    launch = gather_mma.mma_launch(geom, batch, spatial, out_spatial)
+    wmm = arrange_weights(w, torch.from_numpy(launch.weight_index(geom)).to(device))
+    mean = (torch.randn(batch, co, generator=gen, dtype=torch.float64) * 3).to(device)
+    scale = (torch.rand(co, generator=gen) + 0.5).to(device)
+    out = torch.full((batch, co, *out_spatial), float("nan"), device=device)
+    ss = torch.full((batch, co, launch.slots), float("nan"), dtype=torch.float64, device=device)
+    launch.run("float32", mode == "train", x.view(-1), wmm, mean, out.view(-1), ss,
+               scale=scale if mode == "scaled" else None)
+    a = scale.double().view(1, -1, 1, 1, 1) if mode == "scaled" else 1.0
+    want = y * a - mean.view(batch, co, 1, 1, 1)
+    # float32 accumulation of exact TF32 products, the mean rounded to float32
+    bound = 2.0**-20 * (bound_y * a + mean.abs().view(batch, co, 1, 1, 1))
+    return out, ss, want, bound
+
+
+@pytest.mark.parametrize("mode", gather_mma.MODES)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:2])))
+def test_kernel_against_the_tf32_convolution(device, case, mode):
+    out, ss, want, bound = _kernel_run(device, case, mode)
+    assert not torch.isnan(out).any(), "an output was not written"
+    err = (out.double() - want).abs()
+    assert (err <= bound).all(), float((err - bound).max())
+    if mode == "train":
+        # one partial per (n, channel, block); their sum is the centred sum of squares
+        got, exp = ss.sum(-1), (want**2).sum((2, 3, 4))
+        assert torch.allclose(got, exp, rtol=1e-5, atol=1e-9)
+
+
+def test_the_kernel_rounds_to_tf32(device):
+    """Not float32 arithmetic: the error against the exact convolution is TF32's."""
+    out, _, want, _ = _kernel_run(device, KERNEL_CASES[0], "eval")
+    ci, co, k, s, p, op, d, g, batch, spatial = KERNEL_CASES[0]
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(batch, ci, *spatial, generator=gen)
+    assert relative_error(out, want) < 1e-6
+    # rounding the operands moves the result by ~1e-4: the kernel did round them
+    exact = torch.nn.functional.conv_transpose3d(
+        x.double(), torch.randn(ci, co, k, k, k, generator=gen).double(), None, s, p)
+    assert relative_error(_tf32(exact), exact) > 1e-5
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:2])))
+def test_weight_index_places_every_weight_once(case):
+    ci, co, k, s, p, op, d, g, batch, spatial = case
+    geom = ConvGeometry.create(ci, co, k, s, p, op, g, False, d)
+    launch = gather_mma.mma_launch(geom, batch, spatial, geom.output_spatial(spatial))
+    index = launch.weight_index(geom)
+    counts = np.bincount(index[index >= 0], minlength=int(np.prod(geom.weight_shape())))
+    assert (counts == 1).all()
+    assert index.shape[-1] % 32 in (8, 24) and index.shape[-2] == gather_mma.KC
+
+
+@pytest.mark.parametrize("opg", [1, 3, 8, 24, 64, 128])
+@pytest.mark.parametrize("kernel, stride", [(1, 1), (3, 2), (5, 1), (4, 2), (5, 3), (2, 4)])
+@pytest.mark.parametrize("out_hw", [(1, 1), (7, 9), (63, 63), (200, 40)])
+def test_tiling_fits_a_block(opg, kernel, stride, out_hw):
+    geom = ConvGeometry.create(8, opg, kernel, stride, kernel // 2, 0, 1, False, 1)
+    launch = gather_mma.mma_launch(geom, 2, (4, 4, 4), (3, *out_hw))
+    t = launch.tiling
+    assert t.mt * t.nt <= gather_mma.MAX_ACC_TILES
+    # a group's channels in one tile, up to 64, unless one more n-tile's weights do not fit
+    wider = dataclasses.replace(t, nt=t.nt + 1, mt=1)
+    assert t.nt == min(-(-opg // 8), 8) or \
+        gather_mma.smem_bytes(wider, launch.hpat, launch.wpat) > gather_mma.STATIC_SMEM
+    assert launch.block <= 32 * gather_mma.MAX_PHASES and launch.block % 32 == 0
+    assert gather_mma.smem_bytes(t, launch.hpat, launch.wpat) <= gather_mma.STATIC_SMEM
+    qh = -(-out_hw[0] // stride)
+    assert t.tqh <= max(2 * -(-qh // 2), 2) or (t.mt == 1 and t.wpp == 1)
+
+
+def test_what_it_does_not_take():
+    geom = ConvGeometry.create(4, 4, 5, 5, 0, 0, 1, False, 1)
+    assert "25 phases" in gather_mma.unsupported(geom, "float32")
+    assert "float32" in gather_mma.unsupported(ConvGeometry.create(4, 4, 3, 2, 1, 0, 1, False, 1),
+                                               "float64")
+
+
+# ---- the precision setting -------------------------------------------------------------------
+def _modules(device, train: bool, dtype=torch.float32):
+    torch.manual_seed(3)
+    model = Model(5, 12, 3, 2, 1)
+    bn = model.batch_norm
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    return model.to(device, dtype).train(train)
+
+
+def _tf32_operator_error(model, x) -> float:
+    """TF32's own error on this input: the float64 operator on TF32-rounded operands."""
+    exact = copy.deepcopy(model).double()
+    rounded = copy.deepcopy(exact)
+    with torch.no_grad():
+        rounded.conv_transpose.weight.copy_(_tf32(exact.conv_transpose.weight))
+    return relative_error(reference(rounded.conv_transpose, rounded.batch_norm,
+                                    _tf32(x).double()),
+                          reference(exact.conv_transpose, exact.batch_norm, x.double()))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_pipeline_in_tf32(device, train):
+    model = _modules(device, train)
+    x = torch.randn(2, 5, 3, 4, 5, device=device) + 0.5
+    want = reference(*(copy.deepcopy(m).double() for m in (model.conv_transpose,
+                                                           model.batch_norm)), x.double())
+    pipe = Pipeline.from_torch(copy.deepcopy(model), precision="tf32", specialize=True)
+    assert pipe.tensor_cores(torch.float32, x.device)
+    with torch.no_grad():
+        got = pipe(x)
+    err, own = relative_error(got, want), _tf32_operator_error(model, x)
+    assert 1e-5 < err <= 3 * own, (err, own)
+    assert any("TF32 tensor cores" in note for note in pipe.explain(tuple(x.shape)).notes)
+
+
+def test_strict_and_default_precision_run_the_exact_gather(device):
+    model = _modules(device, False)
+    x = torch.randn(2, 5, 3, 4, 5, device=device)
+    want = reference(*(copy.deepcopy(m).double() for m in (model.conv_transpose,
+                                                           model.batch_norm)), x.double())
+    for setting in ("ieee", None):
+        pipe = Pipeline.from_torch(copy.deepcopy(model), precision=setting, specialize=True)
+        assert not pipe.tensor_cores(torch.float32, x.device)
+        with torch.no_grad():
+            assert relative_error(pipe(x), want) < 1e-5
+        assert any("CUDA cores" in note for note in pipe.explain(tuple(x.shape)).notes)
+
+
+def test_float64_is_exact_whatever_the_precision(device):
+    pipe = Pipeline.from_torch(_modules(device, False, torch.float64), precision="tf32")
+    assert not pipe.tensor_cores(torch.float64, torch.device(device))
+
+
+def test_precision_is_checked():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Pipeline.from_torch(Model(2, 2, 3, 2, 1), precision="fp16")
+
+
+def test_precision_follows_pytorchs_flag(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    conv = torch.backends.cudnn.conv
+    saved = conv.fp32_precision
+    try:
+        conv.fp32_precision = "ieee"
+        assert precision.resolve(None, cuda) == "ieee"
+        conv.fp32_precision = "tf32"
+        assert precision.resolve(None, cuda) == "tf32"
+    finally:
+        conv.fp32_precision = saved
+    # PyTorch's CPU convolution (what the simulator's tensors would take) is float32
+    assert precision.resolve(None, torch.device("cpu")) == "ieee"
+    assert precision.resolve("tf32", torch.device("cpu")) == "tf32"
+
+
+def test_precision_reads_the_legacy_flag_where_the_new_one_is_missing(monkeypatch):
+    class Legacy:  # a torch.backends.cudnn before fp32_precision: allow_tf32 only
+        allow_tf32 = False
+
+    monkeypatch.setattr(torch.backends, "cudnn", Legacy())
+    assert precision.resolve(None, torch.device("cuda")) == "ieee"
+    Legacy.allow_tf32 = True
+    assert precision.resolve(None, torch.device("cuda")) == "tf32"
