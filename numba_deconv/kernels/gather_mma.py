@@ -42,6 +42,7 @@ accumulation: the precision of PyTorch's convolution under ``allow_tf32``
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,9 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ..geometry import ConvGeometry
 from .async_copy import copy16, wait_all
+from . import fastdiv
 from .disk_cache import kernel_factory
+from .fastdiv import fast_divmod_device as fast_divmod
 from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import launch as launch_kernel
@@ -73,6 +76,7 @@ MODES = ("eval", "train", "scaled")
 _SIZES = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w", "ipg", "opg",
           "shift_d", "shift_h", "shift_w", "tiles_h", "tiles_w", "ctiles", "tiles_per_group",
           "chunks")
+_DIVISORS = ("ctiles", "tiles_w", "tiles_h", "out_d", "tiles_per_group")
 
 
 @dataclass(frozen=True)
@@ -183,10 +187,11 @@ class MmaLaunch:
     dpat: tuple
     hpat: tuple
     wpat: tuple
-    dims: tuple    # the kernel's sizes (``_SIZES``)
+    dims: tuple    # (sizes, divs): the kernel's tuple parameters (``_SIZES``, ``_DIVISORS``)
     grid: int
     block: int
     slots: int     # blocks per (n, channel tile): partials per (n, c) in training
+    wide: bool     # the input or the output has 2**31 elements or more: 64-bit offsets
 
     @property
     def arrangement(self) -> tuple:
@@ -223,12 +228,16 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> MmaLa
                  chunks=-(-geom.in_per_group // KC))
     slots = od * tiles_h * tiles_w
     grid = batch * ctiles * slots
-    if grid >= 2**31:
+    if grid >= fastdiv.LIMIT:
         raise ValueError(f"tensor-core gather grid of {grid} blocks exceeds the 2**31 - 1 a "
                          "launch allows")
     block = WARP_SIZE * sh * sw * tiling.wpp
-    return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern,
-                     tuple(int(sizes[k]) for k in _SIZES), grid, block, slots)
+    wide = max(batch * geom.in_channels * math.prod(in_spatial),
+               batch * geom.out_channels * math.prod(out_spatial)) >= fastdiv.LIMIT
+    dims = (tuple(int(sizes[k]) for k in _SIZES),
+            tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
+    return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern, dims, grid, block,
+                     slots, wide)
 
 
 def weight_index(geom: ConvGeometry, tiling: MmaTiling) -> np.ndarray:
@@ -268,9 +277,11 @@ def weight_index(geom: ConvGeometry, tiling: MmaTiling) -> np.ndarray:
 
 @kernel_factory
 def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple, hpat: tuple,
-                    wpat: tuple, mode: str):
+                    wpat: tuple, mode: str, wide: bool):
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
-    the module docstring says what a block and a warp own."""
+    the module docstring says what a block and a warp own. ``wide``: the input or the output
+    has 2**31 elements or more, so offsets are 64-bit (otherwise 32-bit)."""
+    idx = int64 if wide else int32
     assert mode in MODES, mode
     train, scaled = mode == "train", mode == "scaled"
     sd, d_counts, d_first, d_step = d_phases(dpat)
@@ -307,6 +318,7 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
         out,    # (N*CO*OD*OH*OW,) float32 output, flattened
         ss,     # (N, CO, slots) f64 centred-square partials (written only with TRAIN)
         sizes,  # tuple: the run-time sizes named in _SIZES
+        divs,   # tuple of fastdiv.divisor triples, one per name in _DIVISORS
     ):
         xs = cuda.shared.array(xs_words, uint32)
         ws = cuda.shared.array(ws_words, float32, alignment=16)
@@ -315,38 +327,37 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
          shift_w, tiles_h, tiles_w, ctiles, tiles_per_group, chunks) = sizes
         if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
             allow_dependents()
-        t = cuda.threadIdx.x
-        bid = int64(cuda.blockIdx.x)
-        ctile = bid % ctiles
-        rest = bid // ctiles
-        tw_i = rest % tiles_w
-        rest //= tiles_w
-        th_i = rest % tiles_h
-        rest //= tiles_h
-        od = rest % out_d
-        n = rest // out_d
-        grp = ctile // tiles_per_group
-        c0 = (ctile - grp * tiles_per_group) * nct
-        qd = od // sd
-        rd = od - qd * sd
-        qh0 = th_i * tqh
-        qw0 = tw_i * tqw
+        # The block's coordinates by multiply-high divisions (``fastdiv``), 32-bit: a 64-bit
+        # division is a subroutine, and offsets are 32-bit unless a tensor is ``wide``.
+        ctiles_d, tiles_w_d, tiles_h_d, out_d_d, tiles_per_group_d = divs
+        t = int32(cuda.threadIdx.x)
+        rest, ctile = fast_divmod(uint32(cuda.blockIdx.x), ctiles_d)
+        rest, tw_i = fast_divmod(rest, tiles_w_d)
+        rest, th_i = fast_divmod(rest, tiles_h_d)
+        n, od = fast_divmod(rest, out_d_d)
+        grp, c0 = fast_divmod(ctile, tiles_per_group_d)
+        n, od, grp = int32(n), int32(od), int32(grp)
+        c0 = int32(c0 * nct)
+        qd = int32(od // sd)
+        rd = int32(od - qd * sd)
+        qh0 = int32(th_i * tqh)
+        qw0 = int32(tw_i * tqw)
         warp = t // WARP_SIZE
         lane = t % WARP_SIZE
         g = lane >> 2
         tq = lane & 3
-        ph = warp // wpp
-        sub = warp - ph * wpp
-        rh = ph // sw
-        rw = ph - rh * sw
+        ph = int32(warp // wpp)
+        sub = int32(warp - ph * wpp)
+        rh = int32(ph // sw)
+        rw = int32(ph - rh * sw)
 
         acc = cuda.local.array(n_acc, float32)
         for k in range(n_acc):
             acc[k] = float32(0)
         b0 = cuda.local.array(nt, uint32)
         b1 = cuda.local.array(nt, uint32)
-        plane = in_h * in_w
-        ci_stride = in_d * plane
+        plane = idx(in_h * in_w)
+        ci_stride = idx(in_d * plane)
         row0 = qh0 + shift_h   # the window's first input row and column
         col0 = qw0 + shift_w
         h_in = int32(in_h)
@@ -366,7 +377,7 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
                 while i < uint32(ws_words):
                     copy16(ws, i, wmm, wbase + uint64(i))
                     i = uint32(i + block * 4)
-                xbase = ((n * in_ch + grp * ipg + ci0) * in_d + idd) * plane
+                xbase = idx(((n * in_ch + grp * ipg + ci0) * in_d + idd) * plane)
                 i = int32(t)
                 while i < int32(KC * cells):
                     ci = i // cells
@@ -377,7 +388,7 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
                     iw = int32(col0 + c)
                     v = float32(0)
                     if ci0 + ci < ipg and 0 <= ih < h_in and 0 <= iw < w_in:
-                        v = x[xbase + int64(ci) * ci_stride + ih * w_in + iw]
+                        v = x[uint64(idx(xbase + ci * ci_stride + ih * w_in + iw))]
                     xs[ci * pl + rem] = cvt_tf32(v)
                     i = int32(i + block)
                 wait_all()
@@ -414,29 +425,36 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
         ms = cuda.local.array(n_ch, float32)
         sc = cuda.local.array(n_ch, float32)
         sq = cuda.local.array(n_ch, float64)
-        co_last = grp * opg + opg - 1
+        coff = cuda.local.array(n_ch, idx)       # channel offsets from the thread's base
+        c_ok = cuda.local.array(n_ch, np.bool_)
+        co_last = int32(grp * opg + opg - 1)
+        oplane = idx(out_h * out_w)
         for k in range(n_ch):
-            co = min(grp * opg + c0 + 8 * (k // 2) + 2 * tq + (k % 2), co_last)
+            cg = int32(c0 + 8 * (k // 2) + 2 * tq + (k % 2))
+            co = min(int32(grp * opg) + cg, co_last)
             ms[k] = float32(mean[n, co])
             sc[k] = scale[co] if scaled else float32(1)
             sq[k] = float64(0)
+            c_ok[k] = cg < opg
+            coff[k] = idx(idx(co) * out_d * oplane)
+        obase = idx((n * out_ch * out_d + od) * oplane)
+        h_out, w_out = int32(out_h), int32(out_w)
         for m in range(mt):
             u = sub * mt + m
             rp = u // cb
-            ow = (qw0 + 8 * (u - rp * cb) + g) * sw + rw
+            ow = int32((qw0 + 8 * (u - rp * cb) + g) * sw + rw)
             for half in range(2):
-                oh = (qh0 + 2 * rp + half) * sh + rh
-                if oh < out_h and ow < out_w:
+                oh = int32((qh0 + 2 * rp + half) * sh + rh)
+                if oh < h_out and ow < w_out:
+                    pos = idx(obase + oh * w_out + ow)
                     for k in range(n_ch):
-                        cg = c0 + 8 * (k // 2) + 2 * tq + (k % 2)
-                        if cg < opg:
+                        if c_ok[k]:
                             v = acc[(m * nt + k // 2) * 4 + 2 * half + k % 2]
                             if scaled:
                                 v = v * sc[k] - ms[k]
                             else:
                                 v = v - ms[k]
-                            out[(((n * out_ch + grp * opg + cg) * out_d + od) * out_h + oh)
-                                * out_w + ow] = v
+                            out[uint64(idx(pos + coff[k]))] = v
                             if train:
                                 sq[k] += float64(v) * float64(v)
         if train:
@@ -463,7 +481,7 @@ def mma_kernel(launch: MmaLaunch, mode: str):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_mma_kernel(t.nt, t.mt, t.wpp, t.tqh, t.tqw, launch.dpat, launch.hpat,
-                           launch.wpat, mode)
+                           launch.wpat, mode, launch.wide)
 
 
 def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, scale=None,
@@ -476,5 +494,5 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
     mode = "train" if train else ("scaled" if scale is not None else "eval")
     kernel = mma_kernel(launch, mode)
     launch_kernel(kernel, launch.grid, launch.block,
-                  (x, wmm, mean, wmm if scale is None else scale, out, ss, launch.dims),
+                  (x, wmm, mean, wmm if scale is None else scale, out, ss, *launch.dims),
                   after_prior=after_prior)
