@@ -1024,10 +1024,20 @@ class Pipeline:
                                                               plan.scratch.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
+        s = plan.scratch
+        if s.x_tf32 is not None:
+            # the tensor-core gather multiplies TF32-rounded operands: its means (box_sums)
+            # are taken of the same ones, so its output is centred as a TF32 convolution's
+            # would be (design.md §2.9)
+            gather_mma.launch_round_to_tf32(x.reshape(-1), s.x_tf32)
+            gather_mma.launch_round_to_tf32(flat_w.reshape(-1), s.w_tf32)
+            box_inputs = (s.x_tf32.view(x.shape), s.w_tf32.view(flat_w.shape))
+        else:
+            box_inputs = (x, flat_w)
         if plan.path == "gram":
-            self._gram_train(x, out, plan, wph, flat_w, dtype, record)
+            self._gram_train(x, out, plan, wph, box_inputs, dtype, record)
             return
-        self._box_sums(x, plan, flat_w, record)
+        self._box_sums(*box_inputs, plan, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since
         launch.run(dtype, batch_stats, x.view(-1), wph, plan.scratch.means, conv_out.view(-1),
                    plan.scratch.ss, after_prior=record is None)
@@ -1050,7 +1060,7 @@ class Pipeline:
                                            plan.scratch.zero_rows, scale,
                                            out.view(rows, plan.volume))
 
-    def _box_sums(self, x, plan: CallPlan, flat_w, record, after_prior: bool = False,
+    def _box_sums(self, x, flat_w, plan: CallPlan, record, after_prior: bool = False,
                   block: int | None = None) -> None:
         s = plan.scratch
         box_sums.launch_box_sums(x, s.box_lo, s.box_hi, s.boxes, flat_w, s.zero_bias,
@@ -1060,7 +1070,8 @@ class Pipeline:
             record["box_sums"] = s.boxes.clone()
             record["mean_from_box_sums"] = s.means.clone()
 
-    def _gram_train(self, x, out, plan: CallPlan, wph, flat_w, dtype: str, record) -> None:
+    def _gram_train(self, x, out, plan: CallPlan, wph, box_inputs: tuple, dtype: str,
+                    record) -> None:
         """Training on the Gram path: the variance from the input, then the evaluation kernel
         with the unscaled weights and the scale in its epilogue.
 
@@ -1080,13 +1091,15 @@ class Pipeline:
         # float64 sums of float32 products are exact products added with float64's rounding
         sums_dtype = getattr(torch, gram.SUMS_DTYPE)
         x_sums = x if x.dtype == sums_dtype else x.to(sums_dtype)
+        x_box, flat_w = box_inputs  # what box_sums sums (``_gather``), and the weights
         if not options.box_sums_in_tail:
-            self._box_sums(x, plan, flat_w, record)
+            self._box_sums(x_box, flat_w, plan, record)
         gram.launch_gram_sums(gl, gram.SUMS_DTYPE, x_sums, gb.partial, gb.apartial, gb.cvals)
         if record is not None:
             record["gram_sums"] = gb.partial.clone()
         if options.box_sums_in_tail:
-            self._box_sums(x, plan, flat_w, record, after_prior=chained and bool(gl.plan.terms),
+            self._box_sums(x_box, flat_w, plan, record,
+                           after_prior=chained and bool(gl.plan.terms),
                            block=block_size(options.box_sums_tail_block))
         gram.launch_gram_reduce(gl, flat_w, gb.partial, gb.apartial, gb.chunk_sums, gb.cvals,
                                 gb.sums, gb.qpart)

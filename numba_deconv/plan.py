@@ -94,6 +94,10 @@ class Scratch:
     ss: torch.Tensor | None = None            # (N, C, slots) the gather's sums of squares
     zero_bias_x: torch.Tensor | None = None   # (C,) zeros in the input's dtype (generic tier)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
+    # the tensor-core gather's operands rounded to TF32 (input, weights): box_sums sums them,
+    # so its means are those of the convolution the tensor cores compute
+    x_tf32: torch.Tensor | None = None
+    w_tf32: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for f in fields(self) if (t := getattr(self, f.name)) is not None)
@@ -178,6 +182,9 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
                                           dtypes.name_of(x.dtype),
                                           heavy_first=options.tail_heavy_first)
         wph_index = torch.from_numpy(launch.weight_index(geom)).to(dev)
+        if tensor_cores:
+            common.update(x_tf32=empty(x.numel(), dtype=x.dtype),
+                          w_tf32=empty(int(np.prod(geom.weight_shape())), dtype=x.dtype))
         common.update(
             box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),
             boxes=empty(batch, geom.in_channels, kd, kh, kw),

@@ -48,6 +48,8 @@ from .geometry import ConvGeometry
 #: offsets of 10^3 times the spread the kernels lost up to 4.0x what PyTorch lost (2 output
 #: voxels per channel: 8.8e-5 against 2.2e-5). Held to TORCH_FACTOR times PyTorch's own error.
 TORCH_FACTOR = 5
+#: ... and of TF32's own error, for a pipeline on TF32 tensor cores (``tolerance``)
+TF32_FACTOR = 3
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 #: Absolute floor per element, for references that are zero up to rounding (an output with no
 #: taps is a constant, so the centred result is pure rounding noise on both sides).
@@ -292,10 +294,14 @@ class Tolerance:
     running_var: float
 
 
-def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor) -> Tolerance:
+def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor,
+              precision: str = "ieee") -> Tolerance:
     """What ``check_case`` allows on this input: ``RTOL`` for float64; for float32, ``RTOL`` or
     ``TORCH_FACTOR`` times PyTorch's own error in strict fp32 (on the CPU, which has no TF32) against
-    float64, whichever is larger, per compared quantity.
+    float64, whichever is larger, per compared quantity. With ``precision="tf32"`` (a pipeline
+    whose convolution runs on TF32 tensor cores) also ``TF32_FACTOR`` times TF32's own error:
+    the float64 operator on the input and the convolution's weight rounded to TF32, against
+    the exact one (what any TF32 convolution of this input loses, PyTorch's included).
 
     ``conv64`` and ``bn64`` are the float64 modules *before* the reference ran (copied here, so
     their running statistics are untouched)."""
@@ -303,17 +309,29 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor) -
     if case.dtype == torch.float64:
         return Tolerance(floor, floor, floor)
     conv_ref, bn_ref = (copy.deepcopy(m).cpu() for m in (conv64, bn64))
-    conv32, bn32 = (copy.deepcopy(m).to(case.dtype) for m in (conv_ref, bn_ref))
     x64 = x.detach().to("cpu", torch.float64)
-    errors = [relative_error(reference(conv32, bn32, x64.to(case.dtype)),
-                             reference(conv_ref, bn_ref, x64))]
-    if case.bn.track_running_stats:
-        errors += [relative_error(bn32.running_mean, bn_ref.running_mean),
-                   relative_error(bn32.running_var, bn_ref.running_var)]
-    else:
-        errors += [0.0, 0.0]
+    conv32, bn32 = (copy.deepcopy(m).to(case.dtype) for m in (conv_ref, bn_ref))
+    conv_t, bn_t = (copy.deepcopy(m) for m in (conv_ref, bn_ref))  # (precision="tf32")
+    exact = reference(conv_ref, bn_ref, x64)  # (updates bn_ref's running statistics)
+
+    def errors_of(conv, bn, xin) -> list[float]:
+        errors = [relative_error(reference(conv, bn, xin), exact)]
+        if case.bn.track_running_stats:
+            return errors + [relative_error(bn.running_mean, bn_ref.running_mean),
+                             relative_error(bn.running_var, bn_ref.running_var)]
+        return errors + [0.0, 0.0]
+
+    errors = errors_of(conv32, bn32, x64.to(case.dtype))
     # PyTorch's float32 overflowing where float64 does not gives no scale to hold us to
     margins = [max(floor, TORCH_FACTOR * e) if math.isfinite(e) else floor for e in errors]
+    if precision == "tf32":
+        from .kernels.mma import round_tf32
+
+        with torch.no_grad():
+            conv_t.weight.copy_(torch.from_numpy(round_tf32(conv_t.weight.float().numpy())))
+        x_t = torch.from_numpy(round_tf32(x64.float().numpy())).double()
+        margins = [max(m, TF32_FACTOR * e) if math.isfinite(e) else m
+                   for m, e in zip(margins, errors_of(conv_t, bn_t, x_t))]
     return Tolerance(*margins)
 
 
@@ -345,7 +363,8 @@ def stats_atol(case: Case) -> float:
 
 
 def check_case(case: Case, make: Callable, device: torch.device | str | None = None,
-               rtol: float | None = None, x: torch.Tensor | None = None) -> None:
+               rtol: float | None = None, x: torch.Tensor | None = None,
+               precision: str = "ieee") -> None:
     """Run ``make(conv, bn)(x)`` against the float64 reference on the same parameters.
 
     ``make`` receives modules in ``case.dtype`` on ``device`` (by default where the kernels
@@ -362,7 +381,8 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
     bn = copy.deepcopy(bn64).to(case.dtype)
     if x is None:
         x = make_input(case, device).to(case.dtype)
-    tol = tolerance(case, conv64, bn64, x) if rtol is None else Tolerance(rtol, rtol, rtol)
+    tol = tolerance(case, conv64, bn64, x, precision) if rtol is None \
+        else Tolerance(rtol, rtol, rtol)
     x_before = x.clone()
     candidate = make(conv, bn)
     with torch.no_grad():  # a forward check: the parameters' gradients are not asked for

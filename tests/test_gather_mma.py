@@ -211,3 +211,21 @@ def test_precision_reads_the_legacy_flag_where_the_new_one_is_missing(monkeypatc
     assert precision.resolve(None, torch.device("cuda")) == "ieee"
     Legacy.allow_tf32 = True
     assert precision.resolve(None, torch.device("cuda")) == "tf32"
+
+
+def test_rounding_kernel_matches_the_tf32_rule(device):
+    """``round_to_tf32`` (what box_sums sums on the tensor-core path) against numpy's rule, bit
+    for bit: ties away from zero, subnormals, the largest float32 (to inf), inf and NaN."""
+    rng = np.random.default_rng(4)
+    values = (rng.standard_normal(3000) * 10.0 ** rng.integers(-40, 38, 3000)).astype(np.float32)
+    special = np.array([1 + 2**-11, -(1 + 2**-11), 3.4028235e38, np.inf, -np.inf, np.nan,
+                        np.array([0x00001000], np.uint32).view(np.float32)[0], 0.0, -0.0],
+                       np.float32)
+    x = np.concatenate([values, special])
+    src = torch.from_numpy(x).to(device)
+    dst = torch.full_like(src, 7.0)
+    gather_mma.launch_round_to_tf32(src, dst)
+    got, want = dst.cpu().numpy(), mma.round_tf32(x)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))

@@ -63,6 +63,18 @@ def test_matches_pytorch_any_geometry(impl, variance, data, limits, device):
         _check_tiers(case, variance, device)
 
 
+@given(data=st.data())
+def test_tf32_matches_pytorch_any_geometry(data, limits, device):
+    """``precision="tf32"``, both modes: on the specialised tier the tensor-core gather where it
+    takes the drawn geometry (the FFMA gather elsewhere), held to TF32's own error on the same
+    input (``testing.tolerance``); the generic tier, exact in float32, as everywhere."""
+    case = data.draw(testing.cases(limits))
+    for specialize in testing.tiers_of(case):
+        testing.check_case(case, lambda conv, bn: Pipeline.from_modules(
+            conv, bn, precision="tf32", specialize=specialize, poison=True), device,
+            precision="tf32" if specialize else "ieee")
+
+
 @pytest.mark.parametrize("training", [False, True])
 @given(data=st.data())
 def test_float64_matches_pytorch(training, data, limits, device):

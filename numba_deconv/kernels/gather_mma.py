@@ -57,7 +57,8 @@ from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import launch as launch_kernel
 from ..simulator import is_simulator
-from .mma import MIN_CC, cvt_tf32, mma_tf32
+from .launch import block_size, grid_for
+from .mma import MIN_CC, cvt_tf32, mma_tf32, to_tf32
 from .warp import FULL_MASK, WARP_SIZE
 
 #: Whether ``Pipeline(precision=None)`` takes this kernel where PyTorch's flag allows TF32. Not
@@ -496,3 +497,23 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
     launch_kernel(kernel, launch.grid, launch.block,
                   (x, wmm, mean, wmm if scale is None else scale, out, ss, *launch.dims),
                   after_prior=after_prior)
+
+
+@cuda.jit
+def round_to_tf32(src, dst):
+    """``dst[i] = src[i]`` rounded to TF32 (``mma.to_tf32``), 1-D float32, grid-stride."""
+    i = cuda.grid(1)
+    while i < src.size:
+        dst[i] = to_tf32(src[i])
+        i += cuda.gridsize(1)
+
+
+ROUND_BLOCK = 256
+
+
+def launch_round_to_tf32(src, dst) -> None:
+    """``dst`` (1-D float32, ``src``'s size) = ``src`` rounded to TF32: the operands the
+    tensor-core gather multiplies, which box_sums then sums, so that the means it subtracts
+    are those of its own convolution (design.md §2.9)."""
+    block = block_size(ROUND_BLOCK)
+    launch_kernel(round_to_tf32, grid_for(src.numel(), block), block, (src, dst))

@@ -8,6 +8,7 @@ with the same semantics, so kernels built on them run and are tested on a CPU.
 * ``cvt_tf32(x)``: ``x`` (float32) rounded to TF32 (10 mantissa bits) to nearest, ties away
   from zero (``.rna``), returned as the 32-bit register holding it (the low 13 bits zero); inf
   and NaN stay inf and NaN, a value rounding past the largest finite one becomes inf.
+  ``to_tf32(x)`` is the same rounding as a float32 value.
 * ``mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``: one warp computes
   D = A B + C for A 16x8 (row-major), B 8x8 (column-major), C and D 16x8 float32. Every lane of
   the warp calls it at once (``.aligned``) with its fragments; with g = lane >> 2, t = lane % 4
@@ -135,6 +136,10 @@ if is_simulator():
         """``cvt.rna.tf32.f32`` (the simulator's stand-in)."""
         return np.uint32(round_tf32_bits(np.float32(x)))
 
+    def to_tf32(x):
+        """``cvt.rna.tf32.f32`` as a float32 value (the simulator's stand-in)."""
+        return np.float32(round_tf32(np.float32(x)))
+
     def _where(fragments: dict, names) -> tuple:
         """Row and column index arrays (32 lanes x fragments) of ``names`` in their matrix."""
         at = [[fragments[name][1](lane >> 2, lane & 3) for name in names] for lane in range(32)]
@@ -227,6 +232,19 @@ else:
             fty = ir.FunctionType(ir.IntType(32), [ir.FloatType()])
             asm = ir.InlineAsm(fty, "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
             return builder.call(asm, list(args))
+
+        return sig, codegen
+
+    @intrinsic
+    def to_tf32(typingctx, x):
+        """``cvt.rna.tf32.f32``: ``x`` (float32) rounded to TF32, as a float32 value (the
+        register's low 13 bits are zero)."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            fty = ir.FunctionType(ir.IntType(32), [ir.FloatType()])
+            asm = ir.InlineAsm(fty, "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
+            return builder.bitcast(builder.call(asm, list(args)), ir.FloatType())
 
         return sig, codegen
 
