@@ -533,7 +533,9 @@ def _precision_note(pipe, dtype: torch.dtype, tensor_cores: bool) -> str:
     asked = "precision=None follows PyTorch's cuDNN flag" if pipe.precision is None \
         else f"precision={pipe.precision!r}"
     if tensor_cores:
-        return f"convolution: TF32 tensor cores, float32 accumulation ({asked})"
+        return (f"convolution: TF32 tensor cores, float32 accumulation ({asked}); box_sums sums "
+                "the input and the weights rounded to TF32 first (two launches, one pass over "
+                "the input), so the means are the TF32 convolution's")
     if dtype != torch.float32:
         why = f"{name_of(dtype)} runs exact on CUDA cores"
     elif precisions.resolve(pipe.precision, tensor_device()) != "tf32":
@@ -586,7 +588,10 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     specs, macs, compulsory = _stage_rows(pipe, batch, in_spatial, out_spatial, dtype, batch_stats)
     rows = []
     for stage, kname, _kernel, grid, block, flops, nbytes, *_ in specs:
-        t_f, t_b = flops / flops_peak * 1e6, nbytes / bw * 1e6
+        # the tensor cores' peak for the tensor-core gather, the CUDA cores' for the rest
+        peak = flops_peak if kname.startswith("conv_transpose3d_gather_mma") or peak_flops \
+            else table["fp32" if dtype == torch.float32 else "fp64"]
+        t_f, t_b = flops / peak * 1e6, nbytes / bw * 1e6
         rows.append(StageRow(stage, kname, None if grid is None else tuple(int(g) for g in grid),
                              block, int(flops), int(nbytes), max(t_f, t_b),
                              "-" if not (flops or nbytes) else ("compute" if t_f >= t_b else "memory")))

@@ -11,7 +11,8 @@ under grad mode a call records its backward through the ``numba_deconv::forward`
 compiled graph does not break at it. ``process_group=`` (or
 ``convert_sync`` on a model holding ``ModelNew`` modules) takes training's batch statistics over
 a ``torch.distributed`` group's ranks, as ``nn.SyncBatchNorm`` does (``Pipeline.synchronize``).
-``precision=`` is the float32 convolution's (``numba_deconv.precision``): PyTorch's by default.
+``precision=`` is the float32 convolution's (``numba_deconv.precision``): by default TF32 is
+allowed where PyTorch's flag allows it, and the faster gather runs.
 """
 
 from __future__ import annotations

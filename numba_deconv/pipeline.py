@@ -69,7 +69,7 @@ from . import autograd, dtypes, folding, precision as precisions, sync, tiers
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gather_mma, gather_simple, gram,
-                      scatter, spatial_reduce, sync_stats)
+                      mma, scatter, spatial_reduce, sync_stats)
 from .backend import tensor_device
 from .kernels.launch import Replay, block_size, pin, recording
 from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages as path_stages
@@ -147,9 +147,7 @@ class Pipeline:
         self.options = Options() if options is None else options  # kernel arrangements (plan)
         self.conv_impl = conv_impl
         self.variance = variance
-        precisions.check(precision)
-        # float32 convolutions: PyTorch's precision now (None), "tf32" or "ieee" (``precision``)
-        self.precision = precision
+        self.precision = precision  # (checked: the property below)
         # why the tensor-core gather cannot take this geometry (None: it can)
         self._mma_unsupported = gather_mma.unsupported(self.geometry, "float32")
         if specialize is not True and specialize is not False and specialize != tiers.AUTO:
@@ -605,6 +603,17 @@ class Pipeline:
                 folding.uses_batch_statistics(self.bn, self.training), self.options,
                 self.tensor_cores(x.dtype, x.device))
 
+    @property
+    def precision(self) -> str | None:
+        """The float32 convolution's precision (``numba_deconv.precision``): None (TF32
+        allowed where PyTorch's flag allows it), "tf32" or "ieee"."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str | None) -> None:
+        precisions.check(value)
+        self._precision = value
+
     def tensor_cores(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on an input of ``dtype`` on ``device`` runs its convolution on tensor
         cores (``kernels.gather_mma``): float32 at TF32 precision, a device that has them, a
@@ -1029,8 +1038,8 @@ class Pipeline:
             # the tensor-core gather multiplies TF32-rounded operands: its means (box_sums)
             # are taken of the same ones, so its output is centred as a TF32 convolution's
             # would be (design.md §2.9)
-            gather_mma.launch_round_to_tf32(x.reshape(-1), s.x_tf32)
-            gather_mma.launch_round_to_tf32(flat_w.reshape(-1), s.w_tf32)
+            mma.launch_round_to_tf32(x.reshape(-1), s.x_tf32)
+            mma.launch_round_to_tf32(flat_w.reshape(-1), s.w_tf32)
             box_inputs = (s.x_tf32.view(x.shape), s.w_tf32.view(flat_w.shape))
         else:
             box_inputs = (x, flat_w)
@@ -1090,8 +1099,10 @@ class Pipeline:
         chained = record is None
         # float64 sums of float32 products are exact products added with float64's rounding
         sums_dtype = getattr(torch, gram.SUMS_DTYPE)
-        x_sums = x if x.dtype == sums_dtype else x.to(sums_dtype)
         x_box, flat_w = box_inputs  # what box_sums sums (``_gather``), and the weights
+        # the Gram sums of what box_sums sums: on the tensor-core path both are of the
+        # TF32-rounded input, so the variance's E[y^2] - E[y]^2 is of one convolution
+        x_sums = x_box if x_box.dtype == sums_dtype else x_box.to(sums_dtype)
         if not options.box_sums_in_tail:
             self._box_sums(x_box, flat_w, plan, record)
         gram.launch_gram_sums(gl, gram.SUMS_DTYPE, x_sums, gb.partial, gb.apartial, gb.cvals)

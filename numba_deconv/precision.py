@@ -1,9 +1,11 @@
-"""The precision of a float32 convolution: PyTorch's own unless asked otherwise.
+"""The precision a float32 convolution may run at: PyTorch's own unless asked otherwise.
 
 ``Pipeline(precision=...)``:
 
-* ``None`` (the default): what ``torch.nn.functional.conv_transpose3d`` would do with the same
-  input now. On a CUDA tensor PyTorch's cuDNN convolution uses TF32 tensor cores when its flag
+* ``None`` (the default): TF32 allowed where ``torch.nn.functional.conv_transpose3d`` would use
+  it on the same input now, and the planner then runs the faster of the two gathers
+  (``Pipeline.tensor_cores``; at every measured shape the FFMA one, exact in float32). On a
+  CUDA tensor PyTorch's cuDNN convolution uses TF32 tensor cores when its flag
   allows it: ``torch.backends.cudnn.conv.fp32_precision == "tf32"`` where the installed torch
   has that flag (2.9 and later; its getter answers with what the convolution inherits, and
   ``"none"`` there means no TF32), ``torch.backends.cudnn.allow_tf32`` where it does not

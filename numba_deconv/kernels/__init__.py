@@ -21,6 +21,8 @@
                       operand-free PTX intrinsics.
 * ``mma``           - tensor-core multiply-accumulate (``mma.sync``, TF32 m16n8k8) and TF32
                       rounding from inline PTX, with the simulator's stand-ins.
+* ``gather_mma``    - the gather's phase classes as implicit GEMMs on TF32 tensor cores, with the
+                      gather's epilogues (``Pipeline(precision="tf32")``).
 * ``launch``        - how a kernel is launched: tensors as arguments, torch's stream, the direct
                       path past numba's dispatcher, recorded calls replayed, and what differs
                       under the simulator.

@@ -13,8 +13,8 @@ M = the tile's quotients, N = 8 * NT channels, K = 8 input channels per step tim
 What a block owns: one sample, one channel tile of NT n8-tiles, one output plane ``od``, a tile
 of TQH x TQW quotients (H x W), and every H and W phase of it, so the outputs of one output row
 are written by one block (a row's phases land in the same 32-byte sectors). A warp owns one
-(H, W) phase and MT m16-tiles of it (WPP warps share a phase when there are fewer than four
-phases); an m16-tile is 2 quotient rows x 8 quotient columns, so fragment row ``g`` (the lane's
+(H, W) phase and MT m16-tiles of it (WPP warps share a phase when there are fewer than eight
+phases, as far as the output has quotients for them); an m16-tile is 2 quotient rows x 8 quotient columns, so fragment row ``g`` (the lane's
 ``lane >> 2``) is column ``g`` of both rows. Its accumulators: MT x NT tiles x 4 float32.
 
 Per D tap and chunk of 8 input channels the block stages the input window its tile reads,
@@ -57,12 +57,11 @@ from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import launch as launch_kernel
 from ..simulator import is_simulator
-from .launch import block_size, grid_for
-from .mma import MIN_CC, cvt_tf32, mma_tf32, to_tf32
+from .mma import MIN_CC, cvt_tf32, mma_tf32
 from .warp import FULL_MASK, WARP_SIZE
 
-#: Whether ``Pipeline(precision=None)`` takes this kernel where PyTorch's flag allows TF32. Not
-#: yet: the FFMA gather is faster on every row of the benchmark's shape suite (H100,
+#: Whether ``Pipeline(precision=None)`` takes this kernel where PyTorch's flag allows TF32.
+#: False: the FFMA gather is faster on every row of the benchmark's shape suite (H100,
 #: docs/performance.md), and exact in float32, so a call that only allows TF32 runs it;
 #: ``precision="tf32"`` asks for this kernel.
 TAKEN_WHEN_ALLOWED = False
@@ -469,11 +468,15 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
                 if g == 0:
                     part[warp, 8 * (k // 2) + 2 * tq + k % 2] = s
             cuda.syncthreads()
-            if t < nct and c0 + t < opg:
-                total = float64(0)
-                for w in range(warps):
-                    total += part[w, t]
-                ss[n, grp * opg + c0 + t, (od * tiles_h + th_i) * tiles_w + tw_i] = total
+            slot = (od * tiles_h + th_i) * tiles_w + tw_i
+            c = t
+            while c < nct:   # (a block of one warp has fewer threads than channels)
+                if c0 + c < opg:
+                    total = float64(0)
+                    for w in range(warps):
+                        total += part[w, c]
+                    ss[n, grp * opg + c0 + c, slot] = total
+                c += block
 
     return conv_transpose3d_gather_mma
 
@@ -498,22 +501,3 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
                   (x, wmm, mean, wmm if scale is None else scale, out, ss, *launch.dims),
                   after_prior=after_prior)
 
-
-@cuda.jit
-def round_to_tf32(src, dst):
-    """``dst[i] = src[i]`` rounded to TF32 (``mma.to_tf32``), 1-D float32, grid-stride."""
-    i = cuda.grid(1)
-    while i < src.size:
-        dst[i] = to_tf32(src[i])
-        i += cuda.gridsize(1)
-
-
-ROUND_BLOCK = 256
-
-
-def launch_round_to_tf32(src, dst) -> None:
-    """``dst`` (1-D float32, ``src``'s size) = ``src`` rounded to TF32: the operands the
-    tensor-core gather multiplies, which box_sums then sums, so that the means it subtracts
-    are those of its own convolution (design.md §2.9)."""
-    block = block_size(ROUND_BLOCK)
-    launch_kernel(round_to_tf32, grid_for(src.numel(), block), block, (src, dst))

@@ -8,7 +8,8 @@ with the same semantics, so kernels built on them run and are tested on a CPU.
 * ``cvt_tf32(x)``: ``x`` (float32) rounded to TF32 (10 mantissa bits) to nearest, ties away
   from zero (``.rna``), returned as the 32-bit register holding it (the low 13 bits zero); inf
   and NaN stay inf and NaN, a value rounding past the largest finite one becomes inf.
-  ``to_tf32(x)`` is the same rounding as a float32 value.
+  ``to_tf32(x)`` is the same rounding as a float32 value; ``round_to_tf32`` rounds a whole
+  tensor with it (the tensor-core path's input to box_sums).
 * ``mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``: one warp computes
   D = A B + C for A 16x8 (row-major), B 8x8 (column-major), C and D 16x8 float32. Every lane of
   the warp calls it at once (``.aligned``) with its fragments; with g = lane >> 2, t = lane % 4
@@ -40,6 +41,7 @@ import numpy as np
 from numba import cuda
 
 from ..simulator import is_simulator
+from .launch import block_size, grid_for, launch
 
 MIN_CC = (8, 0)  # mma.sync with TF32 operands: sm_80 and later
 M, N, K = 16, 8, 8
@@ -347,3 +349,23 @@ def _half_tile(mma_fn, pack_fn):
 #: ``mma_half_tile`` per half dtype (tests, notebook)
 HALF_TILES = {"bfloat16": _half_tile(mma_bf16, pack_bf16x2),
               "float16": _half_tile(mma_f16, pack_f16x2)}
+
+
+@cuda.jit
+def round_to_tf32(src, dst):
+    """``dst[i] = src[i]`` rounded to TF32 (``to_tf32``), 1-D float32, grid-stride."""
+    i = cuda.grid(1)
+    while i < src.size:
+        dst[i] = to_tf32(src[i])
+        i += cuda.gridsize(1)
+
+
+ROUND_BLOCK = 256
+
+
+def launch_round_to_tf32(src, dst) -> None:
+    """``dst`` (1-D float32, ``src``'s size) = ``src`` rounded to TF32: the operands the
+    tensor-core gather multiplies, which box_sums then sums, so that the means the gather
+    subtracts are those of its own convolution (docs/design.md §2.9)."""
+    block = block_size(ROUND_BLOCK)
+    launch(round_to_tf32, grid_for(src.numel(), block), block, (src, dst))
