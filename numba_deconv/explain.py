@@ -49,7 +49,7 @@ from . import folding, precision as precisions, tiers
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
-from .plan import STORED_PATHS
+from .plan import STORED_PATHS, gather_launch
 from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gram, scatter,
                       spatial_reduce)
 from .backend import tensor_device
@@ -231,14 +231,6 @@ def _gather_label(launch, variant: str) -> str:
     return f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},edges={rows}x{cols}{variant}]"
 
 
-def _gather_rows_launch(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype):
-    """The gather's launch for these shapes, as ``plan.build`` makes it."""
-    if pipe.tensor_cores(dtype, tensor_device()):
-        return gather_mma.mma_launch(pipe.geometry, batch, tuple(in_spatial), tuple(out_spatial))
-    return gather.gather_launch(pipe.geometry, batch, tuple(in_spatial), tuple(out_spatial),
-                                name_of(dtype), heavy_first=pipe.options.tail_heavy_first)
-
-
 def _gather_kernel(launch, name: str, train: bool, scaled: bool = False):
     """(kernel, block, dynamic shared memory bytes) of a gather launch."""
     if isinstance(launch, gather_mma.MmaLaunch):
@@ -304,7 +296,8 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
                 else [*box_rows, *gram_rows]
         else:
             out += box_rows
-        launch = _gather_rows_launch(pipe, batch, in_spatial, out_spatial, dtype)
+        launch = gather_launch(geom, batch, in_spatial, out_spatial, dtype, pipe.options,
+                               pipe.tensor_cores(dtype, tensor_device()))
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             kernel, blk, smem = _gather_kernel(launch, name, False, True)
             out.append(("conv_transpose3d_gather",
@@ -577,8 +570,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     gpu_name = None if sim else _device_name()
     key, table = device_peaks(device_name or gpu_name)
     tensor_cores = pipe.path() not in STORED_PATHS and pipe.tensor_cores(dtype, tensor_device())
-    flops_peak = peak_flops or table["tf32" if tensor_cores else
-                                     "fp32" if dtype == torch.float32 else "fp64"]
+    cuda_cores_peak = peak_flops or table["fp32" if dtype == torch.float32 else "fp64"]
+    # the convolution's: the floor, and its row's
+    flops_peak = (peak_flops or table["tf32"]) if tensor_cores else cuda_cores_peak
     bw = bandwidth or table["bandwidth"]
     peaks = {"flops": float(flops_peak), "bandwidth": float(bw)}
     label = gpu_name or f"{key} (assumed)"
@@ -588,9 +582,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     specs, macs, compulsory = _stage_rows(pipe, batch, in_spatial, out_spatial, dtype, batch_stats)
     rows = []
     for stage, kname, _kernel, grid, block, flops, nbytes, *_ in specs:
-        # the tensor cores' peak for the tensor-core gather, the CUDA cores' for the rest
-        peak = flops_peak if kname.startswith("conv_transpose3d_gather_mma") or peak_flops \
-            else table["fp32" if dtype == torch.float32 else "fp64"]
+        peak = flops_peak if stage == "conv_transpose3d_gather" else cuda_cores_peak
         t_f, t_b = flops / peak * 1e6, nbytes / bw * 1e6
         rows.append(StageRow(stage, kname, None if grid is None else tuple(int(g) for g in grid),
                              block, int(flops), int(nbytes), max(t_f, t_b),

@@ -144,6 +144,17 @@ class CallPlan:
         return tuple(t for t in own if t is not None)
 
 
+def gather_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial, dtype: torch.dtype,
+                  options: Options, tensor_cores: bool):
+    """The gather's launch for these shapes: the tensor-core one (``gather_mma``) or the FFMA
+    one (``gather``). ``build`` and ``explain`` both take it from here."""
+    in_spatial, out_spatial = tuple(in_spatial), tuple(out_spatial)
+    if tensor_cores:
+        return gather_mma.mma_launch(geom, batch, in_spatial, out_spatial)
+    return gather.gather_launch(geom, batch, in_spatial, out_spatial, dtypes.name_of(dtype),
+                                heavy_first=options.tail_heavy_first)
+
+
 def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_statistics: bool,
           options: Options, gram_itemsize: int, tensor_cores: bool = False) -> CallPlan:
     """The plan of calls with inputs like ``x`` on ``path`` (launch configurations, tables and
@@ -175,12 +186,8 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
             for k in range(axis.kernel):
                 lo[a, k], hi[a, k] = axis.box(k, in_spatial[a])
         kd, kh, kw = geom.kernel_size
-        if tensor_cores:
-            launch = gather_mma.mma_launch(geom, batch, in_spatial, out_spatial)
-        else:
-            launch = gather.gather_launch(geom, batch, in_spatial, out_spatial,
-                                          dtypes.name_of(x.dtype),
-                                          heavy_first=options.tail_heavy_first)
+        launch = gather_launch(geom, batch, in_spatial, out_spatial, x.dtype, options,
+                               tensor_cores)
         wph_index = torch.from_numpy(launch.weight_index(geom)).to(dev)
         if tensor_cores:
             common.update(x_tf32=empty(x.numel(), dtype=x.dtype),
