@@ -1,4 +1,4 @@
-"""The gather kernel alone at the default problem, per register tiling and epilogue (GPU only).
+"""The gather kernel alone, per register tiling and epilogue (GPU only).
 
 Answers: how long does the convolution kernel take by itself (no box_sums, no statistics, no
 host), and with how many registers, how much local memory (spills) and which SASS instruction
@@ -6,6 +6,10 @@ mix, for the tiling ``gather.choose_tiling`` picks and for any other tiling give
 
     PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings NC,MH,QW[,BLOCK[,MAX_REGS]] ...]
         [--only] [--modes eval,scaled,train] [--rounds R] [--sass FILE]
+        [--case NAME] [--channels IN,OUT] [--batch N]
+
+``--case`` takes a row of the benchmark's shape suite (default: the default problem);
+``--channels`` and ``--batch`` change its channel counts and batch size.
 
 Epilogues (``--modes``): ``eval`` (evaluation), ``scaled`` (training on the Gram path: the
 scale applied in the epilogue), ``train`` (training on the epilogue path: the centred sums of
@@ -20,6 +24,7 @@ questions without a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -102,10 +107,20 @@ def main() -> None:
     parser.add_argument("--modes", default="eval,scaled,train")
     parser.add_argument("--rounds", type=int, default=1, help="times through the tilings")
     parser.add_argument("--sass", metavar="FILE", help="append every kernel's SASS to FILE")
+    cases = {c.name: c for c in bench.suite_cases() if c.dtype == "float32"}
+    parser.add_argument("--case", default="default", choices=tuple(cases))
+    parser.add_argument("--channels", metavar="IN,OUT", help="the case's channel counts")
+    parser.add_argument("--batch", type=int, help="the case's batch size")
     args = parser.parse_args()
     if not torch.cuda.is_available() or bench.is_simulator():
         sys.exit("probe_gather: needs a GPU")
-    case = bench.default_case()
+    case = cases[args.case]
+    if args.channels:
+        cin, cout = (int(v) for v in args.channels.split(","))
+        case = dataclasses.replace(case, name=f"{case.name}_{cin}to{cout}",
+                                   init={**case.init, "in_channels": cin, "out_channels": cout})
+    if args.batch:
+        case = dataclasses.replace(case, batch=args.batch)
     model, x = case.build("cuda")
     conv = model.conv_transpose
     geom = case.geometry()
@@ -116,7 +131,7 @@ def main() -> None:
     problem = dict(geom=geom, case=case, x=x, weight=weight, ref=ref)
     qw_n = -(-ref.shape[-1] // geom.stride[2])
     tilings = ([] if args.only else [None]) + [parse_tiling(s, qw_n) for s in args.tilings]
-    print(f"{torch.cuda.get_device_name()}: default problem, input {tuple(x.shape)} -> output "
+    print(f"{torch.cuda.get_device_name()}: {case.name}, input {tuple(x.shape)} -> output "
           f"{tuple(ref.shape)}")
     rows = []
     for tiling in tilings * args.rounds:

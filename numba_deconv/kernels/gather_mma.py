@@ -389,27 +389,29 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
                     v = float32(0)
                     if ci0 + ci < ipg and 0 <= ih < h_in and 0 <= iw < w_in:
                         v = x[uint64(idx(xbase + ci * ci_stride + ih * w_in + iw))]
-                    xs[ci * pl + rem] = cvt_tf32(v)
+                    xs[uint32(ci * pl + rem)] = cvt_tf32(v)
                     i = int32(i + block)
                 wait_all()
                 cuda.syncthreads()
                 # ---- the warp's phase: per tap, B once, then its m-tiles ------------------
+                # (shared-memory indices are unsigned: numba wraps a negative signed index
+                # around the array's length, a test that cost ~8 instructions a load here)
                 for hi in range(h_lo[rh], h_lo[rh] + h_cnt[rh]):
                     eh = h_e[hi]
                     for wi in range(w_lo[rw], w_lo[rw] + w_cnt[rw]):
                         ew = w_e[wi]
                         wb = (hi * nwt + wi) * tap_words + tq * nctp + g
                         for j in range(nt):
-                            b0[j] = cvt_tf32(ws[wb + 8 * j])
-                            b1[j] = cvt_tf32(ws[wb + 4 * nctp + 8 * j])
+                            b0[j] = cvt_tf32(ws[uint32(wb + 8 * j)])
+                            b1[j] = cvt_tf32(ws[uint32(wb + 4 * nctp + 8 * j)])
                         for m in range(mt):
                             u = sub * mt + m
                             rp = u // cb
                             xa = tq * pl + (2 * rp + eh) * xc + 8 * (u - rp * cb) + g + ew
-                            a0 = xs[xa]
-                            a1 = xs[xa + xc]
-                            a2 = xs[xa + 4 * pl]
-                            a3 = xs[xa + 4 * pl + xc]
+                            a0 = xs[uint32(xa)]
+                            a1 = xs[uint32(xa + xc)]
+                            a2 = xs[uint32(xa + 4 * pl)]
+                            a3 = xs[uint32(xa + 4 * pl + xc)]
                             for j in range(nt):
                                 k = (m * nt + j) * 4
                                 d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b0[j], b1[j], acc[k],
