@@ -547,7 +547,9 @@ def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
     """A fresh copy of ``base`` in ``mode``, wrapped as provider ``name``."""
     model = copy.deepcopy(base).train(mode in ("train", TRAIN_STEP))
     mode = "train" if mode == TRAIN_STEP else mode
-    if name in ("numba_gather", "numba_deconv"):  # the default ModelNew: graphs="auto"
+    if name == "numba_deconv":  # the default ModelNew: conv_impl="auto", graphs="auto"
+        return NumbaModel(model, "auto").train(mode == "train")
+    if name == "numba_gather":  # this package's gather whatever the planner would choose
         return NumbaModel(model, "gather").train(mode == "train")
     if name == "numba_gather_eager":  # graphs=False: the kernels launched (prepared calls)
         return NumbaModel(model, "gather", graphs=False).train(mode == "train")

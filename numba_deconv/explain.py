@@ -45,31 +45,23 @@ from typing import Any
 
 import torch
 
-from . import folding, precision as precisions, tiers
+from . import folding, planner, precision as precisions, tiers
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
-from .plan import STORED_PATHS, gather_launch
+from .plan import STORED_PATHS, gather_launch, stages as path_stages
+from .planner import DEVICE_PEAKS, device_peaks  # (the peaks are the planner's too)
 from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gram, scatter,
                       spatial_reduce)
 from .backend import tensor_device
 from .kernels.launch import block_size, grid_for, loaded_attributes
 from .simulator import is_simulator
 
-#: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores,
-#: dense TF32 FLOP/s on tensor cores (the TF32 gather, ``kernels.gather_mma``) and DRAM
-#: bandwidth in bytes/s. Vendor datasheets.
-DEVICE_PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 4.8e12},
-    "H100 PCIe": {"fp32": 51e12, "fp64": 26e12, "tf32": 378e12, "bandwidth": 2.0e12},
-    "H100 NVL": {"fp32": 60e12, "fp64": 30e12, "tf32": 418e12, "bandwidth": 3.9e12},
-    "H100": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 3.35e12},
-}
-#: Used when the device is unknown (or under the simulator): an H100 SXM.
-DEFAULT_DEVICE = "H100"
 # a stage whose work runs inside another stage's launch (no kernel, no launch shape of its own)
 FUSED_MEANS = "fused: box_sums, last block per sample"
 FUSED_SCALE = "fused: the gather's epilogue, by gram_statistics' scale"
+# the "torch" path's convolution: PyTorch's own, not a numba launch
+TORCH_CONV = "conv_transpose3d_torch (PyTorch's convolution: cuDNN on a GPU)"
 # the Gram path's sums, whatever the input's dtype
 GRAM_DTYPE = gram.SUMS_DTYPE
 
@@ -184,15 +176,6 @@ def _shape(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
-def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:
-    """(matched table key, peaks) for a device name; :data:`DEFAULT_DEVICE` when unknown."""
-    if name:
-        for key, peaks in DEVICE_PEAKS.items():
-            if key.lower() in name.lower():
-                return key, peaks
-    return DEFAULT_DEVICE, DEVICE_PEAKS[DEFAULT_DEVICE]
-
-
 def _device_name() -> str | None:
     if is_simulator():
         return None
@@ -239,9 +222,10 @@ def _gather_kernel(launch, name: str, train: bool, scaled: bool = False):
     return gather.gather_kernel(launch, name, train, scaled), launch.tiling.block, launch.smem
 
 
-def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, batch_stats: bool):
+def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: torch.dtype,
+                batch_stats: bool):
     """(stage, kernel name, dispatcher or None, grid, block, flops, bytes[, dynamic shared
-    memory bytes of the launch]) per stage."""
+    memory bytes of the launch]) per stage of ``path``."""
     geom = pipe.geometry
     e = torch.empty((), dtype=dtype).element_size()
     vol_in = math.prod(in_spatial)
@@ -252,13 +236,15 @@ def _stage_rows(pipe, batch: int, in_spatial, out_spatial, dtype: torch.dtype, b
     rows_nc = batch * geom.out_channels
     macs = geom.macs(batch, in_spatial)
     out = []
-    path = pipe.path()
     stored = path in STORED_PATHS  # the convolution stored, then its moments
     if path == "generic":
         blk = block_size(gather_simple.BLOCK)
         out.append(("conv_transpose3d_gather_simple", "gather_simple_kernel",
                     gather_simple.gather_simple_kernel, (grid_for(n_out, blk, cap=2**31 - 1),),
                     blk, 2 * macs, x_bytes + w_bytes + n_out * e))
+    elif path == "torch":
+        out.append(("conv_transpose3d_torch", TORCH_CONV, None, None, None, 2 * macs,
+                    x_bytes + w_bytes + n_out * e))
     elif stored:
         blk = block_size(epilogue.BLOCK)
         out.append(("fill_zero", "fill_channels", epilogue.fill_channels,
@@ -449,6 +435,9 @@ _LAUNCHERS = {
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
                 (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
                 (epilogue, "launch_scale_centered", "scale")),
+    "torch": ((spatial_reduce, "spatial_moments", "spatial_moments_warp"),
+              (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
+              (epilogue, "launch_scale_centered", "scale")),
     "generic": ((gather_simple, "launch_gather_simple", "conv_transpose3d_gather_simple"),
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
                 (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
@@ -456,9 +445,11 @@ _LAUNCHERS = {
 }
 
 
-def _launcher_kind(pipe) -> str:
-    """Which launchers a pipeline's calls go through (``_LAUNCHERS``)."""
-    return "generic" if pipe.path() == "generic" else pipe.conv_impl
+def _launcher_kind(path: str) -> str:
+    """Which launchers a call on ``path`` goes through (``_LAUNCHERS``)."""
+    if path in ("generic", "torch", "scatter"):
+        return path
+    return "gather"
 
 
 @contextlib.contextmanager
@@ -492,7 +483,7 @@ def _median(values):
     return values[len(values) // 2] if values else None
 
 
-def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
+def _measure(pipe, x, repeats: int, path: str) -> tuple[float, dict[str, float]]:
     """Median whole-call time (events around ``pipe(x)``, a graph replay where the pipeline
     replays one) and median per-launch times (µs, launched eagerly)."""
     with _saved_bn_state(pipe.bn), torch.no_grad():  # the forward's kernels, no backward
@@ -510,7 +501,7 @@ def _measure(pipe, x, repeats: int) -> tuple[float, dict[str, float]]:
         samples: dict[str, list] = {}
         graphs, pipe.graphs = pipe.graphs, False  # per-launch events need the launches run eagerly
         try:
-            with _timed_launchers(_launcher_kind(pipe), samples):
+            with _timed_launchers(_launcher_kind(path), samples):
                 for _ in range(repeats):
                     pipe(x)
         finally:
@@ -550,7 +541,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     """The plan of ``pipe`` for inputs of ``input_shape`` and ``dtype``.
 
     ``device_name`` picks the row of :data:`DEVICE_PEAKS` (default: the current GPU's name, or
-    :data:`DEFAULT_DEVICE` under the simulator); ``peak_flops`` / ``bandwidth`` override it.
+    ``planner.DEFAULT_DEVICE`` under the simulator); ``peak_flops`` / ``bandwidth`` override it.
     On a GPU the pipeline is traced once on a random input (compiling its kernels, leaving the
     running statistics untouched) to read each kernel's resources; ``measure=True`` also times
     the whole call and each launch (median of ``repeats``, CUDA events).
@@ -569,7 +560,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
 
     gpu_name = None if sim else _device_name()
     key, table = device_peaks(device_name or gpu_name)
-    tensor_cores = pipe.path() not in STORED_PATHS and pipe.tensor_cores(dtype, tensor_device())
+    path = pipe.path(input_shape, dtype, tensor_device())
+    tensor_cores = path not in STORED_PATHS and pipe.tensor_cores(dtype, tensor_device())
     cuda_cores_peak = peak_flops or table["fp32" if dtype == torch.float32 else "fp64"]
     # the convolution's: the floor, and its row's
     flops_peak = (peak_flops or table["tf32"]) if tensor_cores else cuda_cores_peak
@@ -579,7 +571,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     if device_name:
         label = device_name
 
-    specs, macs, compulsory = _stage_rows(pipe, batch, in_spatial, out_spatial, dtype, batch_stats)
+    specs, macs, compulsory = _stage_rows(pipe, path, batch, in_spatial, out_spatial, dtype,
+                                          batch_stats)
     rows = []
     for stage, kname, _kernel, grid, block, flops, nbytes, *_ in specs:
         peak = flops_peak if stage == "conv_transpose3d_gather" else cuda_cores_peak
@@ -587,7 +580,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         rows.append(StageRow(stage, kname, None if grid is None else tuple(int(g) for g in grid),
                              block, int(flops), int(nbytes), max(t_f, t_b),
                              "-" if not (flops or nbytes) else ("compute" if t_f >= t_b else "memory")))
-    assert [r.stage for r in rows] == [s for s in pipe.stages if s != "output"], \
+    assert [r.stage for r in rows] == [s for s in path_stages(path, batch_stats, pipe.options)
+                                       if s != "output"], \
         "explain's stage list drifted from Pipeline.stages"
 
     report = ExplainReport(
@@ -597,19 +591,27 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         peaks=peaks, macs=int(macs), rows=rows, compulsory_bytes=int(compulsory),
         arithmetic_floor_us=2 * macs / flops_peak * 1e6, memory_floor_us=compulsory / bw * 1e6)
 
-    if pipe.path() == "generic":
+    if pipe.conv_impl == "auto":
+        report.notes.append("convolution (conv_impl='auto'): " + planner.torch_conv(
+            pipe.geometry, input_shape, dtype, tensor_device(), pipe.precision, batch_stats)[1]
+            if pipe.process_group is None else "convolution (conv_impl='auto'): the gather "
+            "(synchronized statistics)")
+    if pipe.conv_impl == "torch":
+        report.notes.append("convolution (conv_impl='torch'): PyTorch's, at PyTorch's own "
+                            "precision (its TF32 flag), then this package's finish")
+    if path == "generic":
         report.notes.append("tier: generic (specialize=False): kernels that take the geometry at "
                             "run time, compiled once per dtype and mode, so a new geometry "
                             "compiles nothing new; slower than the specialised kernels")
-    elif pipe.conv_impl == "gather":
+    elif path not in STORED_PATHS:
         report.notes.append("tier: specialised: kernels compiled for this geometry (tap "
                             "patterns, tile, sizes' shape), or loaded from the kernel cache")
-        now = "" if pipe.path() == "gram" else tiers.status(pipe, input_shape, dtype)
+        now = "" if path == "gram" else tiers.status(pipe, input_shape, dtype)
         if now:
             report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
-    if pipe.path() not in STORED_PATHS:
+    if path not in STORED_PATHS:
         report.notes.append(_precision_note(pipe, dtype, tensor_cores))
-    if batch_stats and pipe.path() in ("epilogue", "gram"):
+    if batch_stats and path in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()
         if gram_path:
             report.notes.append(f"training's variance: from the input's Gram sums before the "
@@ -649,7 +651,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     report.notes.append(f"occupancy: theoretical, from regs/threads/shared memory on "
                         f"{limits['sms']} SMs x {limits['threads']} threads")
     if measure:
-        total, stages = _measure(pipe, x, repeats)
+        total, stages = _measure(pipe, x, repeats, path)
         report.measured_us = total
         for row in rows:
             row.measured_us = stages.get(row.stage)

@@ -12,7 +12,9 @@ compiled graph does not break at it. ``process_group=`` (or
 ``convert_sync`` on a model holding ``ModelNew`` modules) takes training's batch statistics over
 a ``torch.distributed`` group's ranks, as ``nn.SyncBatchNorm`` does (``Pipeline.synchronize``).
 ``precision=`` is the float32 convolution's (``numba_deconv.precision``): by default TF32 is
-allowed where PyTorch's flag allows it, and the faster gather runs.
+allowed where PyTorch's flag allows it, and the faster gather runs. ``conv_impl="auto"`` (the
+default) lets the planner run PyTorch's own convolution with this package's finish where that
+is predicted faster (``numba_deconv.planner``: many channels, large calls).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .pipeline import Pipeline
 
 class ModelNew(nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride, padding, bias=True,
-                 *, conv_impl: str = "gather", graphs: bool | str = "auto", process_group=None,
+                 *, conv_impl: str = "auto", graphs: bool | str = "auto", process_group=None,
                  specialize: bool | str = "auto", precision: str | None = None):
         super().__init__()
         self.conv_transpose = nn.ConvTranspose3d(

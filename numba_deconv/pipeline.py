@@ -2,9 +2,14 @@
 
 The pipeline only orchestrates: it validates inputs, picks the kernels, owns the buffers and the
 launch configurations (cached per input shape), and hands the small per-channel algebra to
-``folding``. Two strategies, selected with ``conv_impl=``:
+``folding``. Strategies, selected with ``conv_impl=``:
 
-``"gather"`` (default, the fast path; docs/design.md §2.3, §2.4, §2.6, and §2.7 for the Gram path)
+``"auto"`` (default)
+    ``planner`` picks, per input shape: the gather below, or, where PyTorch's convolution
+    would run on TF32 tensor cores and is predicted faster (channels of ~96 and more, large
+    calls), the ``"torch"`` path.
+
+``"gather"`` (the fast path of this package's own kernels; docs/design.md §2.3, §2.4, §2.6, and §2.7 for the Gram path)
     box_sums (box sums and, in its last block per sample, the means) ->
     conv_transpose3d_gather with the fused epilogue.
     Evaluation: the BN scale is folded into the weights and the spatial mean is known before the
@@ -21,6 +26,12 @@ launch configurations (cached per input shape), and hands the small per-channel 
     kernel, on the unscaled weights with the scale in its epilogue, writes the final output
     once; one chain of programmatic dependents, so the gather's first blocks run while the
     statistics finish.
+
+``"torch"``
+    PyTorch's convolution (cuDNN, at PyTorch's precision) -> spatial_moments_warp ->
+    (training: batch_statistics) -> scale_centered in place: the stored paths' finish, one
+    pass fewer than eager's batch norm and mean subtraction. Recorded calls replay the
+    convolution, then the finish's launches.
 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
@@ -65,7 +76,7 @@ from numba import cuda
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from . import autograd, dtypes, folding, precision as precisions, sync, tiers
+from . import autograd, dtypes, folding, planner, precision as precisions, sync, tiers
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gather_mma, gather_simple, gram,
@@ -96,13 +107,15 @@ class _Prepared:
     #: with batch statistics, the recorded call's plan, whose derived buffers a replay
     #: writes again where the parameters changed (``Pipeline._refresh_derived``)
     plan: CallPlan | None = None
+    #: the ``"torch"`` path: PyTorch's convolution runs first, and the replay is its finish
+    conv_first: bool = False
 
 
 #: the attribute under which a plan's derived buffer keeps the key of what it holds
 #: (``Pipeline._derived``): on the tensor itself, so a new buffer never inherits it (a deep
 #: copy of a plan's buffer carries it with the contents it describes)
 _HOLDS = "_numba_deconv_holds"
-CONV_STRATEGIES = ("gather", "scatter")
+CONV_STRATEGIES = ("auto", "gather", "torch", "scatter")
 VARIANCE_STRATEGIES = ("auto", "epilogue", "gram")
 # Input shapes whose launch plans (configurations and GPU scratch buffers) a pipeline keeps, least
 # recently used first out: a long fuzzing session does not hold every shape's buffers.
@@ -110,6 +123,8 @@ PLAN_CACHE = 16
 #: Captured CUDA graphs a pipeline keeps (``graphs=True``), least recently used first out.
 GRAPH_CACHE = 8
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
+#: The strategies that run this package's gather (``"auto"`` where the planner keeps it).
+GATHERS = ("auto", "gather")
 #: The Gram path's statistics are not synchronized across processes (``Pipeline.synchronize``).
 GRAM_NOT_SYNCED = "synchronized statistics take the epilogue's variance: variance='gram' " \
     "cannot be synchronized"
@@ -125,7 +140,7 @@ class Pipeline:
     loading a state dict) is seen immediately, and running statistics land in ``bn``'s buffers.
     """
 
-    def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "gather",
+    def __init__(self, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d, *, conv_impl: str = "auto",
                  variance: str = "auto", poison: bool = False, graphs: bool | str = "auto",
                  options: Options | None = None, process_group=None,
                  specialize: bool | str = "auto", precision: str | None = None):
@@ -160,10 +175,15 @@ class Pipeline:
         # (``specialize="auto"``), and the last call was (``_forward``)
         self._transitional = self._last_transitional = False
         self._kinds: dict[tuple, str] = {}  # tiers.kind_key -> tiers.kind_name
+        # (input shape, device, mode) -> (PyTorch's TF32 flag, whether a conv_impl="auto" call
+        # runs PyTorch's convolution: ``planner.torch_conv``)
+        self._torch_choice: dict[tuple, tuple[bool, bool]] = {}
         if variance == "gram" and not specialize:
             raise ValueError("variance='gram' runs the specialised kernels: not with "
                              "specialize=False")
-        if variance == "gram" and conv_impl == "gather" and not self.gram_tiles_fit():
+        if variance == "gram" and conv_impl == "torch":
+            raise ValueError("variance='gram' runs the gather: not with conv_impl='torch'")
+        if variance == "gram" and conv_impl in GATHERS and not self.gram_tiles_fit():
             raise ValueError("variance='gram': this geometry's Gram tiles do not fit "
                              "shared memory (too many input channels for its offsets)")
         self.poison = poison  # fill outputs and scratch with NaN before each run (tests)
@@ -335,13 +355,14 @@ class Pipeline:
         if save is not None:  # (its rows are copies made after the launches: ``_save``)
             named.update(yc=save["yc"], stats=save["stats"])
         replay = Replay.build(launches, named, fixed=self._module_tensor)
+        plan = self._plans.get(self._plan_key(x))
         # the state after the call: a training call bumped the running buffers' versions
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),
                                       tuple(out.shape), recorded=True,
                                       x_offset16=x.data_ptr() % 16,
                                       holds=tuple(d.get(n) for d, n in self._watched),
-                                      plan=self._plans.get(self._plan_key(x))
-                                      if batch_stats else None))
+                                      plan=plan if batch_stats else None,
+                                      conv_first=plan is not None and plan.path == "torch"))
         return out
 
     def _call_key(self, x: torch.Tensor, saving: bool = False) -> tuple:
@@ -349,7 +370,8 @@ class Pipeline:
         the mode, whether it saves for a backward and, if so, whether it updates the running
         statistics (``forward_saving``)."""
         return (x.shape, x.dtype, x.device, self.training, saving,
-                saving and self._saving_updates, self.tensor_cores(x.dtype, x.device))
+                saving and self._saving_updates, self.tensor_cores(x.dtype, x.device),
+                self.torch_conv(x.shape, x.dtype, x.device))
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
@@ -363,11 +385,15 @@ class Pipeline:
         its statistics written by the replay, its rows copied after it, ``_save``)."""
         if prepared.plan is not None:  # batch statistics: parameters may have changed since
             self._refresh_derived(prepared.plan)
-        out = torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
+        conv = None
+        if prepared.conv_first:  # the "torch" path: its finish centres PyTorch's output in place
+            conv = self._torch_convolution(x, prepared.plan is not None)
+        out = conv if conv is not None and save is None else \
+            torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
         if save is None:
             prepared.replay({"x": x, "out": out})
         else:
-            yc = torch.empty_like(out)
+            yc = conv if conv is not None else torch.empty_like(out)
             stats = torch.empty((4, self.geometry.out_channels), dtype=torch.float64,
                                 device=x.device)
             prepared.replay({"x": x, "out": out, "yc": yc, "stats": stats})
@@ -409,8 +435,8 @@ class Pipeline:
         ``in_channels^2`` times the tap offsets; it accumulates in float64 to stay accurate,
         so it runs only where asked for.
         """
-        if self.conv_impl != "gather":
-            return False, "the scatter path has its own finish"
+        if self.conv_impl not in GATHERS:
+            return False, f"conv_impl={self.conv_impl!r}: the stored convolution's finish"
         if self.specialize is False:
             return False, "the generic tier (specialize=False) has the scatter path's finish"
         if self.variance != "auto":
@@ -441,7 +467,8 @@ class Pipeline:
         """
         bn, conv = self.bn, self.conv
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, self.path(), self.options,
+        return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device,
+                self.path(x.shape, x.dtype, x.device), self.options,
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
@@ -505,11 +532,16 @@ class Pipeline:
         record["output"] = self._forward(tensor, record=record)
         return record
 
-    def path(self) -> str:
+    def path(self, shape=None, dtype: torch.dtype | None = None,
+             device: torch.device | None = None) -> str:
         """The path a call takes now (``plan.PATHS``): it follows the mode, batch norm's
-        settings and ``variance``."""
+        settings and ``variance``, and with ``conv_impl="auto"`` the input (``shape``,
+        ``dtype``, ``device``: ``torch_conv``; without them, the gather's paths)."""
         if self.conv_impl == "scatter":
             return "scatter"
+        if self.conv_impl == "torch" or (shape is not None
+                                         and self.torch_conv(shape, dtype, device)):
+            return "torch"
         if self.specialize is False or self._transitional:
             return "generic"
         if not folding.uses_batch_statistics(self.bn, self.training):
@@ -599,7 +631,7 @@ class Pipeline:
         return plan
 
     def _plan_key(self, x: torch.Tensor) -> tuple:
-        return (tuple(x.shape), x.dtype, x.device, self.path(),
+        return (tuple(x.shape), x.dtype, x.device, self.path(x.shape, x.dtype, x.device),
                 folding.uses_batch_statistics(self.bn, self.training), self.options,
                 self.tensor_cores(x.dtype, x.device))
 
@@ -627,6 +659,28 @@ class Pipeline:
             return False  # TF32 only allowed: the faster gather, the exact one, runs
         return precisions.resolve(self.precision, device) == "tf32" \
             and gather_mma.device_supports(device)
+
+    def torch_conv(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a call on an input of ``shape``, ``dtype`` and ``device`` runs PyTorch's
+        convolution (the ``"torch"`` path): always with ``conv_impl="torch"``; with
+        ``conv_impl="auto"`` where ``planner.torch_conv`` predicts cuDNN's TF32 convolution
+        and this package's finish faster than the gather (float32, ``precision=None`` under
+        PyTorch's TF32 flag, large calls); never synchronized (``process_group``)."""
+        if self.conv_impl != "auto":
+            return self.conv_impl == "torch"
+        if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
+                or self.process_group is not None:
+            return False
+        flag = precisions.torch_uses_tf32()
+        key = (tuple(shape), device, self.training)
+        hit = self._torch_choice.get(key)
+        if hit is None or hit[0] != flag:
+            batch_stats = folding.uses_batch_statistics(self.bn, self.training)
+            if len(self._torch_choice) >= 4 * PLAN_CACHE:
+                self._torch_choice.clear()
+            hit = self._torch_choice[key] = (flag, planner.torch_conv(
+                self.geometry, tuple(shape), dtype, device, None, batch_stats)[0])
+        return hit[1]
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""
@@ -720,8 +774,8 @@ class Pipeline:
         its kernels marked ready: a non-empty call on the gather path's kernels that compile
         (not the scatter path, not ``specialize=False``, not under the simulator); else None.
         Kept per kind of call, so a call pays one dictionary lookup."""
-        if self.specialize is False or self.conv_impl != "gather" or batch == 0 \
-                or not tiers.compiles():
+        if self.specialize is False or self.conv_impl not in GATHERS or batch == 0 \
+                or not tiers.compiles() or self.torch_conv(x.shape, x.dtype, x.device):
             return None
         offset = x.data_ptr() % 16 if x.is_contiguous() else 0  # (else a contiguous copy runs)
         key = tiers.kind_key(self, x.shape, x.dtype, x.device, offset, saving)
@@ -747,12 +801,25 @@ class Pipeline:
             folding.check_batch_size(batch, volume, geom.out_channels)
         x = x.detach().contiguous()
         plan = self._plan(x, out_spatial, batch_stats)
+        saves_conv = save is not None and batch_stats
+        if plan.path == "torch":
+            # PyTorch allocates its convolution's output: the finish centres and scales it in
+            # place, unless a saving call keeps it (then the result goes to a tensor of its own)
+            conv_out = self._torch_convolution(x, batch_stats)
+            out = torch.empty_like(conv_out) if saves_conv else conv_out
+            if self.poison:
+                for t in ((out,) if saves_conv else ()) + plan.poisonable():
+                    t.fill_(float("nan"))
+            self._stored(x, out, plan, batch_stats, record, conv_out)
+            if save is not None:
+                self._save(save, x, batch_stats, plan, conv_out)
+            return out
         out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
             for t in (out, *plan.poisonable()):
                 t.fill_(float("nan"))
         # with batch statistics a saving call keeps the unscaled convolution (``forward_saving``)
-        conv_out = torch.empty_like(out) if save is not None and batch_stats else out
+        conv_out = torch.empty_like(out) if saves_conv else out
         if plan.path in STORED_PATHS:
             self._stored(x, out, plan, batch_stats, record, conv_out)
         else:
@@ -845,7 +912,7 @@ class Pipeline:
         training call exchanges the ranks' per-channel moments once (``sync.gather``),
         and its backward its one per-channel reduction (``sync.all_sums``, docs/design.md §9).
         Evaluation exchanges nothing. Not with ``variance="gram"``."""
-        if self.variance == "gram" and self.conv_impl == "gather":
+        if self.variance == "gram" and self.conv_impl in GATHERS:
             raise ValueError(GRAM_NOT_SYNCED)
         self.process_group = process_group
         return self
@@ -962,31 +1029,54 @@ class Pipeline:
             record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer
         return s.scale
 
+    def _stored_weight(self, batch_stats: bool) -> torch.Tensor:
+        """The stored paths' convolution weight: the module's, or in evaluation with a_c folded
+        in (then only a centring follows)."""
+        geom, conv = self.geometry, self.conv
+        weight = conv.weight.detach()
+        if batch_stats:
+            return weight
+        scale = self._eval_scale()
+        key = (self._version(conv.weight), self._version(self.bn.running_var),
+               self._version(self.bn.weight), self.bn.eps)
+        return self._cached("stored_folded", key,
+                            lambda: folding.fold_weights(weight, scale, geom.groups))
+
+    def _torch_convolution(self, x: torch.Tensor, batch_stats: bool) -> torch.Tensor:
+        """The ``"torch"`` path's convolution: PyTorch's (cuDNN on a GPU, at the precision
+        PyTorch's flags give it), without the bias (the mean subtraction removes it), a new
+        tensor. A recorded call's replay runs it again, then replays the finish's launches on
+        its output (``_replay_prepared``)."""
+        geom = self.geometry
+        with torch.no_grad():
+            return torch.nn.functional.conv_transpose3d(
+                x, self._stored_weight(batch_stats), None, geom.stride, geom.padding,
+                geom.output_padding, geom.groups, geom.dilation)
+
     def _stored(self, x, out, plan: CallPlan, batch_stats: bool, record,
                 conv_out: torch.Tensor) -> None:
-        """The scatter path and the generic tier: the convolution stored in ``out`` (scatter's
-        atomics, or ``gather_simple``: kernels that take the geometry at run time), then its
-        per-(n, c) moments, the statistics, and one pass that centres and scales."""
-        geom, conv = self.geometry, self.conv
+        """The stored paths: the convolution stored in ``conv_out`` (scatter's atomics,
+        ``gather_simple``: kernels that take the geometry at run time, or PyTorch's, which
+        ``_forward_body`` ran), then its per-(n, c) moments, the statistics, and one pass
+        that centres and scales into ``out``."""
+        geom = self.geometry
         final = out.view(plan.batch * geom.out_channels, plan.volume)
         out = conv_out  # where the convolution goes (``out`` itself unless a call saves it)
         rows = out.view(plan.batch * geom.out_channels, plan.volume)
-        weight = conv.weight.detach()
-        if not batch_stats:  # evaluation: fold a_c into the weights, then only centre
-            scale = self._eval_scale()
-            key = (self._version(conv.weight), self._version(self.bn.running_var),
-                   self._version(self.bn.weight), self.bn.eps)
-            weight = self._cached("stored_folded", key,
-                                  lambda: folding.fold_weights(weight, scale, geom.groups))
         # The bias shifts a whole channel, so the mean subtraction removes it (docs/design.md §2.1):
         # accumulate from zero. Accumulated onto the bias, a channel whose bias dwarfs its spread
         # lost that spread to float32 rounding (a case hypothesis found: 4e-5 relative error).
-        if plan.path == "generic":
+        if plan.path == "torch":
+            if record is not None:
+                record["conv_transpose3d_torch"] = out.clone()
+        elif plan.path == "generic":
+            weight = self._stored_weight(batch_stats)
             gather_simple.launch_gather_simple(x, weight, plan.scratch.zero_bias_x, out,
                                                geom.stride, geom.padding, geom.dilation)
             if record is not None:
                 record["conv_transpose3d_gather_simple"] = out.clone()
         else:
+            weight = self._stored_weight(batch_stats)
             epilogue.launch_fill_channels(rows, plan.scratch.zero_bias)
             if record is not None:
                 record["fill_zero"] = out.clone()
@@ -1001,8 +1091,10 @@ class Pipeline:
         if batch_stats:
             # the means are bias-free; batch_statistics adds the bias back for the running mean
             css = plan.scratch.css
+            # (the plan's scale buffer itself, in the input's dtype: a replay's launches may
+            # take only the plan's buffers and the call's own tensors)
             scale = self._finish_batch_stats(plan, plan.scratch.means, css.view(*css.shape, 1),
-                                             record).to(torch.float64)
+                                             record)
         else:
             scale = plan.scratch.ones  # the BN scale is folded into the weights
             if record is not None:

@@ -15,6 +15,9 @@ Paths (``PATHS``):
 * ``"generic"``  - the generic tier (``Pipeline(specialize=False)``), either statistics: a gather
   that takes the geometry at run time (``gather_simple``, compiled once per dtype), then the
   scatter path's finish over the stored convolution.
+* ``"torch"``    - PyTorch's convolution (cuDNN), either statistics, then the scatter path's
+  finish over its output (``conv_impl="torch"``, or ``"auto"`` where ``planner`` predicts it
+  faster).
 * ``"scatter"``  - the teaching baseline, either statistics.
 """
 
@@ -30,9 +33,9 @@ from .geometry import ConvGeometry
 from .kernels import gather, gather_mma, gram
 from .kernels.launch import pin
 
-PATHS = ("eval", "epilogue", "gram", "generic", "scatter")
+PATHS = ("eval", "epilogue", "gram", "generic", "torch", "scatter")
 #: The paths that store the convolution and then reduce it (no box sums, no gather epilogue).
-STORED_PATHS = ("generic", "scatter")
+STORED_PATHS = ("generic", "torch", "scatter")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ def stages(path: str, batch_statistics: bool, options: Options) -> tuple[str, ..
     if path == "generic":
         return ("conv_transpose3d_gather_simple", "spatial_moments_warp", *finish, "scale",
                 "output")
+    if path == "torch":
+        return ("conv_transpose3d_torch", "spatial_moments_warp", *finish, "scale", "output")
     box = ("box_sums", "mean_from_box_sums")
     if path == "gram":
         sums = ("gram_sums", *box) if options.box_sums_in_tail else (*box, "gram_sums")

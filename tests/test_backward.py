@@ -36,6 +36,7 @@ def test_gradients_match_pytorch(data, limits, device):
 
 @pytest.mark.parametrize("conv_impl,variance,training", [
     ("gather", "auto", False), ("gather", "auto", True), ("gather", "gram", True),
+    ("torch", "auto", False), ("torch", "auto", True),
     ("scatter", "auto", False), ("scatter", "auto", True)])  # (the Gram setting's eval is eval)
 def test_every_path_matches_pytorch(conv_impl, variance, training, device):
     """Each path's forward keeps what its backward needs (the Gram path hands a call that

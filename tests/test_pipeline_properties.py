@@ -18,7 +18,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from numba_deconv import Pipeline, testing
+from numba_deconv import Pipeline, precision, testing
 from numba_deconv.gram_plan import gram_fits
 from numba_deconv.plan import Options
 from numba_deconv.pipeline import GRAM_ITEMSIZE
@@ -26,12 +26,18 @@ from numba_deconv.simulator import is_simulator
 
 SIM = is_simulator()
 
-IMPLS = ["gather", "scatter"]
+IMPLS = ["gather", "torch", "scatter"]
 
 
 def _pipeline(impl, variance="auto", specialize=True):
     return lambda conv, bn: Pipeline.from_modules(conv, bn, conv_impl=impl, variance=variance,
                                                   specialize=specialize, poison=True)
+
+
+def _precision(impl, device) -> str:
+    """The tolerance's precision (``testing.tolerance``): PyTorch's convolution runs at its own
+    precision, TF32 on a GPU where its flag allows it."""
+    return precision.resolve(None, torch.device(device)) if impl == "torch" else "ieee"
 
 
 def _check_tiers(case, variance="auto", device=None, **kwargs):
@@ -48,19 +54,21 @@ def _check_tiers(case, variance="auto", device=None, **kwargs):
 
 
 @pytest.mark.parametrize("impl,variance", [("gather", "auto"), ("gather", "epilogue"),
-                                           ("scatter", "auto")])
+                                           ("torch", "auto"), ("scatter", "auto")])
 @given(data=st.data())
 def test_matches_pytorch_any_geometry(impl, variance, data, limits, device):
     """Any geometry, both modes: the gather path's tiers (the epilogue path named on the
-    specialised one), and the scatter path."""
+    specialised one), PyTorch's convolution with this package's finish, and the scatter
+    path."""
     if impl == "scatter" and limits == testing.CI_LIMITS:
         # simulated atomics take a global lock each: keep the teaching path's volumes small
         limits = dataclasses.replace(limits, max_output_voxels=150, max_channels_per_group=2)
     case = data.draw(testing.cases(limits))
-    if impl == "scatter":
-        testing.check_case(case, _pipeline(impl, variance), device)
-    else:
+    if impl == "gather":
         _check_tiers(case, variance, device)
+    else:
+        testing.check_case(case, _pipeline(impl, variance), device,
+                           precision=_precision(impl, device))
 
 
 @given(data=st.data())
@@ -115,7 +123,7 @@ def test_default_like_problem(impl, training, device):
     """The default problem's geometry (kernel 3, stride 2, padding 1) on a small volume."""
     geom = testing.ConvGeometry.create(4, 8, 3, 2, 1)
     case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 5, 4), training, seed=7)
-    testing.check_case(case, _pipeline(impl), device)
+    testing.check_case(case, _pipeline(impl), device, precision=_precision(impl, device))
 
 
 @pytest.mark.parametrize("variance", ["epilogue", "gram"])
@@ -141,7 +149,8 @@ def test_repeated_training_steps_track_running_stats(variance, data, limits, dev
 
 
 @pytest.mark.parametrize("impl,variance", [("gather", "auto"), ("gather", "epilogue"),
-                                           ("gather", "gram"), ("scatter", "auto")])
+                                           ("gather", "gram"), ("torch", "auto"),
+                                           ("scatter", "auto")])
 def test_few_voxels_with_a_tiny_batch_variance(impl, variance, device):
     """2 output voxels per channel whose values nearly agree, so the batch variance is tiny next
     to the mean (float32 Gram sums lose it to cancellation: 1.2e-4 where the other paths give
@@ -151,11 +160,12 @@ def test_few_voxels_with_a_tiny_batch_variance(impl, variance, device):
                         1, (7, 1, 5), True, seed=1)
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(case.input_shape, generator=gen, dtype=torch.float64) * 2 + 0.5)
-    testing.check_case(case, _pipeline(impl, variance), device, x=x.float().to(device))
+    testing.check_case(case, _pipeline(impl, variance), device, x=x.float().to(device),
+                       precision=_precision(impl, device))
 
 
 @pytest.mark.parametrize("impl,variance", [("gather", "auto"), ("gather", "gram"),
-                                           ("scatter", "auto")])
+                                           ("torch", "auto"), ("scatter", "auto")])
 def test_offsets_a_thousand_times_the_spread(impl, variance, device):
     """Per-channel offsets of 10^3 times the spread on a dilated, grouped geometry: the
     kernels' float32 sums lose up to ~4x what PyTorch's do here (``testing.TORCH_FACTOR``)."""
@@ -164,7 +174,7 @@ def test_offsets_a_thousand_times_the_spread(impl, variance, device):
     case = testing.Case(geom, testing.BatchNormSettings(eps=1e-3, momentum=None, affine=False),
                         1, (5, 5, 5), True, seed=1904,
                         inputs=testing.InputStyle(scale=1.0, offset=1e3))
-    testing.check_case(case, _pipeline(impl, variance), device)
+    testing.check_case(case, _pipeline(impl, variance), device, precision=_precision(impl, device))
 
 
 @pytest.mark.parametrize("specialize,variance", [(True, "gram"), (True, "auto"), (False, "auto")])

@@ -5,6 +5,7 @@ nothing of an earlier call is kept alive."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -12,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from numba_deconv import Pipeline, testing
+from numba_deconv import Pipeline, bench, testing
 from numba_deconv.kernels import launch
 from numba_deconv.reference import Model
 
@@ -42,12 +43,20 @@ def _input(device, batch=2, seed=0):
     return (torch.randn(batch, 3, 2, 3, 3, generator=gen, dtype=torch.float64) * 2 + 1).to(device)
 
 
+@pytest.mark.parametrize("conv_impl", ["auto", "torch"])
 @pytest.mark.parametrize("training", [False, True])
-def test_replayed_calls_see_every_change_through_the_tensors(device, training):
+def test_replayed_calls_see_every_change_through_the_tensors(device, training, conv_impl):
     """Calls of one shape, replayed from the third on, while the parameters change between them
     the ways a user changes them: an optimizer-like in-place step, ``load_state_dict``,
-    ``copy_``, a changed ``eps`` and ``momentum``, and a ``.data`` edit with ``clear_cache``."""
-    ref, model, pipe = _models(device, graphs=False)
+    ``copy_``, a changed ``eps`` and ``momentum``, and a ``.data`` edit with ``clear_cache``.
+    On the gather's paths, and on PyTorch's convolution with this package's finish (whose
+    replay runs the convolution, then the finish's launches; in strict float32 here)."""
+    ref, model, pipe = _models(device, graphs=False, conv_impl=conv_impl)
+    with bench.strict_fp32() if conv_impl == "torch" else contextlib.nullcontext():
+        _changes_between_calls(ref, model, pipe, device, training)
+
+
+def _changes_between_calls(ref, model, pipe, device, training):
     ref.train(training)
     pipe.train(training)
 
@@ -191,7 +200,8 @@ def test_an_input_aligned_otherwise_is_not_replayed(device, monkeypatch):
     assert len(replays) == 1
 
 
-def test_training_steps_replay_and_see_every_optimizer_step(device, monkeypatch):
+@pytest.mark.parametrize("conv_impl", ["auto", "torch"])
+def test_training_steps_replay_and_see_every_optimizer_step(device, monkeypatch, conv_impl):
     """A training loop: each step's forward saves for its backward and an optimizer changes
     the weights in place. From the third step the forward and the backward replay their
     recorded launches, the gather's arranged weights and the bias written again where the
@@ -202,7 +212,7 @@ def test_training_steps_replay_and_see_every_optimizer_step(device, monkeypatch)
     torch.manual_seed(4)
     ref = Model(3, 4, (3, 2, 3), 2, 1).double().to(device)
     model = copy.deepcopy(ref)
-    pipe = Pipeline.from_torch(model, specialize=True)
+    pipe = Pipeline.from_torch(model, specialize=True, conv_impl=conv_impl)
     replays = []
     real = pipe._replay_prepared
     monkeypatch.setattr(pipe, "_replay_prepared",

@@ -1,0 +1,134 @@
+"""Which convolution a call runs: this package's gather, or PyTorch's (cuDNN) with this package's finish.
+
+With ``conv_impl="auto"`` (the default) a float32 call whose convolution PyTorch would run on
+TF32 tensor cores (``precision=None`` and PyTorch's flag allowing TF32, on a GPU) takes
+PyTorch's own convolution where that is predicted faster by ``MARGIN``: the ``"torch"`` path,
+cuDNN's convolution stored, then this package's finish (its spatial moments, the statistics,
+one pass that centres and scales in place). Elsewhere it runs the gather (``gather`` on CUDA
+cores, or ``gather_mma`` where ``Pipeline.tensor_cores`` says so).
+
+The cost model, per output element (``predict``), calibrated on an H100 against the
+measurements in docs/performance.md ("Known limits") and scaled to other devices by their
+peaks (``DEVICE_PEAKS``):
+
+* the FFMA gather: ``2 K / (FFMA_EFFICIENCY x FP32 peak)``, ``K`` the multiply-adds per output
+  (``ConvGeometry.macs`` over the outputs), measured at 33-39 TFLOP/s from 32 to 256 channels,
+  and its output's write (training: a read and a write more, the scale pass);
+* PyTorch's TF32 convolution: ``2 K / rate`` with a rate that grows with the channels a
+  multiply-add's row and column span (``c``, the geometric mean of a group's input and output
+  channels): ``CUDNN_PER_CHANNEL x c`` of the TF32 peak, at most ``CUDNN_CAP`` of it
+  (measured: about 1 TFLOP/s per channel from 32 to 256 channels), and its output's write;
+  plus the finish (the moments, then centring and scaling in place; training's centred
+  squares too), measured at ``FINISH_PASSES`` times the output's bytes at the bandwidth.
+
+A call is taken by PyTorch's convolution only when it also has at least ``MIN_OUTPUTS``
+outputs: such a call is not recorded (prepared calls replay this package's launches only), so
+it pays ~0.1 ms of host time that a small call's GPU time would not hide. The choice depends
+only on the geometry, the input's shape, dtype and device and PyTorch's flag, so it is the
+same for every call of a kind.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from . import precision as precisions
+from .geometry import ConvGeometry
+from .simulator import is_simulator
+
+#: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores,
+#: dense TF32 FLOP/s on tensor cores and DRAM bandwidth in bytes/s. Vendor datasheets.
+DEVICE_PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 4.8e12},
+    "H100 PCIe": {"fp32": 51e12, "fp64": 26e12, "tf32": 378e12, "bandwidth": 2.0e12},
+    "H100 NVL": {"fp32": 60e12, "fp64": 30e12, "tf32": 418e12, "bandwidth": 3.9e12},
+    "H100": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 3.35e12},
+}
+#: Used when the device is unknown (or under the simulator): an H100 SXM.
+DEFAULT_DEVICE = "H100"
+
+#: The FFMA gather's multiply-add rate, a fraction of the FP32 peak (H100: 33-39 TFLOP/s).
+FFMA_EFFICIENCY = 0.55
+#: cuDNN's TF32 transposed convolution: a fraction of the TF32 peak per channel ``c`` ...
+CUDNN_PER_CHANNEL = 0.002
+#: ... and at most this fraction.
+CUDNN_CAP = 0.5
+#: The fraction of the datasheet bandwidth a streaming pass reaches (H100: 3.0 of 3.35 TB/s).
+BANDWIDTH_EFFICIENCY = 0.9
+#: The finish's time on the torch path, in passes over the output (evaluation / training;
+#: H100: 0.44 / 0.55 ms for 252 MB of output).
+FINISH_PASSES = {False: 5.3, True: 6.6}
+#: PyTorch's convolution is taken where predicted at least this much faster ...
+MARGIN = 1.1
+#: ... for calls with at least this many outputs.
+MIN_OUTPUTS = 1 << 22
+
+
+def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:
+    """(matched table key, peaks) for a device name; :data:`DEFAULT_DEVICE` when unknown."""
+    if name:
+        for key, peaks in DEVICE_PEAKS.items():
+            if key.lower() in name.lower():
+                return key, peaks
+    return DEFAULT_DEVICE, DEVICE_PEAKS[DEFAULT_DEVICE]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def peaks_of(device: torch.device) -> dict[str, float]:
+    """The peaks of the GPU ``device`` is (the default device's elsewhere)."""
+    if device.type != "cuda" or is_simulator():
+        return device_peaks()[1]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device_peaks(_device_name(index))[1]
+
+
+def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
+            peaks: dict[str, float]) -> dict[str, float]:
+    """Predicted GPU microseconds of the convolution and what follows it, per candidate:
+    ``{"gather": ..., "torch": ...}`` (the FFMA gather; PyTorch's TF32 convolution and this
+    package's finish). Both include the output's compulsory write."""
+    out_spatial = geom.output_spatial(in_spatial)
+    outputs = batch * geom.out_channels * math.prod(out_spatial)
+    if outputs == 0:
+        return {"gather": 0.0, "torch": 0.0}
+    flops = 2.0 * geom.macs(batch, in_spatial)
+    bandwidth = peaks["bandwidth"] * BANDWIDTH_EFFICIENCY
+    out_bytes = 4.0 * outputs
+    gather = flops / (FFMA_EFFICIENCY * peaks["fp32"]) + (3 if training else 1) * out_bytes / bandwidth
+    c = math.sqrt(geom.in_per_group * geom.out_per_group)
+    rate = min(CUDNN_PER_CHANNEL * c, CUDNN_CAP) * peaks["tf32"]
+    library = flops / rate + (1 + FINISH_PASSES[training]) * out_bytes / bandwidth
+    return {"gather": gather * 1e6, "torch": library * 1e6}
+
+
+def torch_conv(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.device,
+               precision, training: bool) -> tuple[bool, str]:
+    """``(takes_torch, why)``: whether a ``conv_impl="auto"`` call with an input of ``shape``
+    runs PyTorch's convolution (the ``"torch"`` path), and the reason in words."""
+    if dtype != torch.float32:
+        return False, f"the gather: {str(dtype).replace('torch.', '')} (cuDNN's TF32 is for float32)"
+    if precision is not None:
+        return False, f"the gather: precision={precision!r} sets this package's precision"
+    if precisions.resolve(None, device) != "tf32":
+        return False, ("the gather: PyTorch's convolution would run in strict float32 here "
+                       "(its flag, or not a GPU), slower than the gather")
+    outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
+    if outputs < MIN_OUTPUTS:
+        return False, (f"the gather: {outputs} outputs, fewer than the {MIN_OUTPUTS} for which "
+                       "an unrecorded call's host time is hidden")
+    t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
+    ratio = t["gather"] / t["torch"] if t["torch"] else 0.0
+    costs = f"predicted {t['gather']:.0f} us on the gather, {t['torch']:.0f} us on cuDNN"
+    if ratio >= MARGIN:
+        return True, f"PyTorch's convolution (cuDNN, TF32) and this package's finish: {costs}"
+    return False, f"the gather: {costs} (cuDNN taken from {MARGIN}x)"
+
+
+__all__ = ["DEVICE_PEAKS", "DEFAULT_DEVICE", "device_peaks", "peaks_of", "predict", "torch_conv"]
