@@ -564,7 +564,11 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     tensor_cores = path not in STORED_PATHS and pipe.tensor_cores(dtype, tensor_device())
     cuda_cores_peak = peak_flops or table["fp32" if dtype == torch.float32 else "fp64"]
     # the convolution's: the floor, and its row's
-    flops_peak = (peak_flops or table["tf32"]) if tensor_cores else cuda_cores_peak
+    # (PyTorch's convolution on the "torch" path runs at PyTorch's precision: TF32 where its
+    # flag allows it, on a GPU)
+    tf32 = tensor_cores or (path == "torch" and dtype == torch.float32
+                            and precisions.resolve(None, tensor_device()) == "tf32")
+    flops_peak = (peak_flops or table["tf32"]) if tf32 else cuda_cores_peak
     bw = bandwidth or table["bandwidth"]
     peaks = {"flops": float(flops_peak), "bandwidth": float(bw)}
     label = gpu_name or f"{key} (assumed)"
@@ -575,7 +579,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
                                           batch_stats)
     rows = []
     for stage, kname, _kernel, grid, block, flops, nbytes, *_ in specs:
-        peak = flops_peak if stage == "conv_transpose3d_gather" else cuda_cores_peak
+        peak = flops_peak if stage in ("conv_transpose3d_gather", "conv_transpose3d_torch") \
+            else cuda_cores_peak
         t_f, t_b = flops / peak * 1e6, nbytes / bw * 1e6
         rows.append(StageRow(stage, kname, None if grid is None else tuple(int(g) for g in grid),
                              block, int(flops), int(nbytes), max(t_f, t_b),

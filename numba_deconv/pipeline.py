@@ -665,17 +665,18 @@ class Pipeline:
         convolution (the ``"torch"`` path): always with ``conv_impl="torch"``; with
         ``conv_impl="auto"`` where ``planner.torch_conv`` predicts cuDNN's TF32 convolution
         and this package's finish faster than the gather (float32, ``precision=None`` under
-        PyTorch's TF32 flag, large calls); never synchronized (``process_group``)."""
+        PyTorch's TF32 flag, large calls); never synchronized (``process_group``) nor with
+        ``variance="gram"`` (the gather's Gram path, asked for)."""
         if self.conv_impl != "auto":
             return self.conv_impl == "torch"
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
-                or self.process_group is not None:
+                or self.process_group is not None or self.variance == "gram":
             return False
         flag = precisions.torch_uses_tf32()
-        key = (tuple(shape), device, self.training)
+        batch_stats = folding.uses_batch_statistics(self.bn, self.training)
+        key = (tuple(shape), device, batch_stats)
         hit = self._torch_choice.get(key)
         if hit is None or hit[0] != flag:
-            batch_stats = folding.uses_batch_statistics(self.bn, self.training)
             if len(self._torch_choice) >= 4 * PLAN_CACHE:
                 self._torch_choice.clear()
             hit = self._torch_choice[key] = (flag, planner.torch_conv(
