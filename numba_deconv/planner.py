@@ -1,7 +1,8 @@
 """Which convolution a call runs: this package's gather, or PyTorch's (cuDNN) with this package's finish.
 
 With ``conv_impl="auto"`` (the default) a float32 call whose convolution PyTorch would run on
-TF32 tensor cores (``precision=None`` and PyTorch's flag allowing TF32, on a GPU) takes
+TF32 tensor cores (``precision=None`` and PyTorch's flag allowing TF32, on a GPU of compute
+capability 8.0 or later) takes
 PyTorch's own convolution where that is predicted faster by ``MARGIN``: the ``"torch"`` path,
 cuDNN's convolution stored, then this package's finish (its spatial moments, the statistics,
 one pass that centres and scales in place). Elsewhere it runs the gather (``gather`` on CUDA
@@ -76,9 +77,29 @@ def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:
     return DEFAULT_DEVICE, DEVICE_PEAKS[DEFAULT_DEVICE]
 
 
+#: TF32 tensor cores: compute capability 8.0 and later.
+TF32_CC = (8, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def capability(device: torch.device) -> tuple:
+    """The compute capability of the GPU ``device`` is; () elsewhere (under the simulator a
+    CUDA device is taken for an H100's, 9.0, as its peaks are)."""
+    if device.type != "cuda":
+        return ()
+    if is_simulator():
+        return (9, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
 
 
 def peaks_of(device: torch.device) -> dict[str, float]:
@@ -116,9 +137,10 @@ def torch_conv(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: tor
         return False, f"the gather: {str(dtype).replace('torch.', '')} (cuDNN's TF32 is for float32)"
     if precision is not None:
         return False, f"the gather: precision={precision!r} sets this package's precision"
-    if precisions.resolve(None, device) != "tf32":
+    if precisions.resolve(None, device) != "tf32" or capability(device) < TF32_CC:
         return False, ("the gather: PyTorch's convolution would run in strict float32 here "
-                       "(its flag, or not a GPU), slower than the gather")
+                       "(its flag, not a GPU, or a GPU without TF32 tensor cores), slower than "
+                       "the gather")
     outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
     if outputs < MIN_OUTPUTS:
         return False, (f"the gather: {outputs} outputs, fewer than the {MIN_OUTPUTS} for which "

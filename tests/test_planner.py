@@ -102,3 +102,14 @@ def test_gram_is_refused_with_pytorchs_convolution():
     with pytest.raises(ValueError, match="conv_impl='torch'"):
         Pipeline(nn.ConvTranspose3d(2, 2, 3), nn.BatchNorm3d(2), conv_impl="torch",
                  variance="gram")
+
+
+def test_a_gpu_without_tf32_keeps_the_gather(tf32_allowed, monkeypatch):
+    """Before compute capability 8.0 PyTorch's convolution has no TF32 tensor cores to run on:
+    the planner keeps the gather there (the capability forced, the lent GPUs being Hopper)."""
+    geom = ConvGeometry.create(128, 128, 3, 2, 1)
+    shape = (4, 128, 16, 32, 32)
+    assert planner.torch_conv(geom, shape, torch.float32, CUDA, None, False)[0]
+    monkeypatch.setattr(planner, "capability", lambda device: (7, 0))
+    takes, why = planner.torch_conv(geom, shape, torch.float32, CUDA, None, False)
+    assert not takes and "without TF32" in why
