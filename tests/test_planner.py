@@ -3,6 +3,8 @@ the measurements it was calibrated on."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -113,3 +115,17 @@ def test_a_gpu_without_tf32_keeps_the_gather(tf32_allowed, monkeypatch):
     monkeypatch.setattr(planner, "capability", lambda device: (7, 0))
     takes, why = planner.torch_conv(geom, shape, torch.float32, CUDA, None, False)
     assert not takes and "without TF32" in why
+
+
+def test_the_benchmark_holds_a_tf32_call_to_tf32s_error(monkeypatch):
+    """``bench`` marks a numba row FAIL above ``NUMBA_RTOL``, or above ``TF32_RTOL`` where the
+    call's convolution runs in TF32 (the planner's "torch" path under PyTorch's flag)."""
+    model = bench.GeneralModel(128, 128, 3, 2, 1).eval()
+    numba = bench.NumbaModel(model, "auto").eval()
+    # an input as numba_rtol reads it: its shape, dtype and device (a CUDA one, not allocated)
+    x = SimpleNamespace(shape=torch.Size((4, 128, 16, 32, 32)), dtype=torch.float32, device=CUDA)
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: True)
+    assert bench.numba_rtol(numba, x) == bench.TF32_RTOL
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: False)
+    assert bench.numba_rtol(numba, x) == bench.NUMBA_RTOL
+    assert bench.numba_rtol(bench.NumbaModel(model, "gather"), x) == bench.NUMBA_RTOL
