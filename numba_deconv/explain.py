@@ -631,7 +631,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     else:
         report.notes.append("the second call of this shape and mode under unchanged parameters "
                             "is recorded, and later calls replay these launches with only the "
-                            "input's and output's addresses written (prepared calls)")
+                            "input's and output's addresses written (prepared calls)"
+                            + ("; PyTorch's convolution runs first, then the replayed finish "
+                               "on its output" if path == "torch" else ""))
     if sim:
         report.notes.append(
             "CUDA simulator: regs, smem, local (spill) bytes, occupancy and measured times need a "
