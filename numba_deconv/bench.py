@@ -12,8 +12,9 @@ What the main table does, in order:
    must be below :data:`NUMBA_RTOL`, or :data:`TF32_RTOL` where they run a TF32 convolution
    (``numba_rtol``), or the row is marked FAIL), then times it with
    :func:`time_gpu` (warm-up, one CUDA-event pair per call, median with p10/p90 spread).
-   Providers: ``numba_gather`` (the default ``ModelNew``, ``graphs="auto"``: prepared calls,
-   their launches replayed), ``numba_gather_eager`` (``graphs=False``: the same as the default),
+   Providers: ``numba_gather`` (``ModelNew`` with ``conv_impl="gather"``, ``graphs="auto"``:
+   prepared calls, their launches replayed; the default's choice at every case here),
+   ``numba_gather_eager`` (``graphs=False``: the same),
    ``numba_gather_graph`` (always one captured CUDA graph), ``numba_epilogue`` and
    ``numba_gram`` (training's variance from the gather's epilogue or from the Gram sums, forced;
    the default ``variance="auto"`` takes the Gram sums where they fit; in evaluation both run
@@ -79,10 +80,12 @@ def numba_rtol(provider, x: torch.Tensor) -> float:
     runs a TF32 convolution, :data:`NUMBA_RTOL` elsewhere."""
     from .precision import resolve
 
+    from .planner import TF32_CC, capability
+
     pipe = getattr(provider, "pipe", None)
     if pipe is not None and x.dtype == torch.float32 and (
-            (pipe.path(x.shape, x.dtype, x.device) == "torch"
-             and resolve(None, x.device) == "tf32") or pipe.tensor_cores(x.dtype, x.device)):
+            (pipe.path(x.shape, x.dtype, x.device) == "torch" and resolve(None, x.device) == "tf32"
+             and capability(x.device) >= TF32_CC) or pipe.tensor_cores(x.dtype, x.device)):
         return TF32_RTOL
     return NUMBA_RTOL
 MODES = ("train", "eval")

@@ -567,7 +567,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     # (PyTorch's convolution on the "torch" path runs at PyTorch's precision: TF32 where its
     # flag allows it, on a GPU)
     tf32 = tensor_cores or (path == "torch" and dtype == torch.float32
-                            and precisions.resolve(None, tensor_device()) == "tf32")
+                            and precisions.resolve(None, tensor_device()) == "tf32"
+                            and planner.capability(tensor_device()) >= planner.TF32_CC)
     flops_peak = (peak_flops or table["tf32"]) if tf32 else cuda_cores_peak
     bw = bandwidth or table["bandwidth"]
     peaks = {"flops": float(flops_peak), "bandwidth": float(bw)}
@@ -597,10 +598,13 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         arithmetic_floor_us=2 * macs / flops_peak * 1e6, memory_floor_us=compulsory / bw * 1e6)
 
     if pipe.conv_impl == "auto":
-        report.notes.append("convolution (conv_impl='auto'): " + planner.torch_conv(
-            pipe.geometry, input_shape, dtype, tensor_device(), pipe.precision, batch_stats)[1]
-            if pipe.process_group is None else "convolution (conv_impl='auto'): the gather "
-            "(synchronized statistics)")
+        if pipe.process_group is not None or pipe.variance == "gram":
+            why = ("the gather (synchronized statistics)" if pipe.process_group is not None
+                   else "the gather (variance='gram' asks for its Gram path)")
+        else:
+            why = planner.torch_conv(pipe.geometry, input_shape, dtype, tensor_device(),
+                                     pipe.precision, batch_stats)[1]
+        report.notes.append(f"convolution (conv_impl='auto'): {why}")
     if pipe.conv_impl == "torch":
         report.notes.append("convolution (conv_impl='torch'): PyTorch's, at PyTorch's own "
                             "precision (its TF32 flag), then this package's finish")

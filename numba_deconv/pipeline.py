@@ -472,7 +472,9 @@ class Pipeline:
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
-                bn.eps, bn.momentum, self.poison, self.tensor_cores(x.dtype, x.device))
+                bn.eps, bn.momentum, self.poison, self.tensor_cores(x.dtype, x.device),
+                # (the "torch" path's convolution at PyTorch's precision, which its flag sets)
+                precisions.torch_uses_tf32())
 
     def _replay(self, x: torch.Tensor) -> torch.Tensor:
         key = self._graph_key(x)
@@ -553,7 +555,9 @@ class Pipeline:
     @property
     def stages(self) -> tuple[str, ...]:
         """Names of the intermediates ``trace`` records (after ``input``), in order: the plan's
-        (``plan.stages``)."""
+        (``plan.stages``). With ``conv_impl="auto"`` the gather's; a shape the planner sends to
+        PyTorch's convolution records the ``"torch"`` path's (``path(shape, dtype, device)``
+        says which, and ``explain(shape)`` lists them)."""
         return path_stages(self.path(), folding.uses_batch_statistics(self.bn, self.training),
                            self.options)
 
@@ -644,6 +648,9 @@ class Pipeline:
     @precision.setter
     def precision(self, value: str | None) -> None:
         precisions.check(value)
+        if value is not None and self.conv_impl == "torch":
+            raise ValueError("conv_impl='torch' runs PyTorch's convolution at PyTorch's own "
+                             f"precision (its TF32 flag): precision must be None, got {value!r}")
         self._precision = value
 
     def tensor_cores(self, dtype: torch.dtype, device: torch.device) -> bool:
@@ -670,13 +677,14 @@ class Pipeline:
         if self.conv_impl != "auto":
             return self.conv_impl == "torch"
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
-                or self.process_group is not None or self.variance == "gram":
+                or self.process_group is not None or self.variance == "gram" or len(shape) != 5:
             return False
         flag = precisions.torch_uses_tf32()
-        batch_stats = folding.uses_batch_statistics(self.bn, self.training)
-        key = (tuple(shape), device, batch_stats)
+        # (the mode and batch norm's settings decide whether batch statistics are used)
+        key = (tuple(shape), device, self.training, self.bn.track_running_stats)
         hit = self._torch_choice.get(key)
         if hit is None or hit[0] != flag:
+            batch_stats = folding.uses_batch_statistics(self.bn, self.training)
             if len(self._torch_choice) >= 4 * PLAN_CACHE:
                 self._torch_choice.clear()
             hit = self._torch_choice[key] = (flag, planner.torch_conv(
@@ -1050,9 +1058,10 @@ class Pipeline:
         its output (``_replay_prepared``)."""
         geom = self.geometry
         with torch.no_grad():
+            # (contiguous: channels-last weights would give a channels-last output)
             return torch.nn.functional.conv_transpose3d(
                 x, self._stored_weight(batch_stats), None, geom.stride, geom.padding,
-                geom.output_padding, geom.groups, geom.dilation)
+                geom.output_padding, geom.groups, geom.dilation).contiguous()
 
     def _stored(self, x, out, plan: CallPlan, batch_stats: bool, record,
                 conv_out: torch.Tensor) -> None:

@@ -23,8 +23,10 @@ peaks (``DEVICE_PEAKS``):
   squares too), measured at ``FINISH_PASSES`` times the output's bytes at the bandwidth.
 
 A call is taken by PyTorch's convolution only when it also has at least ``MIN_OUTPUTS``
-outputs: such a call is not recorded (prepared calls replay this package's launches only), so
-it pays ~0.1 ms of host time that a small call's GPU time would not hide. The choice depends
+outputs: PyTorch's convolution costs the host a dispatch at every call (a recorded call's
+replay runs it, then replays this package's finish), time that a small call's GPU time would
+not hide. Synchronized statistics and ``variance="gram"`` keep the gather
+(``Pipeline.torch_conv``). The choice depends
 only on the geometry, the input's shape, dtype and device and PyTorch's flag, so it is the
 same for every call of a kind.
 """
@@ -144,7 +146,7 @@ def torch_conv(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: tor
     outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
     if outputs < MIN_OUTPUTS:
         return False, (f"the gather: {outputs} outputs, fewer than the {MIN_OUTPUTS} for which "
-                       "an unrecorded call's host time is hidden")
+                       "PyTorch's convolution's host time is hidden")
     t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
     ratio = t["gather"] / t["torch"] if t["torch"] else 0.0
     costs = f"predicted {t['gather']:.0f} us on the gather, {t['torch']:.0f} us on cuDNN"

@@ -93,7 +93,9 @@ def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offse
     bn = pipe.bn
     return (pipe.geometry, tuple(shape), dtype, device, offset16, pipe.training,
             folding.uses_batch_statistics(bn, pipe.training), saving, pipe.variance,
-            pipe.conv_impl, pipe.options, pipe._synced(), bn.affine,
+            # ("auto" runs the gather's kernels wherever it runs kernels of its own)
+            "gather" if pipe.conv_impl == "auto" else pipe.conv_impl, pipe.options,
+            pipe._synced(), bn.affine,
             folding.tracks_running_stats(bn), bn.momentum is None, pipe.conv.bias is None,
             pipe.tensor_cores(dtype, device))
 

@@ -129,3 +129,22 @@ def test_the_benchmark_holds_a_tf32_call_to_tf32s_error(monkeypatch):
     monkeypatch.setattr(precision, "torch_uses_tf32", lambda: False)
     assert bench.numba_rtol(numba, x) == bench.NUMBA_RTOL
     assert bench.numba_rtol(bench.NumbaModel(model, "gather"), x) == bench.NUMBA_RTOL
+
+
+def test_pytorchs_convolution_takes_pytorchs_precision():
+    conv, bn = nn.ConvTranspose3d(2, 2, 3), nn.BatchNorm3d(2)
+    for value in ("ieee", "tf32"):
+        with pytest.raises(ValueError, match="PyTorch's own precision"):
+            Pipeline(conv, bn, conv_impl="torch", precision=value)
+    pipe = Pipeline(conv, bn, conv_impl="torch")
+    with pytest.raises(ValueError, match="precision must be None"):
+        pipe.precision = "ieee"
+
+
+def test_a_bad_shape_reaches_the_shape_check(tf32_allowed):
+    """The planner's choice is asked before a call validates its input: an input of the wrong
+    rank gets the pipeline's own error, not one from the planner."""
+    pipe = Pipeline(nn.ConvTranspose3d(2, 2, 3), nn.BatchNorm3d(2))
+    assert not pipe.torch_conv((2, 2, 4), torch.float32, CUDA)
+    with pytest.raises(ValueError, match="5-D|5D|dimensions"):
+        pipe(torch.zeros(2, 2, 4))

@@ -38,7 +38,7 @@ LAST_FIRST = True
 
 @cuda.jit
 def scale_centered(y, mean, scale, out):
-    # y, out: (N*C, S); mean: (N*C,) float64; scale: (C,) float64
+    # y, out: (N*C, S); mean: (N*C,) float64; scale: (C,) float64, or the input's dtype
     # Each thread has UNROLL independent loads in flight before it stores (one at a time would
     # leave the kernel latency-bound, well below the bandwidth a copy reaches).
     rows, size = y.shape
