@@ -144,7 +144,8 @@ def test_pytorchs_convolution_takes_pytorchs_precision():
 def test_a_bad_shape_reaches_the_shape_check(tf32_allowed):
     """The planner's choice is asked before a call validates its input: an input of the wrong
     rank gets the pipeline's own error, not one from the planner."""
-    pipe = Pipeline(nn.ConvTranspose3d(2, 2, 3), nn.BatchNorm3d(2))
+    device = tensor_device()
+    pipe = Pipeline(nn.ConvTranspose3d(2, 2, 3).to(device), nn.BatchNorm3d(2).to(device))
     assert not pipe.torch_conv((2, 2, 4), torch.float32, CUDA)
     with pytest.raises(ValueError, match="5-D|5D|dimensions"):
-        pipe(torch.zeros(2, 2, 4))
+        pipe(torch.zeros(2, 2, 4, device=device))
