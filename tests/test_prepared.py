@@ -43,8 +43,11 @@ def _input(device, batch=2, seed=0):
     return (torch.randn(batch, 3, 2, 3, 3, generator=gen, dtype=torch.float64) * 2 + 1).to(device)
 
 
-@pytest.mark.parametrize("conv_impl", ["auto", "torch"])
-@pytest.mark.parametrize("training", [False, True])
+# (PyTorch's convolution in training: on the GPU profile only, for the CI run's 20 minutes;
+# its replay in evaluation and a training loop's replays run in both)
+@pytest.mark.parametrize("training, conv_impl", [
+    (False, "auto"), (True, "auto"), (False, "torch"),
+    pytest.param(True, "torch", marks=pytest.mark.gpu)])
 def test_replayed_calls_see_every_change_through_the_tensors(device, training, conv_impl):
     """Calls of one shape, replayed from the third on, while the parameters change between them
     the ways a user changes them: an optimizer-like in-place step, ``load_state_dict``,
@@ -200,7 +203,9 @@ def test_an_input_aligned_otherwise_is_not_replayed(device, monkeypatch):
     assert len(replays) == 1
 
 
-@pytest.mark.parametrize("conv_impl", ["auto", "torch"])
+# (PyTorch's convolution: on the GPU profile only, for the CI run's 20 minutes; its backward
+# runs in CI in tests/test_backward.py)
+@pytest.mark.parametrize("conv_impl", ["auto", pytest.param("torch", marks=pytest.mark.gpu)])
 def test_training_steps_replay_and_see_every_optimizer_step(device, monkeypatch, conv_impl):
     """A training loop: each step's forward saves for its backward and an optimizer changes
     the weights in place. From the third step the forward and the backward replay their
