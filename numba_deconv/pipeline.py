@@ -175,8 +175,8 @@ class Pipeline:
         # (``specialize="auto"``), and the last call was (``_forward``)
         self._transitional = self._last_transitional = False
         self._kinds: dict[tuple, str] = {}  # tiers.kind_key -> tiers.kind_name
-        # (input shape, device, mode) -> (PyTorch's TF32 flag, whether a conv_impl="auto" call
-        # runs PyTorch's convolution: ``planner.torch_conv``)
+        # (input shape, device, mode, track_running_stats) -> (PyTorch's TF32 flag, whether a
+        # conv_impl="auto" call runs PyTorch's convolution: ``planner.torch_conv``)
         self._torch_choice: dict[tuple, tuple[bool, bool]] = {}
         if variance == "gram" and not specialize:
             raise ValueError("variance='gram' runs the specialised kernels: not with "
