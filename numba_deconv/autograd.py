@@ -10,10 +10,11 @@ Three ops, all in the ``numba_deconv`` namespace:
     PyTorch's running-statistics update from the batch statistics ``forward`` returned, in place
     (declared mutated, so torch.compile functionalises it).
 ``backward(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
-batch_stats, needs, sync)``
+batch_stats, needs, sync, input_grad)``
     ``-> (dx, dw, dgamma)``: ``backward.backward`` (docs/design.md §2.8); ``sync``, when not 0,
     names the process group the forward's batch statistics were synchronized over, as the
-    forward saw it (the backward exchanges its reduction over the same group). It has no
+    forward saw it (the backward exchanges its reduction over the same group);
+    ``input_grad``: how ``dL/dx`` is computed (``Pipeline.input_grad_impl``). It has no
     backward of its own: double backward raises.
 
 ``apply(pipe, x)`` is what ``Pipeline.__call__`` runs when the call must record its backward
@@ -159,24 +160,24 @@ def _(running_mean, running_var, num_batches_tracked, stats, momentum, seen):
 def backward(grad: Tensor, x: Tensor, weight: Tensor, gamma: Optional[Tensor], yc: Tensor,
              rows: Tensor, stats: Tensor, stride: list[int], padding: list[int],
              dilation: list[int], groups: int, batch_stats: bool, needs: list[bool],
-             sync: int) -> tuple[Tensor, Tensor, Tensor]:
+             sync: int, input_grad: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, dgamma = _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding,
-                                    dilation, groups, batch_stats, needs, sync)
+                                    dilation, groups, batch_stats, needs, sync, input_grad)
     return tuple(x.new_empty(0) if t is None else t for t in (dx, dw, dgamma))
 
 
 def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
-                   batch_stats, needs, sync):
+                   batch_stats, needs, sync, input_grad):
     """The backward op's body on its arguments: ``backward.backward``'s gradients, None where
     not needed."""
     return run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
                         weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
-                        _GROUPS[sync] if sync else None)
+                        _GROUPS[sync] if sync else None, input_grad)
 
 
 @backward.register_fake
 def _(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups, batch_stats,
-      needs, sync):
+      needs, sync, input_grad):
     return (torch.empty_like(x) if needs[0] else x.new_empty(0),
             torch.empty_like(weight) if needs[1] else x.new_empty(0),
             torch.empty_like(gamma) if needs[2] and gamma is not None else x.new_empty(0))
@@ -192,6 +193,7 @@ def _setup_context(ctx, inputs, output):
     ctx.batch_stats = _batch_stats(running_mean, training)
     synced = training and pipe.process_group is not None
     ctx.sync = _group_handle(pipe.process_group) if synced else 0
+    ctx.input_grad = pipe.input_grad_impl()
     ctx.mark_non_differentiable(yc, rows, stats)
 
 
@@ -205,7 +207,7 @@ def _backward(ctx, grad_out, *_):
         traced = torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling())
         dx, dw, dgamma = (backward if traced else _backward_body)(
             grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv, ctx.batch_stats,
-            [need_x, need_w, need_gamma], ctx.sync)
+            [need_x, need_w, need_gamma], ctx.sync, ctx.input_grad)
     # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8)
     zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
     return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,

@@ -691,6 +691,16 @@ class Pipeline:
                 self.geometry, tuple(shape), dtype, device, None, batch_stats)[0])
         return hit[1]
 
+    def input_grad_impl(self) -> str:
+        """How the backward computes ``dL/dx`` (``backward.takes_torch_input_grad``):
+        ``"torch"``, PyTorch's convolution, with ``conv_impl="torch"``; ``"auto"``, per input
+        shape by ``planner.torch_input_grad`` (cuDNN's TF32 convolution where predicted
+        clearly faster), with ``conv_impl="auto"`` and ``precision=None``; ``"kernel"``
+        (``conv_grads.input_grad``) otherwise."""
+        if self.conv_impl == "torch":
+            return "torch"
+        return "auto" if self.conv_impl == "auto" and self.precision is None else "kernel"
+
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""
         if self._capturing:  # inside a graph: derive afresh at every replay, never from a cache

@@ -29,6 +29,19 @@ not hide. Synchronized statistics and ``variance="gram"`` keep the gather
 (``Pipeline.torch_conv``). The choice depends
 only on the geometry, the input's shape, dtype and device and PyTorch's flag, so it is the
 same for every call of a kind.
+
+The backward's input gradient (``torch_input_grad``) is chosen the same way, on the same
+conditions: ``dL/dx`` is the convolution of ``dy`` with the same weights (the adjoint of the
+transposed convolution), which ``conv_grads.input_grad`` runs on CUDA cores at
+``INPUT_GRAD_EFFICIENCY`` of the FP32 peak and cuDNN's forward convolution on TF32 tensor
+cores at ``CUDNN_PER_CHANNEL`` of the TF32 peak per input channel of a group (its GEMM's
+columns), at most ``CUDNN_CAP``; taken where predicted ``INPUT_GRAD_MARGIN`` faster and at
+least ``MIN_SAVING_US`` sooner (a PyTorch call's dispatch). The margin is wider than the
+forward's: TF32 takes the gradient's error from ~1e-6 to ~3e-4 (eager's), which only a clear
+gain pays for, so the default problem's gradients (predicted 1.2x) stay exact in float32.
+cuDNN's forward convolution is deterministic, as the kernel is. The weight gradient stays on ``conv_grads.weight_grad``
+(deterministic by construction; cuDNN's TF32 weight gradient is faster from 32 channels, but
+its fast algorithms accumulate with atomics: docs/performance.md, "Known limits").
 """
 
 from __future__ import annotations
@@ -68,6 +81,13 @@ FINISH_PASSES = {False: 5.3, True: 6.6}
 MARGIN = 1.1
 #: ... for calls with at least this many outputs.
 MIN_OUTPUTS = 1 << 22
+#: ``conv_grads.input_grad``'s multiply-add rate, a fraction of the FP32 peak (H200: 12-14
+#: TFLOP/s at kernels of 1 to 3 taps an axis, less at 4 and 5).
+INPUT_GRAD_EFFICIENCY = 0.2
+#: The backward's input gradient runs on cuDNN only where predicted this much faster ...
+INPUT_GRAD_MARGIN = 1.5
+#: ... and at least this much sooner.
+MIN_SAVING_US = 20.0
 
 
 def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:
@@ -135,14 +155,9 @@ def torch_conv(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: tor
                precision, training: bool) -> tuple[bool, str]:
     """``(takes_torch, why)``: whether a ``conv_impl="auto"`` call with an input of ``shape``
     runs PyTorch's convolution (the ``"torch"`` path), and the reason in words."""
-    if dtype != torch.float32:
-        return False, f"the gather: {str(dtype).replace('torch.', '')} (cuDNN's TF32 is for float32)"
-    if precision is not None:
-        return False, f"the gather: precision={precision!r} sets this package's precision"
-    if precisions.resolve(None, device) != "tf32" or capability(device) < TF32_CC:
-        return False, ("the gather: PyTorch's convolution would run in strict float32 here "
-                       "(its flag, not a GPU, or a GPU without TF32 tensor cores), slower than "
-                       "the gather")
+    refused = _tf32_refusal(dtype, device, precision)
+    if refused:
+        return False, f"the gather: {refused}"
     outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
     if outputs < MIN_OUTPUTS:
         return False, (f"the gather: {outputs} outputs, fewer than the {MIN_OUTPUTS} for which "
@@ -155,4 +170,47 @@ def torch_conv(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: tor
     return False, f"the gather: {costs} (cuDNN taken from {MARGIN}x)"
 
 
-__all__ = ["DEVICE_PEAKS", "DEFAULT_DEVICE", "device_peaks", "peaks_of", "predict", "torch_conv"]
+def predict_input_grad(geom: ConvGeometry, batch: int, in_spatial,
+                       peaks: dict[str, float]) -> dict[str, float]:
+    """Predicted GPU microseconds of the backward's input gradient, per candidate:
+    ``{"kernels": ..., "torch": ...}`` (``conv_grads.input_grad`` on CUDA cores; cuDNN's TF32
+    convolution of ``dy`` with the weights). Both read ``dy`` and write ``dL/dx`` once: the
+    multiply-adds decide."""
+    flops = 2.0 * geom.macs(batch, in_spatial)
+    rate = min(CUDNN_PER_CHANNEL * geom.in_per_group, CUDNN_CAP) * peaks["tf32"]
+    return {"kernels": flops / (INPUT_GRAD_EFFICIENCY * peaks["fp32"]) * 1e6,
+            "torch": flops / rate * 1e6}
+
+
+def torch_input_grad(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
+                     device: torch.device, precision) -> tuple[bool, str]:
+    """``(takes_torch, why)``: whether the backward of a ``conv_impl="auto"`` call with an input
+    of ``shape`` computes ``dL/dx`` with PyTorch's convolution (cuDNN, TF32), and why."""
+    refused = _tf32_refusal(dtype, device, precision)
+    if refused:
+        return False, f"the input-gradient kernel: {refused}"
+    t = predict_input_grad(geom, shape[0], tuple(shape[2:]), peaks_of(device))
+    costs = (f"predicted {t['kernels']:.0f} us on the input-gradient kernel, "
+             f"{t['torch']:.0f} us on cuDNN")
+    if t["kernels"] >= INPUT_GRAD_MARGIN * t["torch"] \
+            and t["kernels"] - t["torch"] >= MIN_SAVING_US:
+        return True, f"PyTorch's convolution (cuDNN, TF32): {costs}"
+    return False, (f"the input-gradient kernel: {costs} (cuDNN taken from {INPUT_GRAD_MARGIN}x "
+                   f"and {MIN_SAVING_US:.0f} us)")
+
+
+def _tf32_refusal(dtype: torch.dtype, device: torch.device, precision) -> str:
+    """Why PyTorch's convolution would not run on TF32 tensor cores for this call ('' where it
+    would): the conditions every PyTorch-convolution choice shares."""
+    if dtype != torch.float32:
+        return f"{str(dtype).replace('torch.', '')} (cuDNN's TF32 is for float32)"
+    if precision is not None:
+        return f"precision={precision!r} sets this package's precision"
+    if precisions.resolve(None, device) != "tf32" or capability(device) < TF32_CC:
+        return ("PyTorch's convolution would run in strict float32 here (its flag, not a GPU, "
+                "or a GPU without TF32 tensor cores), slower")
+    return ""
+
+
+__all__ = ["DEVICE_PEAKS", "DEFAULT_DEVICE", "device_peaks", "peaks_of", "predict",
+           "predict_input_grad", "torch_conv", "torch_input_grad"]

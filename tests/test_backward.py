@@ -186,6 +186,56 @@ def test_replayed_backward_is_the_launched_one(wants, device):
             assert torch.equal(ours, fresh)
 
 
+@pytest.mark.parametrize("kernel, stride, padding, out_pad, dilation, groups", [
+    (3, 2, 1, 1, 1, 1), ((3, 2, 4), (3, 1, 2), (1, 0, 2), (2, 0, 1), (2, 1, 1), 2),
+    (3, 1, 0, 1, 2, 1),  # output padding past the stride (dilation allows it): cut off
+    (2, 2, 0, 0, 1, 4)])
+def test_input_gradient_by_pytorchs_convolution(kernel, stride, padding, out_pad, dilation,
+                                                groups, device):
+    """``backward.input_grad_torch``: conv3d of dy with the weights is the transposed
+    convolution's input gradient (autograd's, float64), output padding included."""
+    from numba_deconv import backward
+
+    torch.manual_seed(5)
+    conv = nn.ConvTranspose3d(4, 8, kernel, stride, padding, out_pad, groups, False,
+                              dilation).double().to(device)
+    x = torch.randn(2, 4, 3, 4, 5, dtype=torch.float64, device=device, requires_grad=True)
+    y = conv(x)
+    dy = torch.randn_like(y)
+    (expected,) = torch.autograd.grad(y, x, dy)
+    got = backward.input_grad_torch(dy, conv.weight.detach(), x.shape,
+                                    (conv.stride, conv.padding, conv.dilation, groups))
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_replayed_backward_with_pytorchs_input_gradient(device):
+    """Where dL/dx is PyTorch's convolution (``conv_impl="torch"``, or the planner's choice),
+    a replayed backward (batch statistics) still computes it for every call: it runs after
+    the replay, not in it."""
+    from numba_deconv import backward
+
+    conv, bn = _modules(True, device)
+    ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
+    for p in (*conv.parameters(), *bn.parameters()):  # (dL/dx alone: fewer simulated launches)
+        p.requires_grad_(False)
+    pipe = Pipeline(conv, bn, conv_impl="torch")
+    assert pipe.input_grad_impl() == "torch"
+    backward.clear()
+    for seed in range(3):  # launched, recorded, replayed
+        gen = torch.Generator().manual_seed(seed)
+        x = (torch.randn(2, 2, 3, 2, 2, generator=gen, dtype=torch.float64) + seed).to(device)
+        x.requires_grad_(True)
+        out = pipe(x)
+        g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device)
+        (dx,) = torch.autograd.grad(out, x, g)
+        xr = x.detach().requires_grad_(True)
+        y = ref_bn(ref_conv(xr))
+        (expected,) = torch.autograd.grad(y - y.mean(dim=(2, 3, 4), keepdim=True), xr, g)
+        torch.testing.assert_close(dx, expected, rtol=1e-9, atol=1e-9 * expected.abs().max())
+    assert any(isinstance(entry, backward.Replay) for entry in backward._REPLAYS.values())
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_empty_batch_backward(training, device):
     """An empty batch: empty output and input gradient, zero parameter gradients, and in

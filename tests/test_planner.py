@@ -149,3 +149,111 @@ def test_a_bad_shape_reaches_the_shape_check(tf32_allowed):
     assert not pipe.torch_conv((2, 2, 4), torch.float32, CUDA)
     with pytest.raises(ValueError, match="5-D|5D|dimensions"):
         pipe(torch.zeros(2, 2, 4, device=device))
+
+
+# H200, µs per call, GPU time (benchmarks/probe_backward.py; docs/performance.md, "Known
+# limits"): (row, in, out, kernel, stride, padding, dilation, groups, batch, input, the
+# input-gradient kernel, cuDNN's TF32 convolution of dy)
+MEASURED_INPUT_GRAD = [
+    ("default", 16, 32, 3, 2, 1, 1, 1, 16, (16, 32, 32), 541.6, 400.5),
+    ("b32_32to64", 32, 64, 3, 2, 1, 1, 1, 32, (16, 32, 32), 3731.8, 1140.5),
+    ("b8_64to64", 64, 64, 3, 2, 1, 1, 1, 8, (16, 32, 32), 1940.4, 334.6),
+    ("decoder_k2s2", 96, 48, 2, 2, 0, 1, 1, 2, (20, 20, 20), 86.3, 55.1),
+    ("k4s2p1", 24, 24, 4, 2, 1, 1, 1, 4, (16, 24, 24), 298.3, 80.7),
+    ("geometry", 16, 32, (3, 2, 4), 3, (1, 0, 1), 2, 2, 8, (8, 16, 16), 58.4, 69.9),
+    ("tiny", 4, 4, 3, 2, 1, 1, 1, 1, (4, 4, 4), 10.6, 9.5),
+    ("32to32", 32, 32, 3, 2, 1, 1, 1, 8, (16, 32, 32), 527.7, 172.2),
+    ("48to48", 48, 48, 3, 2, 1, 1, 1, 8, (16, 32, 32), 1045.6, 404.0),
+    ("96to96", 96, 96, 3, 2, 1, 1, 1, 4, (16, 32, 32), 2125.6, 404.7),
+    ("128to128", 128, 128, 3, 2, 1, 1, 1, 4, (16, 32, 32), 3879.4, 348.7),
+    ("192to192", 192, 192, 3, 2, 1, 1, 1, 2, (16, 32, 32), 4369.7, 298.1),
+    ("256to256", 256, 256, 3, 2, 1, 1, 1, 2, (16, 32, 32), 7825.9, 448.4),
+    ("64to32", 64, 32, 3, 2, 1, 1, 1, 8, (16, 32, 32), 957.8, 197.6),
+    ("16to64", 16, 64, 3, 2, 1, 1, 1, 8, (16, 32, 32), 671.7, 434.4),
+    ("k5s1p2", 32, 32, 5, 1, 2, 1, 1, 2, (16, 32, 32), 1096.6, 130.6),
+    ("k2s2_128to64", 128, 64, 2, 2, 0, 1, 1, 2, (16, 16, 16), 93.2, 22.7),
+    ("k1s1", 64, 64, 1, 1, 0, 1, 1, 4, (16, 32, 32), 47.6, 9.9),
+    ("k3s1p1", 48, 48, 3, 1, 1, 1, 1, 4, (16, 32, 32), 527.3, 156.0),
+    ("groups4", 128, 128, 3, 2, 1, 1, 4, 4, (16, 32, 32), 973.3, 305.8),
+    ("dilation2", 64, 64, 3, 2, 2, 2, 1, 4, (16, 32, 32), 998.9, 164.4),
+    ("24to24_b16", 24, 24, 3, 2, 1, 1, 1, 16, (16, 32, 32), 676.3, 283.8),
+    ("k4s2p1_48", 48, 48, 4, 2, 1, 1, 1, 4, (16, 24, 24), 1142.0, 287.9),
+]
+# the rows the rates were fitted on: kernels of at most 3 taps an axis, stride 2, no groups, at
+# least 4M outputs (the others are memory-, latency- or geometry-bound, and at 32 -> 64 channels
+# cuDNN runs 1.5x faster than predicted; the choice still holds)
+FITTED = {"default", "b8_64to64", "32to32", "48to48", "96to96", "128to128",
+          "192to192", "256to256", "64to32", "dilation2", "24to24_b16"}
+
+
+@pytest.mark.parametrize("row", MEASURED_INPUT_GRAD, ids=lambda r: r[0])
+def test_the_input_gradient_model_against_its_measurements(row):
+    """The backward's input gradient: cuDNN is chosen wherever it measured twice as fast (and
+    the saving is worth a call), the kernel wherever it measured the faster; on the rows the
+    rates were fitted on each prediction is within 30% of the measured time."""
+    name, cin, cout, k, s, p, d, groups, batch, spatial, kernel_us, torch_us = row
+    geom = ConvGeometry.create(cin, cout, k, s, p, dilation=d, groups=groups)
+    t = planner.predict_input_grad(geom, batch, spatial, planner.DEVICE_PEAKS["H200"])
+    takes = t["kernels"] >= planner.INPUT_GRAD_MARGIN * t["torch"] \
+        and t["kernels"] - t["torch"] >= planner.MIN_SAVING_US
+    if kernel_us >= 2 * torch_us and kernel_us - torch_us >= planner.MIN_SAVING_US:
+        assert takes
+    elif torch_us >= kernel_us:
+        assert not takes
+    if name in FITTED:
+        assert abs(t["kernels"] / kernel_us - 1) < 0.3
+        assert abs(t["torch"] / torch_us - 1) < 0.3
+
+
+@pytest.mark.parametrize("dtype, device, asked, flag", [
+    (torch.float64, CUDA, None, True),
+    (torch.float32, CUDA, "ieee", True),
+    (torch.float32, CUDA, "tf32", True),
+    (torch.float32, CUDA, None, False),
+    (torch.float32, torch.device("cpu"), None, True),
+])
+def test_the_input_gradient_kernel_elsewhere(dtype, device, asked, flag, monkeypatch):
+    """PyTorch's convolution computes dL/dx only where it would run on TF32 tensor cores by
+    PyTorch's own flag, as the forward's choice."""
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag)
+    geom = ConvGeometry.create(64, 64, 3, 2, 1)
+    takes, why = planner.torch_input_grad(geom, (8, 64, 16, 32, 32), dtype, device, asked)
+    assert not takes and why.startswith("the input-gradient kernel")
+
+
+def test_the_backward_follows_the_input_gradient_planner(monkeypatch):
+    """``backward.takes_torch_input_grad``: under ``"auto"`` the planner's choice per shape,
+    following PyTorch's flag as it changes; ``"kernel"`` never, ``"torch"`` always; and the
+    pipeline's setting for it (``Pipeline.input_grad_impl``) by ``conv_impl`` and
+    ``precision``."""
+    from numba_deconv import backward
+
+    flag = [True]
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag[0])
+    backward.clear()
+    conv = ((2, 2, 2), (1, 1, 1), (1, 1, 1), 1)
+    w = (64, 64, 3, 3, 3)
+    big, big_out = (8, 64, 16, 32, 32), (8, 64, 31, 63, 63)
+    small, small_out = (1, 64, 2, 2, 2), (1, 64, 3, 3, 3)
+    takes = backward.takes_torch_input_grad
+    assert takes(conv, big, w, big_out, torch.float32, CUDA, "auto")
+    assert not takes(conv, small, w, small_out, torch.float32, CUDA, "auto")
+    assert not takes(conv, big, w, big_out, torch.float64, CUDA, "auto")
+    assert not takes(conv, big, w, big_out, torch.float32, torch.device("cpu"), "auto")
+    flag[0] = False
+    assert not takes(conv, big, w, big_out, torch.float32, CUDA, "auto")
+    flag[0] = True
+    assert not takes(conv, big, w, big_out, torch.float32, CUDA, "kernel")
+    assert takes(conv, small, w, small_out, torch.float64, CUDA, "torch")
+    with pytest.raises(ValueError, match="input_grad must be"):
+        takes(conv, big, w, big_out, torch.float32, CUDA, "cudnn")
+    # the output padding read off the shapes: one more output row is the same choice
+    assert takes(conv, big, w, (8, 64, 32, 63, 63), torch.float32, CUDA, "auto")
+
+    m, bn = nn.ConvTranspose3d(4, 4, 3), nn.BatchNorm3d(4)
+    assert Pipeline(m, bn).input_grad_impl() == "auto"
+    assert Pipeline(m, bn, conv_impl="torch").input_grad_impl() == "torch"
+    for impl in ("gather", "scatter"):
+        assert Pipeline(m, bn, conv_impl=impl).input_grad_impl() == "kernel"
+    for value in ("ieee", "tf32"):
+        assert Pipeline(m, bn, precision=value).input_grad_impl() == "kernel"

@@ -1,0 +1,136 @@
+"""The convolution's two gradients alone: this package's kernels against cuDNN's (GPU only).
+
+Answers: per geometry, how long do ``conv_grads.launch_input_grad`` (``dL/dx``) and
+``conv_grads.launch_weight_grad`` (``dL/dW``) take on CUDA cores, and how long does PyTorch's
+``aten.convolution_backward`` take for each, in TF32 (PyTorch's default for cuDNN) and in
+strict float32? The numbers calibrate the planner's backward (``planner.predict_grads``).
+
+    PYTHONPATH=$PWD python3 benchmarks/probe_backward.py [--rows NAME ...] [--reps R]
+
+Rows: the shape suite's float32 rows and a channel sweep at kernel 3, stride 2, padding 1 on a
+16x32x32 input, plus a few other kernels. Each gradient is checked against float64 PyTorch
+first (relative error printed), then its launches captured ``CALLS`` times in one CUDA graph
+and the replay timed with CUDA events (median of ``--reps`` replays, per call): GPU time only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+import numba_deconv  # noqa: F401  (compat + backend before numba.cuda compiles)
+from numba_deconv import bench, testing
+from numba_deconv.bench import Case, _conv
+from numba_deconv.kernels import conv_grads
+
+CALLS = 5
+
+
+def rows() -> list[Case]:
+    suite = [c for c in bench.suite_cases() if c.dtype == "float32"]
+    sweep = [Case(f"k3s2p1_{c}to{c}_b{b}", _conv(c, c, 3, 2, 1), b, (16, 32, 32))
+             for c, b in ((32, 8), (48, 8), (96, 4), (128, 4), (192, 2), (256, 2))]
+    other = [
+        Case("k3s2p1_64to32_b8", _conv(64, 32, 3, 2, 1), 8, (16, 32, 32)),
+        Case("k3s2p1_16to64_b8", _conv(16, 64, 3, 2, 1), 8, (16, 32, 32)),
+        Case("k5s1p2_32to32_b2", _conv(32, 32, 5, 1, 2), 2, (16, 32, 32)),
+        Case("k2s2_128to64_b2", _conv(128, 64, 2, 2, 0), 2, (16, 16, 16)),
+        Case("k1s1_64to64_b4", _conv(64, 64, 1, 1, 0), 4, (16, 32, 32)),
+        Case("k3s1p1_48to48_b4", _conv(48, 48, 3, 1, 1), 4, (16, 32, 32)),
+        Case("k3s2p1_g4_128to128_b4", _conv(128, 128, 3, 2, 1, groups=4), 4, (16, 32, 32)),
+        Case("k3s2p2d2_64to64_b4", _conv(64, 64, 3, 2, 2, dilation=2), 4, (16, 32, 32)),
+        Case("k3s2p1_24to24_b16", _conv(24, 24, 3, 2, 1), 16, (16, 32, 32)),
+        Case("k4s2p1_48to48_b4", _conv(48, 48, 4, 2, 1), 4, (16, 24, 24)),
+    ]
+    return suite + sweep + other
+
+
+def cudnn(dy, x, w, conv, mask):
+    out_pad = tuple(int(v) for v in conv.output_padding)
+    return torch.ops.aten.convolution_backward(
+        dy, x, w, None, list(conv.stride), list(conv.padding), list(conv.dilation), True,
+        list(out_pad), conv.groups, mask)
+
+
+def run(case: Case, reps: int) -> dict:
+    model, x = case.build("cuda")
+    conv = model.conv_transpose
+    w = conv.weight.detach().contiguous()
+    geom = case.geometry()
+    dy = torch.randn(case.output_shape(), device="cuda")
+    x64, w64, dy64 = x.double(), w.double(), dy.double()
+    ref = cudnn(dy64, x64, w64, conv, [True, True, False])
+    args = (tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation))
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    scratch = conv_grads.weight_grad_scratch(x, dy, dw, *args, conv.groups)
+    row = dict(name=case.name, c=(geom.in_per_group * geom.out_per_group) ** 0.5,
+               macs=geom.macs(case.batch, case.spatial), outputs=dy.numel(), inputs=x.numel())
+
+    def ours_dx():
+        conv_grads.launch_input_grad(dy, w, dx, *args)
+
+    def ours_dw():
+        conv_grads.launch_weight_grad(x, dy, dw, *args, conv.groups, scratch=scratch)
+
+    for fn in (ours_dx, ours_dw):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    row["err_ours_dx"] = testing.relative_error(dx, ref[0])
+    row["err_ours_dw"] = testing.relative_error(dw, ref[1])
+    row["ours_dx"] = bench.graph_time_us(ours_dx, calls=CALLS, reps=reps)
+    row["ours_dw"] = bench.graph_time_us(ours_dw, calls=CALLS, reps=reps)
+    for label, strict in (("tf32", False), ("ieee", True)):
+        ctx = bench.strict_fp32() if strict else _nothing()
+        with ctx:
+            for i, what in enumerate(("dx", "dw")):
+                mask = [i == 0, i == 1, False]
+                got = cudnn(dy, x, w, conv, mask)[i]
+                row[f"err_{label}_{what}"] = testing.relative_error(got, ref[i])
+                row[f"{label}_{what}"] = bench.graph_time_us(
+                    lambda m=mask: cudnn(dy, x, w, conv, m), calls=CALLS, reps=reps)
+    return row
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", help="row names (default: all)")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or bench.is_simulator():
+        sys.exit("probe_backward: needs a GPU")
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    table = []
+    for case in rows():
+        if args.rows and case.name not in args.rows:
+            continue
+        try:
+            r = run(case, args.reps)
+        except Exception as exc:  # noqa: BLE001 - a failing row is reported, not fatal
+            print("FAILED", case.name, repr(exc)[:300], flush=True)
+            continue
+        print(r, flush=True)
+        table.append(r)
+    print(f"{'row':24} {'c':>6} {'GMAC':>6} {'Mout':>6} | {'ours dx':>8} {'ours dw':>8} | "
+          f"{'tf32 dx':>8} {'tf32 dw':>8} | {'ieee dx':>8} {'ieee dw':>8} | "
+          f"{'err ours':>8} {'err tf32':>8}  (us)")
+    for r in table:
+        print(f"{r['name']:24} {r['c']:6.1f} {r['macs'] / 1e9:6.2f} {r['outputs'] / 1e6:6.2f} | "
+              f"{r['ours_dx']:8.1f} {r['ours_dw']:8.1f} | {r['tf32_dx']:8.1f} "
+              f"{r['tf32_dw']:8.1f} | {r['ieee_dx']:8.1f} {r['ieee_dw']:8.1f} | "
+              f"{max(r['err_ours_dx'], r['err_ours_dw']):8.1e} "
+              f"{max(r['err_tf32_dx'], r['err_tf32_dw']):8.1e}")
+
+
+if __name__ == "__main__":
+    main()
