@@ -3,7 +3,9 @@
 Answers: per geometry, how long do ``conv_grads.launch_input_grad`` (``dL/dx``) and
 ``conv_grads.launch_weight_grad`` (``dL/dW``) take on CUDA cores, and how long does PyTorch's
 ``aten.convolution_backward`` take for each, in TF32 (PyTorch's default for cuDNN) and in
-strict float32? The numbers calibrate the planner's backward (``planner.predict_grads``).
+strict float32? The numbers calibrate the planner's backward (``planner.predict_input_grad``;
+the backward runs the input gradient as ``conv3d(dy, W)``, the same cuDNN forward convolution
+that ``aten.convolution_backward`` runs for a transposed convolution's input gradient).
 
     PYTHONPATH=$PWD python3 benchmarks/probe_backward.py [--rows NAME ...] [--reps R]
 

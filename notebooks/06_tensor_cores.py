@@ -430,7 +430,7 @@ assert tf32_share < 0.05 < 0.3 < ffma_share
 # cycle, 23% achieved occupancy (two blocks of 256 threads at 128 registers), L2 63% busy, DRAM
 # 23%; a block stages ~1.1 weights per output it owns (the FFMA gather: 0.14). Not the `mma`s'
 # rate but the work around them bounds it, and the stores are the L2's load (843 MB sent to L2
-# for 254 MB of output, 11.6 of each 32-byte sector's bytes used).
+# for 252 MB of output, 11.6 of each 32-byte sector's bytes used).
 #
 # The fragment layout explains that last number. In the kernel, C-fragment row `g` is quotient
 # column `g`, i.e. output column `2g + rw` at stride 2, and column `2t` is a channel: one store

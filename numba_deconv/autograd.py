@@ -10,12 +10,13 @@ Three ops, all in the ``numba_deconv`` namespace:
     PyTorch's running-statistics update from the batch statistics ``forward`` returned, in place
     (declared mutated, so torch.compile functionalises it).
 ``backward(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
-batch_stats, needs, sync, input_grad)``
+batch_stats, needs, sync, handle)``
     ``-> (dx, dw, dgamma)``: ``backward.backward`` (docs/design.md §2.8); ``sync``, when not 0,
     names the process group the forward's batch statistics were synchronized over, as the
-    forward saw it (the backward exchanges its reduction over the same group);
-    ``input_grad``: how ``dL/dx`` is computed (``Pipeline.input_grad_impl``). It has no
-    backward of its own: double backward raises.
+    forward saw it (the backward exchanges its reduction over the same group); ``handle``
+    names the pipeline, whose settings say how ``dL/dx`` is computed when the backward runs
+    (``Pipeline.input_grad_impl``; the kernel if the pipeline is gone). It has no backward of
+    its own: double backward raises.
 
 ``apply(pipe, x)`` is what ``Pipeline.__call__`` runs when the call must record its backward
 (grad mode, and the input or a parameter requires grad) and what ``ModelNew.forward`` runs under
@@ -160,25 +161,29 @@ def _(running_mean, running_var, num_batches_tracked, stats, momentum, seen):
 def backward(grad: Tensor, x: Tensor, weight: Tensor, gamma: Optional[Tensor], yc: Tensor,
              rows: Tensor, stats: Tensor, stride: list[int], padding: list[int],
              dilation: list[int], groups: int, batch_stats: bool, needs: list[bool],
-             sync: int, input_grad: str) -> tuple[Tensor, Tensor, Tensor]:
+             sync: int, handle: int) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, dgamma = _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding,
-                                    dilation, groups, batch_stats, needs, sync, input_grad)
+                                    dilation, groups, batch_stats, needs, sync, handle)
     return tuple(x.new_empty(0) if t is None else t for t in (dx, dw, dgamma))
 
 
 def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
-                   batch_stats, needs, sync, input_grad):
+                   batch_stats, needs, sync, handle):
     """The backward op's body on its arguments: ``backward.backward``'s gradients, None where
     not needed."""
+    pipe = _PIPELINES.get(handle)
     return run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
                         weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
-                        _GROUPS[sync] if sync else None, input_grad)
+                        _GROUPS[sync] if sync else None,
+                        "kernel" if pipe is None else pipe.input_grad_impl())
 
 
 @backward.register_fake
 def _(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups, batch_stats,
-      needs, sync, input_grad):
-    return (torch.empty_like(x) if needs[0] else x.new_empty(0),
+      needs, sync, handle):
+    # (dL/dx contiguous whatever x's memory format: so the kernels and PyTorch's convolution
+    # write it)
+    return (x.new_empty(x.shape) if needs[0] else x.new_empty(0),
             torch.empty_like(weight) if needs[1] else x.new_empty(0),
             torch.empty_like(gamma) if needs[2] and gamma is not None else x.new_empty(0))
 
@@ -193,7 +198,7 @@ def _setup_context(ctx, inputs, output):
     ctx.batch_stats = _batch_stats(running_mean, training)
     synced = training and pipe.process_group is not None
     ctx.sync = _group_handle(pipe.process_group) if synced else 0
-    ctx.input_grad = pipe.input_grad_impl()
+    ctx.handle = handle
     ctx.mark_non_differentiable(yc, rows, stats)
 
 
@@ -207,7 +212,7 @@ def _backward(ctx, grad_out, *_):
         traced = torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling())
         dx, dw, dgamma = (backward if traced else _backward_body)(
             grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv, ctx.batch_stats,
-            [need_x, need_w, need_gamma], ctx.sync, ctx.input_grad)
+            [need_x, need_w, need_gamma], ctx.sync, ctx.handle)
     # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8)
     zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
     return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,

@@ -47,7 +47,8 @@ from collections import OrderedDict
 
 import torch
 
-from . import folding, planner, precision as precisions, sync
+from . import folding, planner, sync
+from .dtypes import no_autocast
 from .geometry import ConvGeometry, output_length
 from .kernels import conv_grads, grad_rows
 from .kernels.launch import Replay, recording
@@ -72,7 +73,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     if batch == 0 or g.numel() == 0:
         if pooled:  # the other ranks' exchange waits for this rank's (empty) share
             sync.all_sums(0.0, torch.zeros(channels, **f64), group)
-        return (torch.zeros_like(x) if need_x else None,
+        return (x.new_zeros(x.shape) if need_x else None,
                 torch.zeros_like(weight) if need_w else None,
                 torch.zeros_like(gamma) if need_gamma else None)
     g = g.detach().contiguous()
@@ -107,7 +108,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     if torch_dx:
         dx = input_grad_torch(dy, conv_weight, x.shape, conv)
     elif need_x:
-        dx = torch.empty_like(x)
+        dx = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
         conv_grads.launch_input_grad(dy, conv_weight.contiguous(), dx, stride, padding, dilation)
     if need_w or need_gamma:
         v = torch.empty_like(weight)
@@ -139,7 +140,7 @@ def takes_torch_input_grad(conv: tuple, x_shape, w_shape, dy_shape, dtype: torch
         return input_grad == "torch"
     if dtype != torch.float32 or device.type != "cuda":
         return False
-    flag = precisions.torch_uses_tf32()
+    flag = planner.torch_flags()
     key = (conv, tuple(x_shape), tuple(w_shape), tuple(dy_shape), device, flag)
     hit = _CHOICES.get(key)
     if hit is None:
@@ -160,9 +161,10 @@ def input_grad_torch(dy: torch.Tensor, weight: torch.Tensor, x_shape, conv: tupl
     give it): the adjoint of ``conv_transpose3d(x, weight)`` is ``conv3d(dy, weight)`` with the
     same stride, padding, dilation and groups. Where the output padding is at least the stride
     (``dilation`` allows it) that convolution reaches past the input's last positions, which
-    the transposed convolution never read: they are cut off."""
+    the transposed convolution never read: they are cut off. Never under autocast: the
+    gradient is in the operator's dtype, at the precision PyTorch's flags give float32."""
     stride, padding, dilation, groups = conv
-    with torch.no_grad():
+    with torch.no_grad(), no_autocast(dy.device.type):
         dx = torch.nn.functional.conv3d(dy, weight.contiguous(), None, stride, padding,
                                         dilation, groups)
     if tuple(dx.shape) != tuple(x_shape):
@@ -194,7 +196,7 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
         t["dgamma"] = torch.empty_like(t["gamma"])  # A_c(local) / sigma
     if need_x:
         t["weight"] = weight.detach().contiguous()
-        t["dx"] = torch.empty_like(x)
+        t["dx"] = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
     if need_w:
         t["x"] = x.detach().contiguous()
         t["dw"] = torch.empty_like(weight)

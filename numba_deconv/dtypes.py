@@ -3,10 +3,13 @@
 Kernel factories take the dtype as a string, ``"float32"`` or ``"float64"``, so that it can key
 their caches (``functools.lru_cache``) and be compared without importing numba's types. This
 module maps that name to numba's element type and to its size in bytes, and a torch dtype to
-the name.
+the name; ``no_autocast`` keeps the PyTorch operations the package calls in the operator's
+dtype.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from numba import float32, float64
@@ -28,3 +31,11 @@ def name_of(dtype: torch.dtype) -> str:
         return _NAMES[dtype]
     except KeyError:
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}") from None
+
+
+def no_autocast(device_type: str):
+    """A context in which PyTorch's operations keep their inputs' dtype: autocast off where it
+    is on (entering that context costs a few µs of host time, so only then)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

@@ -679,7 +679,7 @@ class Pipeline:
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
                 or self.process_group is not None or self.variance == "gram" or len(shape) != 5:
             return False
-        flag = precisions.torch_uses_tf32()
+        flag = planner.torch_flags()
         # (the mode and batch norm's settings decide whether batch statistics are used)
         key = (tuple(shape), device, self.training, self.bn.track_running_stats)
         hit = self._torch_choice.get(key)
@@ -1065,9 +1065,10 @@ class Pipeline:
         """The ``"torch"`` path's convolution: PyTorch's (cuDNN on a GPU, at the precision
         PyTorch's flags give it), without the bias (the mean subtraction removes it), a new
         tensor. A recorded call's replay runs it again, then replays the finish's launches on
-        its output (``_replay_prepared``)."""
+        its output (``_replay_prepared``). Never under autocast: the finish takes the
+        parameters' dtype."""
         geom = self.geometry
-        with torch.no_grad():
+        with torch.no_grad(), dtypes.no_autocast(x.device.type):
             # (contiguous: channels-last weights would give a channels-last output)
             return torch.nn.functional.conv_transpose3d(
                 x, self._stored_weight(batch_stats), None, geom.stride, geom.padding,

@@ -39,7 +39,9 @@ columns), at most ``CUDNN_CAP``; taken where predicted ``INPUT_GRAD_MARGIN`` fas
 least ``MIN_SAVING_US`` sooner (a PyTorch call's dispatch). The margin is wider than the
 forward's: TF32 takes the gradient's error from ~1e-6 to ~3e-4 (eager's), which only a clear
 gain pays for, so the default problem's gradients (predicted 1.2x) stay exact in float32.
-cuDNN's forward convolution is deterministic, as the kernel is. The weight gradient stays on ``conv_grads.weight_grad``
+cuDNN's forward-convolution algorithms add no floats atomically: with the same algorithm every
+run (``torch.backends.cudnn.benchmark`` off, PyTorch's default) the gradient is bit-identical
+from run to run, as the kernel's is. The weight gradient stays on ``conv_grads.weight_grad``
 (deterministic by construction; cuDNN's TF32 weight gradient is faster from 32 channels, but
 its fast algorithms accumulate with atomics: docs/performance.md, "Known limits").
 """
@@ -209,8 +211,16 @@ def _tf32_refusal(dtype: torch.dtype, device: torch.device, precision) -> str:
     if precisions.resolve(None, device) != "tf32" or capability(device) < TF32_CC:
         return ("PyTorch's convolution would run in strict float32 here (its flag, not a GPU, "
                 "or a GPU without TF32 tensor cores), slower")
+    if not torch.backends.cudnn.enabled:
+        return "cuDNN is off (torch.backends.cudnn.enabled): PyTorch's own 3-D convolution is slower"
     return ""
 
 
+def torch_flags() -> tuple:
+    """What of PyTorch's state the choices depend on beyond a call's shape: its TF32 flag and
+    whether cuDNN is on (the planner's callers key their cached choices with it)."""
+    return precisions.torch_uses_tf32(), torch.backends.cudnn.enabled
+
+
 __all__ = ["DEVICE_PEAKS", "DEFAULT_DEVICE", "device_peaks", "peaks_of", "predict",
-           "predict_input_grad", "torch_conv", "torch_input_grad"]
+           "predict_input_grad", "torch_conv", "torch_flags", "torch_input_grad"]

@@ -236,6 +236,36 @@ def test_replayed_backward_with_pytorchs_input_gradient(device):
     assert any(isinstance(entry, backward.Replay) for entry in backward._REPLAYS.values())
 
 
+@pytest.mark.parametrize("conv_impl", ["gather", "torch"])
+def test_channels_last_input_and_autocast(conv_impl, device):
+    """An input in channels-last memory format gets a correct (contiguous) input gradient from
+    the kernel and from PyTorch's convolution; and under autocast the operator, PyTorch's
+    convolutions included, keeps its dtype: the same output and gradients as outside it."""
+    conv, bn = _modules(True, device)
+    ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
+    pipe = Pipeline(conv, bn, conv_impl=conv_impl)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 2, 3, 2, 2, generator=gen, dtype=torch.float64).to(device)
+    x = x.to(memory_format=torch.channels_last_3d).requires_grad_(True)
+    out = pipe(x)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device)
+    (dx,) = torch.autograd.grad(out, x, g)
+    xr = x.detach().contiguous().requires_grad_(True)
+    y = ref_bn(ref_conv(xr))
+    (expected,) = torch.autograd.grad(y - y.mean(dim=(2, 3, 4), keepdim=True), xr, g)
+    torch.testing.assert_close(dx, expected, rtol=1e-9, atol=1e-9 * expected.abs().max())
+    x32 = x.detach().float().contiguous().requires_grad_(True)
+    pipe = Pipeline(conv.float(), bn.float(), conv_impl=conv_impl)
+    plain = pipe(x32)
+    (plain_dx,) = torch.autograd.grad(plain, x32, g.float())
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        cast = pipe(x32)
+        (cast_dx,) = torch.autograd.grad(cast, x32, g.float())
+    assert cast.dtype == torch.float32 and cast_dx.dtype == torch.float32
+    torch.testing.assert_close(cast, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cast_dx, plain_dx, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_empty_batch_backward(training, device):
     """An empty batch: empty output and input gradient, zero parameter gradients, and in

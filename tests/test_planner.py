@@ -257,3 +257,37 @@ def test_the_backward_follows_the_input_gradient_planner(monkeypatch):
         assert Pipeline(m, bn, conv_impl=impl).input_grad_impl() == "kernel"
     for value in ("ieee", "tf32"):
         assert Pipeline(m, bn, precision=value).input_grad_impl() == "kernel"
+
+
+def test_the_default_problem_keeps_the_exact_input_gradient(tf32_allowed):
+    """At the default problem cuDNN's TF32 input gradient is predicted 1.2x faster, under the
+    1.5x that TF32's error must buy: the backward keeps the kernel, exact in float32."""
+    geom = ConvGeometry.create(16, 32, 3, 2, 1)
+    takes, why = planner.torch_input_grad(geom, (16, 16, 16, 32, 32), torch.float32, CUDA, None)
+    assert not takes and why.startswith("the input-gradient kernel")
+
+
+def test_cudnn_off_keeps_the_kernels(tf32_allowed, monkeypatch):
+    """With cuDNN off PyTorch's own 3-D convolution runs, slower: neither choice takes it, and
+    the cached choices are keyed by the switch (``planner.torch_flags``)."""
+    geom = ConvGeometry.create(128, 128, 3, 2, 1)
+    shape = (4, 128, 16, 32, 32)
+    assert planner.torch_conv(geom, shape, torch.float32, CUDA, None, False)[0]
+    assert planner.torch_input_grad(geom, shape, torch.float32, CUDA, None)[0]
+    on = planner.torch_flags()
+    monkeypatch.setattr(torch.backends.cudnn, "enabled", False)
+    assert planner.torch_flags() != on
+    for takes, why in (planner.torch_conv(geom, shape, torch.float32, CUDA, None, False),
+                       planner.torch_input_grad(geom, shape, torch.float32, CUDA, None)):
+        assert not takes and "cuDNN is off" in why
+
+
+def test_explain_names_the_backwards_choice(tf32_allowed):
+    pipe = Pipeline(nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64))
+    shape = (8, 64, 16, 32, 32)
+    notes = pipe.explain(shape).notes
+    assert "backward's input gradient (conv_impl='auto'): " + planner.torch_input_grad(
+        pipe.geometry, shape, torch.float32, tensor_device(), None)[1] in notes
+    torch_notes = Pipeline(nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64),
+                           conv_impl="torch").explain(shape).notes
+    assert any("backward's input gradient by PyTorch's convolution" in n for n in torch_notes)
