@@ -84,9 +84,12 @@ def test_device_array_in_device_array_out(device):
     testing.assert_close(torch.from_numpy(out.copy_to_host()), expected, 1e-5)
 
 
+# (the Gram path without box_sums in its tail, ~25 s under the simulator, on the GPU profile
+# only: the CI run keeps to its 20 minutes)
 @pytest.mark.parametrize("impl,variance,box_sums_in_tail",
                          [("gather", "epilogue", True), ("scatter", "epilogue", True),
-                          ("gather", "gram", True), ("gather", "gram", False)])
+                          ("gather", "gram", True),
+                          pytest.param("gather", "gram", False, marks=pytest.mark.gpu)])
 def test_trace_records_every_stage_without_updating_stats(impl, variance, box_sums_in_tail,
                                                           device):
     """Every stage in order (the Gram path with box_sums on either side of gram_sums)."""
