@@ -453,7 +453,9 @@ def test_explain_shows_the_gram_path(capsys):
     assert "gram_sums" in out and "gram_statistics" in out
 
 
-@pytest.mark.parametrize("name", ["numba_gather", "numba_gather_eager", "numba_gram"])
+# (the Gram provider on the GPU profile only: the CI run keeps to its 20 minutes)
+@pytest.mark.parametrize("name", ["numba_gather", "numba_gather_eager",
+                                  pytest.param("numba_gram", marks=pytest.mark.gpu)])
 def test_numba_providers_match_float64_in_both_modes(name):
     """What the benchmark times is checked first; here on the tiny case (any backend)."""
     from numba_deconv import tensor_device

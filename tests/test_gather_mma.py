@@ -154,10 +154,12 @@ def _tf32_operator_error(model, x) -> float:
                           reference(exact.conv_transpose, exact.batch_norm, x.double()))
 
 
-# the Gram path and the training replays (a backward each) are the slowest under the simulator:
-# they run on the GPU profile only, so the CI run keeps to its 20 minutes on 2 cores
+# the Gram path, training and the training replays (a backward each) are the slowest under the
+# simulator: they run on the GPU profile only (the kernel's training epilogue has its own test,
+# test_kernel_against_the_tf32_convolution, in CI), so the CI run keeps to its 20 minutes
 @pytest.mark.parametrize("train, variance", [
-    pytest.param(False, "auto", id="eval"), pytest.param(True, "auto", id="train"),
+    pytest.param(False, "auto", id="eval"),
+    pytest.param(True, "auto", marks=pytest.mark.gpu, id="train"),
     pytest.param(True, "gram", marks=pytest.mark.gpu, id="train-gram")])
 def test_pipeline_in_tf32(device, train, variance):
     """One call, and a large per-channel offset (TF32's rounding of the offset must cancel as

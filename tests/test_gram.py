@@ -164,6 +164,9 @@ def test_many_channels_tile_the_input(channels):
     assert (covered == 1).all()
 
 
+# (~40 s under the simulator: on the GPU profile only, as the Gram path runs only on request
+# and the CI run keeps to its 20 minutes)
+@pytest.mark.gpu
 def test_unpadded_tiles_match_numpy(monkeypatch, device):
     """A staging area too small for padded rows (many channels, in miniature): the tiles keep
     their rows unpadded, and the sums are still right."""
@@ -191,6 +194,7 @@ def test_whole_rows_or_cells_along_w():
     assert not plan.whole_rows and not plan.corr and (plan.tiles[:, 5] < 7).any()
 
 
+@pytest.mark.gpu  # (as test_unpadded_tiles_match_numpy)
 def test_whole_rows_in_column_chunks_match_numpy(monkeypatch, device):
     """Rows wider than a tile: whole-row tiles cut along W, each column entry taken by the
     tile that holds its column."""

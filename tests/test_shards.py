@@ -18,7 +18,7 @@ def test_split(v, device, shard):
         f.write(f"{v}\\n")
 
 
-@settings(max_examples=2)
+@settings(max_examples=1)
 @given(v=st.integers())
 def test_own_count(v, device):
     pass
@@ -49,7 +49,7 @@ def test_a_property_becomes_one_item_per_shard(tmp_path):
     assert passed == ["test_no_kernels", "test_own_count", "test_split[shard0]",
                       "test_split[shard1]", "test_split[shard2]"], run.stdout
     draws = [(tmp_path / f"draws_{k}.txt").read_text().split() for k in range(3)]
-    assert [len(d) for d in draws] == [3, 3, 3]  # the ci profile's 8: ceil(8 / 3) each
+    assert [len(d) for d in draws] == [2, 2, 2]  # the ci profile's 6: ceil(6 / 3) each
     assert len({tuple(d) for d in draws}) > 1  # each shard draws its own
 
 
