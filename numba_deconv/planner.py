@@ -43,7 +43,8 @@ cuDNN's forward-convolution algorithms add no floats atomically: with the same a
 run (``torch.backends.cudnn.benchmark`` off, PyTorch's default) the gradient is bit-identical
 from run to run, as the kernel's is. The weight gradient stays on ``conv_grads.weight_grad``
 (deterministic by construction; cuDNN's TF32 weight gradient is faster from 32 channels, but
-its fast algorithms accumulate with atomics: docs/performance.md, "Known limits").
+its algorithms include nondeterministic ones, which accumulate with atomics: docs/performance.md,
+"Known limits").
 """
 
 from __future__ import annotations
