@@ -14,9 +14,9 @@ batch_stats, needs, sync, handle)``
     ``-> (dx, dw, dgamma)``: ``backward.backward`` (docs/design.md §2.8); ``sync``, when not 0,
     names the process group the forward's batch statistics were synchronized over, as the
     forward saw it (the backward exchanges its reduction over the same group); ``handle``
-    names the pipeline, whose settings say how ``dL/dx`` is computed when the backward runs
-    (``Pipeline.input_grad_impl``; the kernel if the pipeline is gone). It has no backward of
-    its own: double backward raises.
+    names the pipeline, which says when the backward runs whether ``dL/dx`` is PyTorch's
+    convolution (``Pipeline.torch_input_grad``; the kernel if the pipeline is gone). It has no
+    backward of its own: double backward raises.
 
 ``apply(pipe, x)`` is what ``Pipeline.__call__`` runs when the call must record its backward
 (grad mode, and the input or a parameter requires grad) and what ``ModelNew.forward`` runs under
@@ -172,10 +172,10 @@ def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dil
     """The backward op's body on its arguments: ``backward.backward``'s gradients, None where
     not needed."""
     pipe = _PIPELINES.get(handle)
+    torch_dx = pipe is not None and pipe.torch_input_grad(x.shape, x.dtype, x.device)
     return run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
                         weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
-                        _GROUPS[sync] if sync else None,
-                        "kernel" if pipe is None else pipe.input_grad_impl())
+                        _GROUPS[sync] if sync else None, torch_dx)
 
 
 @backward.register_fake

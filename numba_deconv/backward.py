@@ -17,8 +17,8 @@ Given the incoming gradient ``g`` (the output's shape) and what the forward kept
 
 3. ``input_grad``: ``dL/dx``, a convolution of ``dy`` with the weights (folded with
    ``k1 = gamma / sigma`` in evaluation); or PyTorch's convolution of the same, run after the
-   launches, where ``takes_torch_input_grad`` says (cuDNN's TF32 tensor cores predicted
-   clearly faster: ``planner.torch_input_grad``);
+   launches, where the pipeline says (``Pipeline.torch_input_grad``: cuDNN's TF32 tensor cores
+   predicted clearly faster, ``planner.torch_input_grad``);
 4. ``weight_grad``: the weight gradient of ``dy``, a deterministic reduction over batch and
    space. In evaluation it is ``V`` (the weight gradient of ``P g``): ``dL/dW = k1 * V`` and
    ``A_c = <w_c, V_c>``, so evaluation never needs ``y``.
@@ -47,9 +47,8 @@ from collections import OrderedDict
 
 import torch
 
-from . import folding, planner, sync
+from . import folding, sync
 from .dtypes import no_autocast
-from .geometry import ConvGeometry, output_length
 from .kernels import conv_grads, grad_rows
 from .kernels.launch import Replay, recording
 
@@ -57,13 +56,13 @@ from .kernels.launch import Replay, recording
 def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
              gamma: torch.Tensor | None, yc: torch.Tensor, rows: torch.Tensor,
              stats: torch.Tensor, batch_stats: bool, needs: tuple[bool, bool, bool],
-             group=None, input_grad: str = "kernel"):
+             group=None, torch_dx: bool = False):
     """``(dL/dx, dL/dW, dL/dgamma)``, None where ``needs`` (x, weight, gamma) says not needed
     (``dL/dgamma`` also None without gamma). ``conv``: the convolution's (stride, padding,
     dilation, groups); ``yc``, ``rows``, ``stats``: as ``Pipeline.forward_saving`` returns
     them; ``group``: the process group of synchronized batch statistics, or None;
-    ``input_grad``: how ``dL/dx`` is computed, ``"kernel"``, ``"torch"`` or ``"auto"``
-    (``takes_torch_input_grad``; ``Pipeline.input_grad_impl``)."""
+    ``torch_dx``: ``dL/dx`` by PyTorch's convolution (``input_grad_torch``), not the kernel
+    (``Pipeline.torch_input_grad``)."""
     stride, padding, dilation, groups = conv
     need_x, need_w, need_gamma = needs
     need_gamma = need_gamma and gamma is not None
@@ -77,8 +76,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
                 torch.zeros_like(weight) if need_w else None,
                 torch.zeros_like(gamma) if need_gamma else None)
     g = g.detach().contiguous()
-    torch_dx = need_x and takes_torch_input_grad(conv, x.shape, weight.shape, g.shape, x.dtype,
-                                                 x.device, input_grad)
+    torch_dx = torch_dx and need_x
     if batch_stats:
         kernel_dx = need_x and not torch_dx
         t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx, need_w)
@@ -119,41 +117,6 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         if need_gamma:  # dL/dgamma = A_c / sigma, A_c = <w_c, V_c>
             dgamma = (_channel_dots(weight.detach(), v, groups) / sigma).to(gamma.dtype)
     return dx, dw, dgamma
-
-
-#: ``takes_torch_input_grad``'s choices under ``"auto"``, by (geometry, shapes, device,
-#: PyTorch's TF32 flag); cleared whole past ``CHOICES``
-_CHOICES: dict = {}
-CHOICES = 256
-
-
-def takes_torch_input_grad(conv: tuple, x_shape, w_shape, dy_shape, dtype: torch.dtype,
-                           device: torch.device, input_grad: str) -> bool:
-    """Whether ``dL/dx`` is computed by PyTorch's convolution (``input_grad_torch``):
-    always for ``"torch"``, never for ``"kernel"``, and for ``"auto"`` where
-    ``planner.torch_input_grad`` predicts cuDNN's TF32 convolution clearly faster than
-    ``conv_grads.input_grad`` (float32 on a GPU under PyTorch's TF32 flag), decided once per
-    geometry, shapes and flag."""
-    if input_grad != "auto":
-        if input_grad not in ("torch", "kernel"):
-            raise ValueError(f"input_grad must be 'auto', 'torch' or 'kernel', got {input_grad!r}")
-        return input_grad == "torch"
-    if dtype != torch.float32 or device.type != "cuda":
-        return False
-    flag = planner.torch_flags()
-    key = (conv, tuple(x_shape), tuple(w_shape), tuple(dy_shape), device, flag)
-    hit = _CHOICES.get(key)
-    if hit is None:
-        stride, padding, dilation, groups = conv
-        out_pad = tuple(o - output_length(i, k, s, p, 0, d) for o, i, k, s, p, d in zip(
-            dy_shape[2:], x_shape[2:], w_shape[2:], stride, padding, dilation))
-        geom = ConvGeometry.create(w_shape[0], w_shape[1] * groups, tuple(w_shape[2:]), stride,
-                                   padding, out_pad, groups, False, dilation)
-        hit = planner.torch_input_grad(geom, tuple(x_shape), dtype, device, None)[0]
-        if len(_CHOICES) >= CHOICES:
-            _CHOICES.clear()
-        _CHOICES[key] = hit
-    return hit
 
 
 def input_grad_torch(dy: torch.Tensor, weight: torch.Tensor, x_shape, conv: tuple) -> torch.Tensor:
@@ -260,9 +223,8 @@ def _replayed(key: tuple, tensors: dict, launches) -> None:
 
 
 def clear() -> None:
-    """Forget every recorded backward call (and the input gradient's choices)."""
+    """Forget every recorded backward call."""
     _REPLAYS.clear()
-    _CHOICES.clear()
 
 
 def _channel_dots(w: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:

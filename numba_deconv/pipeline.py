@@ -176,7 +176,9 @@ class Pipeline:
         self._transitional = self._last_transitional = False
         self._kinds: dict[tuple, str] = {}  # tiers.kind_key -> tiers.kind_name
         # (input shape, device, mode, track_running_stats) -> (PyTorch's TF32 flag, whether a
-        # conv_impl="auto" call runs PyTorch's convolution: ``planner.torch_conv``)
+        # conv_impl="auto" call runs PyTorch's convolution: ``planner.torch_conv``); and
+        # ("input_grad", input shape, device) -> (the flags, whether its backward's dL/dx does:
+        # ``planner.torch_input_grad``)
         self._torch_choice: dict[tuple, tuple[bool, bool]] = {}
         if variance == "gram" and not specialize:
             raise ValueError("variance='gram' runs the specialised kernels: not with "
@@ -691,15 +693,27 @@ class Pipeline:
                 self.geometry, tuple(shape), dtype, device, None, batch_stats)[0])
         return hit[1]
 
-    def input_grad_impl(self) -> str:
-        """How the backward computes ``dL/dx`` (``backward.takes_torch_input_grad``):
-        ``"torch"``, PyTorch's convolution, with ``conv_impl="torch"``; ``"auto"``, per input
-        shape by ``planner.torch_input_grad`` (cuDNN's TF32 convolution where predicted
-        clearly faster), with ``conv_impl="auto"`` and ``precision=None``; ``"kernel"``
-        (``conv_grads.input_grad``) otherwise."""
-        if self.conv_impl == "torch":
-            return "torch"
-        return "auto" if self.conv_impl == "auto" and self.precision is None else "kernel"
+    def torch_input_grad(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the backward of a call on an input of ``shape``, ``dtype`` and ``device``
+        computes ``dL/dx`` with PyTorch's convolution (``backward.input_grad_torch``) rather
+        than ``conv_grads.input_grad``: always with ``conv_impl="torch"``; with
+        ``conv_impl="auto"`` and ``precision=None`` where ``planner.torch_input_grad`` predicts
+        cuDNN's TF32 convolution clearly faster; never with the gather or the scatter asked
+        for, or with ``precision`` set."""
+        if self.conv_impl != "auto":
+            return self.conv_impl == "torch"
+        if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
+                or len(shape) != 5:
+            return False
+        flag = planner.torch_flags()
+        key = ("input_grad", tuple(shape), device)
+        hit = self._torch_choice.get(key)
+        if hit is None or hit[0] != flag:
+            if len(self._torch_choice) >= 4 * PLAN_CACHE:
+                self._torch_choice.clear()
+            hit = self._torch_choice[key] = (flag, planner.torch_input_grad(
+                self.geometry, tuple(shape), dtype, device, None)[0])
+        return hit[1]
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""

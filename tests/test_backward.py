@@ -220,7 +220,7 @@ def test_replayed_backward_with_pytorchs_input_gradient(device):
     for p in (*conv.parameters(), *bn.parameters()):  # (dL/dx alone: fewer simulated launches)
         p.requires_grad_(False)
     pipe = Pipeline(conv, bn, conv_impl="torch")
-    assert pipe.input_grad_impl() == "torch"
+    assert pipe.torch_input_grad((2, 2, 3, 2, 2), torch.float64, torch.device(device))
     backward.clear()
     for seed in range(3):  # launched, recorded, replayed
         gen = torch.Generator().manual_seed(seed)

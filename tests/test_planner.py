@@ -221,42 +221,28 @@ def test_the_input_gradient_kernel_elsewhere(dtype, device, asked, flag, monkeyp
     assert not takes and why.startswith("the input-gradient kernel")
 
 
-def test_the_backward_follows_the_input_gradient_planner(monkeypatch):
-    """``backward.takes_torch_input_grad``: under ``"auto"`` the planner's choice per shape,
-    following PyTorch's flag as it changes; ``"kernel"`` never, ``"torch"`` always; and the
-    pipeline's setting for it (``Pipeline.input_grad_impl``) by ``conv_impl`` and
-    ``precision``."""
-    from numba_deconv import backward
-
+def test_the_pipeline_follows_the_input_gradient_planner(monkeypatch):
+    """``Pipeline.torch_input_grad``: the planner's choice per input shape under
+    ``conv_impl="auto"``, following PyTorch's flag as it changes; ``"gather"``, ``"scatter"``
+    and a ``precision`` set never, ``"torch"`` always."""
     flag = [True]
     monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag[0])
-    backward.clear()
-    conv = ((2, 2, 2), (1, 1, 1), (1, 1, 1), 1)
-    w = (64, 64, 3, 3, 3)
-    big, big_out = (8, 64, 16, 32, 32), (8, 64, 31, 63, 63)
-    small, small_out = (1, 64, 2, 2, 2), (1, 64, 3, 3, 3)
-    takes = backward.takes_torch_input_grad
-    assert takes(conv, big, w, big_out, torch.float32, CUDA, "auto")
-    assert not takes(conv, small, w, small_out, torch.float32, CUDA, "auto")
-    assert not takes(conv, big, w, big_out, torch.float64, CUDA, "auto")
-    assert not takes(conv, big, w, big_out, torch.float32, torch.device("cpu"), "auto")
+    conv, bn = nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64)
+    big, small = (8, 64, 16, 32, 32), (1, 64, 2, 2, 2)
+    auto = Pipeline(conv, bn)
+    assert auto.torch_input_grad(big, torch.float32, CUDA)
+    assert not auto.torch_input_grad(small, torch.float32, CUDA)
+    assert not auto.torch_input_grad(big, torch.float64, CUDA)
+    assert not auto.torch_input_grad(big, torch.float32, torch.device("cpu"))
     flag[0] = False
-    assert not takes(conv, big, w, big_out, torch.float32, CUDA, "auto")
+    assert not auto.torch_input_grad(big, torch.float32, CUDA)
     flag[0] = True
-    assert not takes(conv, big, w, big_out, torch.float32, CUDA, "kernel")
-    assert takes(conv, small, w, small_out, torch.float64, CUDA, "torch")
-    with pytest.raises(ValueError, match="input_grad must be"):
-        takes(conv, big, w, big_out, torch.float32, CUDA, "cudnn")
-    # the output padding read off the shapes: one more output row is the same choice
-    assert takes(conv, big, w, (8, 64, 32, 63, 63), torch.float32, CUDA, "auto")
-
-    m, bn = nn.ConvTranspose3d(4, 4, 3), nn.BatchNorm3d(4)
-    assert Pipeline(m, bn).input_grad_impl() == "auto"
-    assert Pipeline(m, bn, conv_impl="torch").input_grad_impl() == "torch"
+    assert auto.torch_input_grad(big, torch.float32, CUDA)
     for impl in ("gather", "scatter"):
-        assert Pipeline(m, bn, conv_impl=impl).input_grad_impl() == "kernel"
+        assert not Pipeline(conv, bn, conv_impl=impl).torch_input_grad(big, torch.float32, CUDA)
     for value in ("ieee", "tf32"):
-        assert Pipeline(m, bn, precision=value).input_grad_impl() == "kernel"
+        assert not Pipeline(conv, bn, precision=value).torch_input_grad(big, torch.float32, CUDA)
+    assert Pipeline(conv, bn, conv_impl="torch").torch_input_grad(small, torch.float64, CUDA)
 
 
 def test_the_default_problem_keeps_the_exact_input_gradient(tf32_allowed):
