@@ -2,10 +2,11 @@
 
 Answers: per geometry, how long do ``conv_grads.launch_input_grad`` (``dL/dx``) and
 ``conv_grads.launch_weight_grad`` (``dL/dW``) take on CUDA cores, and how long does PyTorch's
-``aten.convolution_backward`` take for each, in TF32 (PyTorch's default for cuDNN) and in
-strict float32? The numbers calibrate the planner's backward (``planner.predict_input_grad``;
-the backward runs the input gradient as ``conv3d(dy, W)``, the same cuDNN forward convolution
-that ``aten.convolution_backward`` runs for a transposed convolution's input gradient).
+``aten.convolution_backward`` take for each, in TF32 (PyTorch's default for cuDNN), in TF32
+restricted to cuDNN's deterministic algorithms (``det``), and in strict float32? The numbers
+calibrate the planner's backward (``planner.predict_input_grad``; the backward runs the input
+gradient as ``conv3d(dy, W)``, the same cuDNN forward convolution that
+``aten.convolution_backward`` runs for a transposed convolution's input gradient).
 
     PYTHONPATH=$PWD python3 benchmarks/probe_backward.py [--rows NAME ...] [--reps R]
 
@@ -84,8 +85,8 @@ def run(case: Case, reps: int) -> dict:
     row["err_ours_dw"] = testing.relative_error(dw, ref[1])
     row["ours_dx"] = bench.graph_time_us(ours_dx, calls=CALLS, reps=reps)
     row["ours_dw"] = bench.graph_time_us(ours_dw, calls=CALLS, reps=reps)
-    for label, strict in (("tf32", False), ("ieee", True)):
-        ctx = bench.strict_fp32() if strict else _nothing()
+    for label, ctx in (("tf32", _nothing()), ("det", _deterministic()),
+                       ("ieee", bench.strict_fp32())):
         with ctx:
             for i, what in enumerate(("dx", "dw")):
                 mask = [i == 0, i == 1, False]
@@ -101,6 +102,19 @@ class _nothing:
         return self
 
     def __exit__(self, *exc):
+        return False
+
+
+class _deterministic:
+    """cuDNN restricted to its deterministic algorithms (TF32 left as PyTorch's default)."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cudnn.deterministic
+        torch.backends.cudnn.deterministic = True
+        return self
+
+    def __exit__(self, *exc):
+        torch.backends.cudnn.deterministic = self.saved
         return False
 
 
@@ -124,12 +138,12 @@ def main() -> None:
         print(r, flush=True)
         table.append(r)
     print(f"{'row':24} {'c':>6} {'GMAC':>6} {'Mout':>6} | {'ours dx':>8} {'ours dw':>8} | "
-          f"{'tf32 dx':>8} {'tf32 dw':>8} | {'ieee dx':>8} {'ieee dw':>8} | "
+          f"{'tf32 dx':>8} {'tf32 dw':>8} {'det dw':>8} | {'ieee dx':>8} {'ieee dw':>8} | "
           f"{'err ours':>8} {'err tf32':>8}  (us)")
     for r in table:
         print(f"{r['name']:24} {r['c']:6.1f} {r['macs'] / 1e9:6.2f} {r['outputs'] / 1e6:6.2f} | "
               f"{r['ours_dx']:8.1f} {r['ours_dw']:8.1f} | {r['tf32_dx']:8.1f} "
-              f"{r['tf32_dw']:8.1f} | {r['ieee_dx']:8.1f} {r['ieee_dw']:8.1f} | "
+              f"{r['tf32_dw']:8.1f} {r['det_dw']:8.1f} | {r['ieee_dx']:8.1f} {r['ieee_dw']:8.1f} | "
               f"{max(r['err_ours_dx'], r['err_ours_dw']):8.1e} "
               f"{max(r['err_tf32_dx'], r['err_tf32_dw']):8.1e}")
 

@@ -20,7 +20,9 @@ Given the incoming gradient ``g`` (the output's shape) and what the forward kept
    launches, where the pipeline says (``Pipeline.torch_input_grad``: cuDNN's TF32 tensor cores
    predicted clearly faster, ``planner.torch_input_grad``);
 4. ``weight_grad``: the weight gradient of ``dy``, a deterministic reduction over batch and
-   space. In evaluation it is ``V`` (the weight gradient of ``P g``): ``dL/dW = k1 * V`` and
+   space; or PyTorch's (cuDNN's deterministic algorithms), run after the launches, where the
+   pipeline says (``Pipeline.torch_weight_grad``, ``planner.torch_weight_grad``). In
+   evaluation it is ``V`` (the weight gradient of ``P g``): ``dL/dW = k1 * V`` and
    ``A_c = <w_c, V_c>``, so evaluation never needs ``y``.
 
 ``dL/dgamma = A_c / sigma_c`` in both modes (no division by gamma: a zero gamma keeps its
@@ -43,6 +45,7 @@ evaluation, which folds on the host between them, launch unrecorded every time.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 
 import torch
@@ -56,13 +59,14 @@ from .kernels.launch import Replay, recording
 def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
              gamma: torch.Tensor | None, yc: torch.Tensor, rows: torch.Tensor,
              stats: torch.Tensor, batch_stats: bool, needs: tuple[bool, bool, bool],
-             group=None, torch_dx: bool = False):
+             group=None, torch_dx: bool = False, torch_dw: bool = False):
     """``(dL/dx, dL/dW, dL/dgamma)``, None where ``needs`` (x, weight, gamma) says not needed
     (``dL/dgamma`` also None without gamma). ``conv``: the convolution's (stride, padding,
     dilation, groups); ``yc``, ``rows``, ``stats``: as ``Pipeline.forward_saving`` returns
     them; ``group``: the process group of synchronized batch statistics, or None;
     ``torch_dx``: ``dL/dx`` by PyTorch's convolution (``input_grad_torch``), not the kernel
-    (``Pipeline.torch_input_grad``)."""
+    (``Pipeline.torch_input_grad``); ``torch_dw``: ``dL/dW`` (and in evaluation ``V``) by
+    PyTorch's (``weight_grad_torch``; ``Pipeline.torch_weight_grad``)."""
     stride, padding, dilation, groups = conv
     need_x, need_w, need_gamma = needs
     need_gamma = need_gamma and gamma is not None
@@ -78,18 +82,23 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     g = g.detach().contiguous()
     torch_dx = torch_dx and need_x
     if batch_stats:
-        kernel_dx = need_x and not torch_dx
-        t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx, need_w)
+        torch_dw = torch_dw and need_w
+        kernel_dx, kernel_dw = need_x and not torch_dx, need_w and not torch_dw
+        t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
+                                 kernel_dw)
         if pooled:  # an exchange between the launches: no replay
             _batch_stats_launches(conv, t, gamma is not None, group)
         else:
             key = (conv, g.shape, g.dtype, g.device, x.shape, x.dtype, weight.shape,
-                   weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, need_w)
+                   weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, kernel_dw)
             _replayed(key, t, lambda: _batch_stats_launches(conv, t, gamma is not None, None))
-        dx = t.get("dx")
-        if torch_dx:  # (after the replay: it is not one of its launches)
+        dx, dw = t.get("dx"), t.get("dw")
+        # (PyTorch's after the replay: they are not among its launches)
+        if torch_dx:
             dx = input_grad_torch(t["dy"], weight.detach(), x.shape, conv)
-        return dx, t.get("dw"), t["dgamma"] if need_gamma else None
+        if torch_dw:
+            dw = weight_grad_torch(t["dy"], x.detach(), weight.detach(), conv)
+        return dx, dw, t["dgamma"] if need_gamma else None
     volume = g[0, 0].numel()
     r = batch * channels
     g_rows = g.view(r, volume)
@@ -109,9 +118,12 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         dx = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
         conv_grads.launch_input_grad(dy, conv_weight.contiguous(), dx, stride, padding, dilation)
     if need_w or need_gamma:
-        v = torch.empty_like(weight)
-        conv_grads.launch_weight_grad(x.detach().contiguous(), dy, v, stride, padding, dilation,
-                                      groups)
+        if torch_dw:
+            v = weight_grad_torch(dy, x.detach(), weight.detach(), conv)
+        else:
+            v = torch.empty_like(weight)
+            conv_grads.launch_weight_grad(x.detach().contiguous(), dy, v, stride, padding,
+                                          dilation, groups)
         # V: the weight gradient of P g; dL/dW = k1 * V, A_c = <w_c, V_c>
         dw = folding.fold_weights(v, k1, groups) if need_w else None
         if need_gamma:  # dL/dgamma = A_c / sigma, A_c = <w_c, V_c>
@@ -133,6 +145,32 @@ def input_grad_torch(dy: torch.Tensor, weight: torch.Tensor, x_shape, conv: tupl
     if tuple(dx.shape) != tuple(x_shape):
         dx = dx[(..., *(slice(0, n) for n in x_shape[2:]))]
     return dx.contiguous()
+
+
+def weight_grad_torch(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      conv: tuple) -> torch.Tensor:
+    """``dL/dW`` by PyTorch's (cuDNN's on a GPU, at the precision PyTorch's flags give it):
+    ``aten.convolution_backward`` of the transposed convolution, its weight gradient alone,
+    restricted to cuDNN's deterministic algorithms (``torch.backends.cudnn.deterministic`` for
+    the call), so the gradient is the same bits at every run. The output padding is what the
+    shapes say it was. Never under autocast, as ``input_grad_torch``."""
+    stride, padding, dilation, groups = conv
+    out_pad = [o - ((i - 1) * s - 2 * p + d * (k - 1) + 1) for o, i, s, p, d, k in zip(
+        dy.shape[2:], x.shape[2:], stride, padding, dilation, weight.shape[2:])]
+    with torch.no_grad(), no_autocast(dy.device.type), _cudnn_deterministic():
+        return torch.ops.aten.convolution_backward(
+            dy, x, weight, None, list(stride), list(padding), list(dilation), True, out_pad,
+            groups, [False, True, False])[1]
+
+
+@contextlib.contextmanager
+def _cudnn_deterministic():
+    was = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = was
 
 
 def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: bool,

@@ -605,13 +605,15 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             why = planner.torch_conv(pipe.geometry, input_shape, dtype, tensor_device(),
                                      pipe.precision, batch_stats)[1]
         report.notes.append(f"convolution (conv_impl='auto'): {why}")
-        grad_why = planner.torch_input_grad(pipe.geometry, input_shape, dtype, tensor_device(),
-                                            pipe.precision)[1]
-        report.notes.append(f"backward's input gradient (conv_impl='auto'): {grad_why}")
+        for what, decide in (("input", planner.torch_input_grad),
+                             ("weight", planner.torch_weight_grad)):
+            grad_why = decide(pipe.geometry, input_shape, dtype, tensor_device(),
+                              pipe.precision)[1]
+            report.notes.append(f"backward's {what} gradient (conv_impl='auto'): {grad_why}")
     if pipe.conv_impl == "torch":
         report.notes.append("convolution (conv_impl='torch'): PyTorch's, at PyTorch's own "
                             "precision (its TF32 flag), then this package's finish; the "
-                            "backward's input gradient by PyTorch's convolution too")
+                            "backward's input and weight gradients by PyTorch's too")
     if path == "generic":
         report.notes.append("tier: generic (specialize=False): kernels that take the geometry at "
                             "run time, compiled once per dtype and mode, so a new geometry "

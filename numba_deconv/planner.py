@@ -35,16 +35,22 @@ conditions: ``dL/dx`` is the convolution of ``dy`` with the same weights (the ad
 transposed convolution), which ``conv_grads.input_grad`` runs on CUDA cores at
 ``INPUT_GRAD_EFFICIENCY`` of the FP32 peak and cuDNN's forward convolution on TF32 tensor
 cores at ``CUDNN_PER_CHANNEL`` of the TF32 peak per input channel of a group (its GEMM's
-columns), at most ``CUDNN_CAP``; taken where predicted ``INPUT_GRAD_MARGIN`` faster and at
+columns), at most ``CUDNN_CAP``; taken where predicted ``GRAD_MARGIN`` faster and at
 least ``MIN_SAVING_US`` sooner (a PyTorch call's dispatch). The margin is wider than the
 forward's: TF32 takes the gradient's error from ~1e-6 to ~3e-4 (eager's), which only a clear
 gain pays for, so the default problem's gradients (predicted 1.2x) stay exact in float32.
 cuDNN's forward-convolution algorithms add no floats atomically: with the same algorithm every
 run (``torch.backends.cudnn.benchmark`` off, PyTorch's default) the gradient is bit-identical
-from run to run, as the kernel's is. The weight gradient stays on ``conv_grads.weight_grad``
-(deterministic by construction; cuDNN's TF32 weight gradient is faster from 32 channels, but
-its algorithms include nondeterministic ones, which accumulate with atomics: docs/performance.md,
-"Known limits").
+from run to run, as the kernel's is.
+
+The weight gradient (``torch_weight_grad``) likewise: ``conv_grads.weight_grad`` runs at
+``WEIGHT_GRAD_EFFICIENCY`` of the FP32 peak; cuDNN's TF32 weight gradient at
+``CUDNN_WEIGHT_PER_CHANNEL`` of the TF32 peak per input channel of a group (its GEMM's rows),
+at most ``CUDNN_WEIGHT_CAP``, plus ``CUDNN_WEIGHT_FIXED_US`` (the 40-60 µs it takes on small
+calls), with the same margins. It runs restricted to cuDNN's deterministic algorithms
+(``torch.backends.cudnn.deterministic`` for the call; measured as fast as the unrestricted
+choice on every row of docs/performance.md, "Known limits"): the gradient stays bit-identical
+from run to run, as the kernel's reduction is by construction.
 """
 
 from __future__ import annotations
@@ -87,10 +93,19 @@ MIN_OUTPUTS = 1 << 22
 #: ``conv_grads.input_grad``'s multiply-add rate, a fraction of the FP32 peak (H200: 12-14
 #: TFLOP/s at kernels of 1 to 3 taps an axis, less at 4 and 5).
 INPUT_GRAD_EFFICIENCY = 0.2
-#: The backward's input gradient runs on cuDNN only where predicted this much faster ...
-INPUT_GRAD_MARGIN = 1.5
+#: The backward's gradients run on cuDNN only where predicted this much faster ...
+GRAD_MARGIN = 1.5
 #: ... and at least this much sooner.
 MIN_SAVING_US = 20.0
+#: ``conv_grads.weight_grad``'s multiply-add rate, a fraction of the FP32 peak (H200: 11-12
+#: TFLOP/s from 16 to 256 channels at 4M+ outputs; less on smaller calls).
+WEIGHT_GRAD_EFFICIENCY = 0.18
+#: cuDNN's TF32 weight gradient: a fraction of the TF32 peak per input channel of a group ...
+CUDNN_WEIGHT_PER_CHANNEL = 0.0016
+#: ... at most this fraction ...
+CUDNN_WEIGHT_CAP = 0.25
+#: ... plus this many microseconds whatever the size.
+CUDNN_WEIGHT_FIXED_US = 40.0
 
 
 def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:
@@ -189,16 +204,43 @@ def torch_input_grad(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
                      device: torch.device, precision) -> tuple[bool, str]:
     """``(takes_torch, why)``: whether the backward of a ``conv_impl="auto"`` call with an input
     of ``shape`` computes ``dL/dx`` with PyTorch's convolution (cuDNN, TF32), and why."""
+    return _backward_choice("input-gradient", predict_input_grad, geom, shape, dtype, device,
+                            precision)
+
+
+def predict_weight_grad(geom: ConvGeometry, batch: int, in_spatial,
+                        peaks: dict[str, float]) -> dict[str, float]:
+    """Predicted GPU microseconds of the backward's weight gradient, per candidate:
+    ``{"kernels": ..., "torch": ...}`` (``conv_grads.weight_grad`` on CUDA cores; cuDNN's TF32
+    weight gradient, its deterministic algorithms)."""
+    flops = 2.0 * geom.macs(batch, in_spatial)
+    rate = min(CUDNN_WEIGHT_PER_CHANNEL * geom.in_per_group, CUDNN_WEIGHT_CAP) * peaks["tf32"]
+    return {"kernels": flops / (WEIGHT_GRAD_EFFICIENCY * peaks["fp32"]) * 1e6,
+            "torch": flops / rate * 1e6 + CUDNN_WEIGHT_FIXED_US}
+
+
+def torch_weight_grad(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
+                      device: torch.device, precision) -> tuple[bool, str]:
+    """``(takes_torch, why)``: whether the backward of a ``conv_impl="auto"`` call with an input
+    of ``shape`` computes ``dL/dW`` with PyTorch's (cuDNN's deterministic TF32 weight
+    gradient), and why."""
+    return _backward_choice("weight-gradient", predict_weight_grad, geom, shape, dtype, device,
+                            precision)
+
+
+def _backward_choice(what: str, predict_costs, geom: ConvGeometry, shape: tuple,
+                     dtype: torch.dtype, device: torch.device, precision) -> tuple[bool, str]:
+    """One of the backward's gradients: cuDNN's where it would run on TF32 tensor cores and is
+    predicted ``GRAD_MARGIN`` faster and ``MIN_SAVING_US`` sooner than the kernel."""
     refused = _tf32_refusal(dtype, device, precision)
     if refused:
-        return False, f"the input-gradient kernel: {refused}"
-    t = predict_input_grad(geom, shape[0], tuple(shape[2:]), peaks_of(device))
-    costs = (f"predicted {t['kernels']:.0f} us on the input-gradient kernel, "
-             f"{t['torch']:.0f} us on cuDNN")
-    if t["kernels"] >= INPUT_GRAD_MARGIN * t["torch"] \
+        return False, f"the {what} kernel: {refused}"
+    t = predict_costs(geom, shape[0], tuple(shape[2:]), peaks_of(device))
+    costs = f"predicted {t['kernels']:.0f} us on the {what} kernel, {t['torch']:.0f} us on cuDNN"
+    if t["kernels"] >= GRAD_MARGIN * t["torch"] \
             and t["kernels"] - t["torch"] >= MIN_SAVING_US:
-        return True, f"PyTorch's convolution (cuDNN, TF32): {costs}"
-    return False, (f"the input-gradient kernel: {costs} (cuDNN taken from {INPUT_GRAD_MARGIN}x "
+        return True, f"PyTorch's (cuDNN, TF32): {costs}"
+    return False, (f"the {what} kernel: {costs} (cuDNN taken from {GRAD_MARGIN}x "
                    f"and {MIN_SAVING_US:.0f} us)")
 
 
@@ -224,4 +266,5 @@ def torch_flags() -> tuple:
 
 
 __all__ = ["DEVICE_PEAKS", "DEFAULT_DEVICE", "device_peaks", "peaks_of", "predict",
-           "predict_input_grad", "torch_conv", "torch_flags", "torch_input_grad"]
+           "predict_input_grad", "predict_weight_grad", "torch_conv", "torch_flags",
+           "torch_input_grad", "torch_weight_grad"]

@@ -190,10 +190,11 @@ def test_replayed_backward_is_the_launched_one(wants, device):
     (3, 2, 1, 1, 1, 1), ((3, 2, 4), (3, 1, 2), (1, 0, 2), (2, 0, 1), (2, 1, 1), 2),
     (3, 1, 0, 1, 2, 1),  # output padding past the stride (dilation allows it): cut off
     (2, 2, 0, 0, 1, 4)])
-def test_input_gradient_by_pytorchs_convolution(kernel, stride, padding, out_pad, dilation,
-                                                groups, device):
+def test_gradients_by_pytorchs_convolution(kernel, stride, padding, out_pad, dilation, groups,
+                                           device):
     """``backward.input_grad_torch``: conv3d of dy with the weights is the transposed
-    convolution's input gradient (autograd's, float64), output padding included."""
+    convolution's input gradient; ``backward.weight_grad_torch`` its weight gradient (both
+    autograd's, float64), output padding included."""
     from numba_deconv import backward
 
     torch.manual_seed(5)
@@ -202,36 +203,63 @@ def test_input_gradient_by_pytorchs_convolution(kernel, stride, padding, out_pad
     x = torch.randn(2, 4, 3, 4, 5, dtype=torch.float64, device=device, requires_grad=True)
     y = conv(x)
     dy = torch.randn_like(y)
-    (expected,) = torch.autograd.grad(y, x, dy)
-    got = backward.input_grad_torch(dy, conv.weight.detach(), x.shape,
-                                    (conv.stride, conv.padding, conv.dilation, groups))
-    assert got.shape == x.shape and got.is_contiguous()
-    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    expected_dx, expected_dw = torch.autograd.grad(y, (x, conv.weight), dy)
+    geometry = (conv.stride, conv.padding, conv.dilation, groups)
+    dx = backward.input_grad_torch(dy, conv.weight.detach(), x.shape, geometry)
+    assert dx.shape == x.shape and dx.is_contiguous()
+    torch.testing.assert_close(dx, expected_dx, rtol=1e-12, atol=1e-12)
+    dw = backward.weight_grad_torch(dy, x.detach(), conv.weight.detach(), geometry)
+    assert dw.shape == conv.weight.shape
+    torch.testing.assert_close(dw, expected_dw, rtol=1e-12, atol=1e-12)
 
 
-def test_replayed_backward_with_pytorchs_input_gradient(device):
-    """Where dL/dx is PyTorch's convolution (``conv_impl="torch"``, or the planner's choice),
-    a replayed backward (batch statistics) still computes it for every call: it runs after
+def test_replayed_backward_with_pytorchs_gradients(device):
+    """Where dL/dx and dL/dW are PyTorch's (``conv_impl="torch"``, or the planner's choice), a
+    replayed backward (batch statistics) still computes them for every call: they run after
     the replay, not in it."""
     from numba_deconv import backward
 
     conv, bn = _modules(True, device)
     ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
-    for p in (*conv.parameters(), *bn.parameters()):  # (dL/dx alone: fewer simulated launches)
+    for p in (conv.bias, *bn.parameters()):  # (dL/dx and dL/dW: fewer simulated launches)
         p.requires_grad_(False)
     pipe = Pipeline(conv, bn, conv_impl="torch")
-    assert pipe.torch_input_grad((2, 2, 3, 2, 2), torch.float64, torch.device(device))
+    shape, dev = (2, 2, 3, 2, 2), torch.device(device)
+    assert pipe.torch_input_grad(shape, torch.float64, dev)
+    assert pipe.torch_weight_grad(shape, torch.float64, dev)
     backward.clear()
     for seed in range(3):  # launched, recorded, replayed
         gen = torch.Generator().manual_seed(seed)
-        x = (torch.randn(2, 2, 3, 2, 2, generator=gen, dtype=torch.float64) + seed).to(device)
+        x = (torch.randn(*shape, generator=gen, dtype=torch.float64) + seed).to(device)
         x.requires_grad_(True)
         out = pipe(x)
         g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device)
-        (dx,) = torch.autograd.grad(out, x, g)
-        expected = testing.reference_gradients(ref_conv, ref_bn, x, g)[1]["input"]
-        torch.testing.assert_close(dx, expected, rtol=1e-9, atol=1e-9 * expected.abs().max())
+        got = torch.autograd.grad(out, (x, conv.weight), g)
+        expected = testing.reference_gradients(ref_conv, ref_bn, x, g)[1]
+        for ours, name in zip(got, ("input", "conv.weight")):
+            torch.testing.assert_close(ours, expected[name], rtol=1e-9,
+                                       atol=1e-9 * expected[name].abs().max())
     assert any(isinstance(entry, backward.Replay) for entry in backward._REPLAYS.values())
+
+
+@pytest.mark.gpu
+def test_pytorchs_weight_gradient_is_the_same_bits_every_run(device):
+    """cuDNN's weight gradient runs on its deterministic algorithms whatever the global flag
+    says (``backward.weight_grad_torch``), and leaves the flag as it found it: the same call's
+    gradient twice is the same bits, as the kernel's is."""
+    torch.manual_seed(7)
+    conv = nn.ConvTranspose3d(64, 64, 3, 2, 1).to(device)
+    bn = nn.BatchNorm3d(64).to(device)
+    pipe = Pipeline(conv, bn, conv_impl="torch")
+    x = torch.randn(4, 64, 8, 16, 16, device=device)
+    out = pipe(x)
+    g = torch.randn_like(out)
+    assert not torch.backends.cudnn.deterministic
+    first = torch.autograd.grad(out, conv.weight, g, retain_graph=True)[0]
+    for _ in range(3):
+        assert torch.equal(torch.autograd.grad(out, conv.weight, g, retain_graph=True)[0],
+                           first)
+    assert not torch.backends.cudnn.deterministic
 
 
 @pytest.mark.parametrize("conv_impl", ["gather", "torch"])

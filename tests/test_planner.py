@@ -153,54 +153,83 @@ def test_a_bad_shape_reaches_the_shape_check(tf32_allowed):
 
 # H200, µs per call, GPU time (benchmarks/probe_backward.py; docs/performance.md, "Known
 # limits"): (row, in, out, kernel, stride, padding, dilation, groups, batch, input, the
-# input-gradient kernel, cuDNN's TF32 convolution of dy)
-MEASURED_INPUT_GRAD = [
-    ("default", 16, 32, 3, 2, 1, 1, 1, 16, (16, 32, 32), 541.6, 400.5),
-    ("b32_32to64", 32, 64, 3, 2, 1, 1, 1, 32, (16, 32, 32), 3731.8, 1140.5),
-    ("b8_64to64", 64, 64, 3, 2, 1, 1, 1, 8, (16, 32, 32), 1940.4, 334.6),
-    ("decoder_k2s2", 96, 48, 2, 2, 0, 1, 1, 2, (20, 20, 20), 86.3, 55.1),
-    ("k4s2p1", 24, 24, 4, 2, 1, 1, 1, 4, (16, 24, 24), 298.3, 80.7),
-    ("geometry", 16, 32, (3, 2, 4), 3, (1, 0, 1), 2, 2, 8, (8, 16, 16), 58.4, 69.9),
-    ("tiny", 4, 4, 3, 2, 1, 1, 1, 1, (4, 4, 4), 10.6, 9.5),
-    ("32to32", 32, 32, 3, 2, 1, 1, 1, 8, (16, 32, 32), 527.7, 172.2),
-    ("48to48", 48, 48, 3, 2, 1, 1, 1, 8, (16, 32, 32), 1045.6, 404.0),
-    ("96to96", 96, 96, 3, 2, 1, 1, 1, 4, (16, 32, 32), 2125.6, 404.7),
-    ("128to128", 128, 128, 3, 2, 1, 1, 1, 4, (16, 32, 32), 3879.4, 348.7),
-    ("192to192", 192, 192, 3, 2, 1, 1, 1, 2, (16, 32, 32), 4369.7, 298.1),
-    ("256to256", 256, 256, 3, 2, 1, 1, 1, 2, (16, 32, 32), 7825.9, 448.4),
-    ("64to32", 64, 32, 3, 2, 1, 1, 1, 8, (16, 32, 32), 957.8, 197.6),
-    ("16to64", 16, 64, 3, 2, 1, 1, 1, 8, (16, 32, 32), 671.7, 434.4),
-    ("k5s1p2", 32, 32, 5, 1, 2, 1, 1, 2, (16, 32, 32), 1096.6, 130.6),
-    ("k2s2_128to64", 128, 64, 2, 2, 0, 1, 1, 2, (16, 16, 16), 93.2, 22.7),
-    ("k1s1", 64, 64, 1, 1, 0, 1, 1, 4, (16, 32, 32), 47.6, 9.9),
-    ("k3s1p1", 48, 48, 3, 1, 1, 1, 1, 4, (16, 32, 32), 527.3, 156.0),
-    ("groups4", 128, 128, 3, 2, 1, 1, 4, 4, (16, 32, 32), 973.3, 305.8),
-    ("dilation2", 64, 64, 3, 2, 2, 2, 1, 4, (16, 32, 32), 998.9, 164.4),
-    ("24to24_b16", 24, 24, 3, 2, 1, 1, 1, 16, (16, 32, 32), 676.3, 283.8),
-    ("k4s2p1_48", 48, 48, 4, 2, 1, 1, 1, 4, (16, 24, 24), 1142.0, 287.9),
+# input-gradient kernel, cuDNN's TF32 convolution of dy, the weight-gradient kernel, cuDNN's
+# deterministic TF32 weight gradient)
+MEASURED_GRADS = [
+    ("default", 16, 32, 3, 2, 1, 1, 1, 16, (16, 32, 32), 541.6, 400.5, 613.8, 641.3),
+    ("b32_32to64", 32, 64, 3, 2, 1, 1, 1, 32, (16, 32, 32), 3731.8, 1140.5, 4448.2, 1936.3),
+    ("b8_64to64", 64, 64, 3, 2, 1, 1, 1, 8, (16, 32, 32), 1940.4, 334.6, 2223.6, 504.9),
+    ("decoder_k2s2", 96, 48, 2, 2, 0, 1, 1, 2, (20, 20, 20), 86.3, 55.1, 155.0, 59.8),
+    ("k4s2p1", 24, 24, 4, 2, 1, 1, 1, 4, (16, 24, 24), 298.3, 80.7, 309.7, 166.5),
+    ("geometry", 16, 32, (3, 2, 4), 3, (1, 0, 1), 2, 2, 8, (8, 16, 16), 58.4, 69.9, 40.1, 177.3),
+    ("tiny", 4, 4, 3, 2, 1, 1, 1, 1, (4, 4, 4), 10.6, 9.5, 9.4, 11.2),
+    ("32to32", 32, 32, 3, 2, 1, 1, 1, 8, (16, 32, 32), 527.7, 172.2, 600.4, 368.7),
+    ("48to48", 48, 48, 3, 2, 1, 1, 1, 8, (16, 32, 32), 1045.6, 404.0, 1254.3, 518.5),
+    ("96to96", 96, 96, 3, 2, 1, 1, 1, 4, (16, 32, 32), 2125.6, 404.7, 2478.8, 462.8),
+    ("128to128", 128, 128, 3, 2, 1, 1, 1, 4, (16, 32, 32), 3879.4, 348.7, 4459.0, 505.0),
+    ("192to192", 192, 192, 3, 2, 1, 1, 1, 2, (16, 32, 32), 4369.7, 298.1, 5045.3, 774.6),
+    ("256to256", 256, 256, 3, 2, 1, 1, 1, 2, (16, 32, 32), 7825.9, 448.4, 8844.2, 807.0),
+    ("64to32", 64, 32, 3, 2, 1, 1, 1, 8, (16, 32, 32), 957.8, 197.6, 1204.6, 379.3),
+    ("16to64", 16, 64, 3, 2, 1, 1, 1, 8, (16, 32, 32), 671.7, 434.4, 622.1, 817.1),
+    ("k5s1p2", 32, 32, 5, 1, 2, 1, 1, 2, (16, 32, 32), 1096.6, 130.6, 762.2, 214.6),
+    ("k2s2_128to64", 128, 64, 2, 2, 0, 1, 1, 2, (16, 16, 16), 93.2, 22.7, 122.0, 41.6),
+    ("k1s1", 64, 64, 1, 1, 0, 1, 1, 4, (16, 32, 32), 47.6, 9.9, 121.1, 52.6),
+    ("k3s1p1", 48, 48, 3, 1, 1, 1, 1, 4, (16, 32, 32), 527.3, 156.0, 608.5, 438.6),
+    ("groups4", 128, 128, 3, 2, 1, 1, 4, 4, (16, 32, 32), 973.3, 305.8, 1217.8, 480.8),
+    ("dilation2", 64, 64, 3, 2, 2, 2, 1, 4, (16, 32, 32), 998.9, 164.4, 1146.3, 264.2),
+    ("24to24_b16", 24, 24, 3, 2, 1, 1, 1, 16, (16, 32, 32), 676.3, 283.8, 1611.1, 482.7),
+    ("k4s2p1_48", 48, 48, 4, 2, 1, 1, 1, 4, (16, 24, 24), 1142.0, 287.9, 1081.3, 278.2),
 ]
 # the rows the rates were fitted on: kernels of at most 3 taps an axis, stride 2, no groups, at
 # least 4M outputs (the others are memory-, latency- or geometry-bound, and at 32 -> 64 channels
 # cuDNN runs 1.5x faster than predicted; the choice still holds)
 FITTED = {"default", "b8_64to64", "32to32", "48to48", "96to96", "128to128",
           "192to192", "256to256", "64to32", "dilation2", "24to24_b16"}
+# the weight gradient's: the rows of 4M+ outputs where the kernel runs at its rate (at 24
+# channels, and on the small rows, it runs slower: there cuDNN can be faster than the choice
+# assumes, a saving missed, never a loss)
+FITTED_WEIGHT = {"default", "b32_32to64", "b8_64to64", "32to32", "48to48", "96to96",
+                 "128to128", "256to256", "64to32", "groups4", "dilation2", "k4s2p1_48"}
+# where the weight-gradient kernel measured well under its rate, so the choice keeps it though
+# cuDNN measured 2x faster
+SLOW_WEIGHT_KERNEL = {"k1s1", "24to24_b16"}
 
 
-@pytest.mark.parametrize("row", MEASURED_INPUT_GRAD, ids=lambda r: r[0])
+@pytest.mark.parametrize("row", MEASURED_GRADS, ids=lambda r: r[0])
 def test_the_input_gradient_model_against_its_measurements(row):
     """The backward's input gradient: cuDNN is chosen wherever it measured twice as fast (and
     the saving is worth a call), the kernel wherever it measured the faster; on the rows the
     rates were fitted on each prediction is within 30% of the measured time."""
-    name, cin, cout, k, s, p, d, groups, batch, spatial, kernel_us, torch_us = row
+    name, cin, cout, k, s, p, d, groups, batch, spatial, kernel_us, torch_us = row[:12]
     geom = ConvGeometry.create(cin, cout, k, s, p, dilation=d, groups=groups)
     t = planner.predict_input_grad(geom, batch, spatial, planner.DEVICE_PEAKS["H200"])
-    takes = t["kernels"] >= planner.INPUT_GRAD_MARGIN * t["torch"] \
+    takes = t["kernels"] >= planner.GRAD_MARGIN * t["torch"] \
         and t["kernels"] - t["torch"] >= planner.MIN_SAVING_US
     if kernel_us >= 2 * torch_us and kernel_us - torch_us >= planner.MIN_SAVING_US:
         assert takes
     elif torch_us >= kernel_us:
         assert not takes
     if name in FITTED:
+        assert abs(t["kernels"] / kernel_us - 1) < 0.3
+        assert abs(t["torch"] / torch_us - 1) < 0.3
+
+
+@pytest.mark.parametrize("row", MEASURED_GRADS, ids=lambda r: r[0])
+def test_the_weight_gradient_model_against_its_measurements(row):
+    """The backward's weight gradient: the kernel wherever it measured the faster; cuDNN's
+    wherever it measured twice as fast, but on the rows where the kernel ran well under its
+    rate; on the fitted rows each prediction within 30% of the measured time."""
+    name, cin, cout, k, s, p, d, groups, batch, spatial = row[:10]
+    kernel_us, torch_us = row[12:]
+    geom = ConvGeometry.create(cin, cout, k, s, p, dilation=d, groups=groups)
+    t = planner.predict_weight_grad(geom, batch, spatial, planner.DEVICE_PEAKS["H200"])
+    takes = t["kernels"] >= planner.GRAD_MARGIN * t["torch"] \
+        and t["kernels"] - t["torch"] >= planner.MIN_SAVING_US
+    if torch_us >= kernel_us:
+        assert not takes
+    elif kernel_us >= 2 * torch_us and name not in SLOW_WEIGHT_KERNEL:
+        assert takes
+    if name in FITTED_WEIGHT:
         assert abs(t["kernels"] / kernel_us - 1) < 0.3
         assert abs(t["torch"] / torch_us - 1) < 0.3
 
@@ -212,68 +241,84 @@ def test_the_input_gradient_model_against_its_measurements(row):
     (torch.float32, CUDA, None, False),
     (torch.float32, torch.device("cpu"), None, True),
 ])
-def test_the_input_gradient_kernel_elsewhere(dtype, device, asked, flag, monkeypatch):
-    """PyTorch's convolution computes dL/dx only where it would run on TF32 tensor cores by
+@pytest.mark.parametrize("which", ["input", "weight"])
+def test_the_gradient_kernels_elsewhere(dtype, device, asked, flag, which, monkeypatch):
+    """PyTorch computes dL/dx or dL/dW only where it would run on TF32 tensor cores by
     PyTorch's own flag, as the forward's choice."""
     monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag)
     geom = ConvGeometry.create(64, 64, 3, 2, 1)
-    takes, why = planner.torch_input_grad(geom, (8, 64, 16, 32, 32), dtype, device, asked)
-    assert not takes and why.startswith("the input-gradient kernel")
+    decide = planner.torch_input_grad if which == "input" else planner.torch_weight_grad
+    takes, why = decide(geom, (8, 64, 16, 32, 32), dtype, device, asked)
+    assert not takes and why.startswith(f"the {which}-gradient kernel")
 
 
-def test_the_pipeline_follows_the_input_gradient_planner(monkeypatch):
-    """``Pipeline.torch_input_grad``: the planner's choice per input shape under
-    ``conv_impl="auto"``, following PyTorch's flag as it changes; ``"gather"``, ``"scatter"``
-    and a ``precision`` set never, ``"torch"`` always."""
+@pytest.mark.parametrize("which", ["input", "weight"])
+def test_the_pipeline_follows_the_gradient_planner(which, monkeypatch):
+    """``Pipeline.torch_input_grad`` and ``torch_weight_grad``: the planner's choice per input
+    shape under ``conv_impl="auto"``, following PyTorch's flag as it changes; ``"gather"``,
+    ``"scatter"`` and a ``precision`` set never, ``"torch"`` always."""
     flag = [True]
     monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag[0])
     conv, bn = nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64)
     big, small = (8, 64, 16, 32, 32), (1, 64, 2, 2, 2)
+
+    def choice(pipe, shape, dtype=torch.float32, device=CUDA):
+        return getattr(pipe, f"torch_{which}_grad")(shape, dtype, device)
+
     auto = Pipeline(conv, bn)
-    assert auto.torch_input_grad(big, torch.float32, CUDA)
-    assert not auto.torch_input_grad(small, torch.float32, CUDA)
-    assert not auto.torch_input_grad(big, torch.float64, CUDA)
-    assert not auto.torch_input_grad(big, torch.float32, torch.device("cpu"))
+    assert choice(auto, big)
+    assert not choice(auto, small)
+    assert not choice(auto, big, torch.float64)
+    assert not choice(auto, big, device=torch.device("cpu"))
     flag[0] = False
-    assert not auto.torch_input_grad(big, torch.float32, CUDA)
+    assert not choice(auto, big)
     flag[0] = True
-    assert auto.torch_input_grad(big, torch.float32, CUDA)
+    assert choice(auto, big)
     for impl in ("gather", "scatter"):
-        assert not Pipeline(conv, bn, conv_impl=impl).torch_input_grad(big, torch.float32, CUDA)
+        assert not choice(Pipeline(conv, bn, conv_impl=impl), big)
     for value in ("ieee", "tf32"):
-        assert not Pipeline(conv, bn, precision=value).torch_input_grad(big, torch.float32, CUDA)
-    assert Pipeline(conv, bn, conv_impl="torch").torch_input_grad(small, torch.float64, CUDA)
+        assert not choice(Pipeline(conv, bn, precision=value), big)
+    assert choice(Pipeline(conv, bn, conv_impl="torch"), small, torch.float64)
 
 
-def test_the_default_problem_keeps_the_exact_input_gradient(tf32_allowed):
-    """At the default problem cuDNN's TF32 input gradient is predicted 1.2x faster, under the
-    1.5x that TF32's error must buy: the backward keeps the kernel, exact in float32."""
+@pytest.mark.parametrize("which", ["input", "weight"])
+def test_the_default_problem_keeps_the_exact_gradients(which, tf32_allowed):
+    """At the default problem cuDNN's TF32 input gradient is predicted 1.2x faster and its
+    weight gradient no faster, under the 1.5x that TF32's error must buy: the backward keeps
+    the kernels, exact in float32."""
     geom = ConvGeometry.create(16, 32, 3, 2, 1)
-    takes, why = planner.torch_input_grad(geom, (16, 16, 16, 32, 32), torch.float32, CUDA, None)
-    assert not takes and why.startswith("the input-gradient kernel")
+    decide = planner.torch_input_grad if which == "input" else planner.torch_weight_grad
+    takes, why = decide(geom, (16, 16, 16, 32, 32), torch.float32, CUDA, None)
+    assert not takes and why.startswith(f"the {which}-gradient kernel")
 
 
 def test_cudnn_off_keeps_the_kernels(tf32_allowed, monkeypatch):
-    """With cuDNN off PyTorch's own 3-D convolution runs, slower: neither choice takes it, and
-    the cached choices are keyed by the switch (``planner.torch_flags``)."""
+    """With cuDNN off PyTorch's own 3-D convolution runs, slower: no choice takes it, and the
+    cached choices are keyed by the switch (``planner.torch_flags``)."""
     geom = ConvGeometry.create(128, 128, 3, 2, 1)
     shape = (4, 128, 16, 32, 32)
-    assert planner.torch_conv(geom, shape, torch.float32, CUDA, None, False)[0]
-    assert planner.torch_input_grad(geom, shape, torch.float32, CUDA, None)[0]
+
+    def choices():
+        return (planner.torch_conv(geom, shape, torch.float32, CUDA, None, False),
+                planner.torch_input_grad(geom, shape, torch.float32, CUDA, None),
+                planner.torch_weight_grad(geom, shape, torch.float32, CUDA, None))
+
+    assert all(takes for takes, _ in choices())
     on = planner.torch_flags()
     monkeypatch.setattr(torch.backends.cudnn, "enabled", False)
     assert planner.torch_flags() != on
-    for takes, why in (planner.torch_conv(geom, shape, torch.float32, CUDA, None, False),
-                       planner.torch_input_grad(geom, shape, torch.float32, CUDA, None)):
+    for takes, why in choices():
         assert not takes and "cuDNN is off" in why
 
 
-def test_explain_names_the_backwards_choice(tf32_allowed):
+def test_explain_names_the_backwards_choices(tf32_allowed):
     pipe = Pipeline(nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64))
     shape = (8, 64, 16, 32, 32)
     notes = pipe.explain(shape).notes
-    assert "backward's input gradient (conv_impl='auto'): " + planner.torch_input_grad(
-        pipe.geometry, shape, torch.float32, tensor_device(), None)[1] in notes
+    for which, decide in (("input", planner.torch_input_grad),
+                          ("weight", planner.torch_weight_grad)):
+        assert f"backward's {which} gradient (conv_impl='auto'): " + decide(
+            pipe.geometry, shape, torch.float32, tensor_device(), None)[1] in notes
     torch_notes = Pipeline(nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64),
                            conv_impl="torch").explain(shape).notes
-    assert any("backward's input gradient by PyTorch's convolution" in n for n in torch_notes)
+    assert any("backward's input and weight gradients by PyTorch's" in n for n in torch_notes)
