@@ -15,8 +15,7 @@ batch_stats, needs, sync, handle)``
     names the process group the forward's batch statistics were synchronized over, as the
     forward saw it (the backward exchanges its reduction over the same group); ``handle``
     names the pipeline, which says when the backward runs whether ``dL/dx`` and ``dL/dW`` are
-    PyTorch's (``Pipeline.torch_input_grad``, ``torch_weight_grad``; the kernels if the
-    pipeline is gone). It has no
+    PyTorch's (``Pipeline.torch_grads``; the kernels if the pipeline is gone). It has no
     backward of its own: double backward raises.
 
 ``apply(pipe, x)`` is what ``Pipeline.__call__`` runs when the call must record its backward
@@ -173,8 +172,8 @@ def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dil
     """The backward op's body on its arguments: ``backward.backward``'s gradients, None where
     not needed."""
     pipe = _PIPELINES.get(handle)
-    torch_dx = pipe is not None and pipe.torch_input_grad(x.shape, x.dtype, x.device)
-    torch_dw = pipe is not None and pipe.torch_weight_grad(x.shape, x.dtype, x.device)
+    torch_dx, torch_dw = (False, False) if pipe is None else \
+        pipe.torch_grads(x.shape, x.dtype, x.device)
     return run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
                         weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
                         _GROUPS[sync] if sync else None, torch_dx, torch_dw)

@@ -177,8 +177,8 @@ class Pipeline:
         self._kinds: dict[tuple, str] = {}  # tiers.kind_key -> tiers.kind_name
         # (input shape, device, mode, track_running_stats) -> (PyTorch's TF32 flag, whether a
         # conv_impl="auto" call runs PyTorch's convolution: ``planner.torch_conv``); and
-        # ("input_grad" or "weight_grad", input shape, device) -> (the flags, whether its
-        # backward's dL/dx or dL/dW does: ``planner.torch_input_grad``, ``torch_weight_grad``)
+        # ("grads", input shape, device) -> (the flags, whether its backward's dL/dx and dL/dW
+        # do: ``planner.torch_input_grad``, ``torch_weight_grad``)
         self._torch_choice: dict[tuple, tuple[bool, bool]] = {}
         if variance == "gram" and not specialize:
             raise ValueError("variance='gram' runs the specialised kernels: not with "
@@ -700,31 +700,32 @@ class Pipeline:
         ``conv_impl="auto"`` and ``precision=None`` where ``planner.torch_input_grad`` predicts
         cuDNN's TF32 convolution clearly faster; never with the gather or the scatter asked
         for, or with ``precision`` set."""
-        return self._backward_choice("input_grad", planner.torch_input_grad, shape, dtype,
-                                     device)
+        return self.torch_grads(shape, dtype, device)[0]
 
     def torch_weight_grad(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether that backward computes ``dL/dW`` with PyTorch's (cuDNN's deterministic
         algorithms: ``backward.weight_grad_torch``) rather than ``conv_grads.weight_grad``: as
         ``torch_input_grad``, by ``planner.torch_weight_grad``."""
-        return self._backward_choice("weight_grad", planner.torch_weight_grad, shape, dtype,
-                                     device)
+        return self.torch_grads(shape, dtype, device)[1]
 
-    def _backward_choice(self, what: str, decide, shape, dtype: torch.dtype,
-                         device: torch.device) -> bool:
+    def torch_grads(self, shape, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+        """``(torch_input_grad, torch_weight_grad)`` at once: what the backward asks, one
+        cached lookup per call."""
         if self.conv_impl != "auto":
-            return self.conv_impl == "torch"
+            return (True, True) if self.conv_impl == "torch" else (False, False)
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
                 or len(shape) != 5:
-            return False
+            return False, False
         flag = planner.torch_flags()
-        key = (what, tuple(shape), device)
+        key = ("grads", tuple(shape), device)
         hit = self._torch_choice.get(key)
         if hit is None or hit[0] != flag:
             if len(self._torch_choice) >= 4 * PLAN_CACHE:
                 self._torch_choice.clear()
-            hit = self._torch_choice[key] = (flag, decide(self.geometry, tuple(shape), dtype,
-                                                          device, None)[0])
+            shape = tuple(shape)
+            hit = self._torch_choice[key] = (flag, tuple(
+                decide(self.geometry, shape, dtype, device, None)[0]
+                for decide in (planner.torch_input_grad, planner.torch_weight_grad)))
         return hit[1]
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
