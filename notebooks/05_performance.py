@@ -62,7 +62,9 @@ if os.path.exists(BENCH):
         bench = json.load(f)
     source = f"{BENCH} ({bench.get('meta', {}).get('device', '?')})"
     for row in bench.get("rows", []):
-        if row.get("case") != "default" or row.get("status", "ok") != "ok":
+        # (the forward's modes: a training step's backward is more than these reports' stages)
+        if row.get("case") != "default" or row.get("status", "ok") != "ok" \
+                or ("gather", row.get("mode")) not in reports:
             continue
         rep = reports["gather", row["mode"]]
         for provider, result in row.get("results", {}).items():

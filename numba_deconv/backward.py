@@ -39,7 +39,9 @@ Host time: with batch statistics, every tensor the launches take is made first a
 (``_batch_stats_tensors``), so the second call of a kind (shapes, dtypes, device, geometry,
 what is asked for) is recorded and later ones replay it (``launch.Replay``, ``_replayed``),
 writing only their tensors' addresses: a training loop's backward pays neither the launchers'
-Python nor their argument checks. Synchronized calls, which exchange between launches, and
+Python nor their argument checks. The kind's float64 scratch (a few kB) is kept and shared by
+its calls on a stream (``_keep``): there each call's launches end before the next call's begin.
+Synchronized calls, which exchange between launches, and
 evaluation, which folds on the host between them, launch unrecorded every time.
 """
 
@@ -84,13 +86,21 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     if batch_stats:
         torch_dw = torch_dw and need_w
         kernel_dx, kernel_dw = need_x and not torch_dx, need_w and not torch_dw
-        t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
-                                 kernel_dw)
         if pooled:  # an exchange between the launches: no replay
+            t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
+                                     kernel_dw)
             _batch_stats_launches(conv, t, gamma is not None, group)
         else:
             key = (conv, g.shape, g.dtype, g.device, x.shape, x.dtype, weight.shape,
                    weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, kernel_dw)
+            # (the scratch is the stream's: calls of one kind on two streams stay independent)
+            where = (key, torch.cuda.current_stream(g.device).cuda_stream
+                     if g.device.type == "cuda" else None)
+            kept = _KEPT.get(where)
+            t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
+                                     kernel_dw, kept)
+            if kept is None:
+                _keep(where, t)
             _replayed(key, t, lambda: _batch_stats_launches(conv, t, gamma is not None, None))
         dx, dw = t.get("dx"), t.get("dw")
         # (PyTorch's after the replay: they are not among its launches)
@@ -174,24 +184,30 @@ def _cudnn_deterministic():
 
 
 def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: bool,
-                         need_w: bool) -> dict:
+                         need_w: bool, kept: tuple | None = None) -> dict:
     """Every tensor the backward's launches with batch statistics take, by name: the call's
     inputs, a new output for each gradient asked for (``dx``, ``dw``; ``dgamma`` whenever
-    there is a gamma) and new scratch. Every one is contiguous and none shares another's
-    address, so a replay can put another call's tensors in their places (``_replayed``)."""
+    there is a gamma) and new scratch, or ``kept`` for this kind of call (``_keep``: its
+    float64 scratch, and the size of its weight-gradient partials). Every one is contiguous
+    and none shares another's address, so a replay can put another call's tensors in their
+    places (``_replayed``)."""
     stride, padding, dilation, groups = conv
     batch, channels = g.shape[0], g.shape[1]
     volume = g[0, 0].numel()
     r = batch * channels
     f64 = dict(dtype=torch.float64, device=g.device)
     rows = rows.contiguous()
-    # dy = k1 (g - gm) - k2 (yc - off + m - mu): a = k1, e = -k2 and the per-(n, c)
-    # constants b, worked out in one launch
-    coef = torch.empty(2 * channels + r, **f64)
+    scratch, part_size = kept if kept is not None else (None, None)
+    if scratch is None:
+        # dy = k1 (g - gm) - k2 (yc - off + m - mu): a = k1, e = -k2 and the per-(n, c)
+        # constants b, worked out in one launch; the per-(n, c) sums gsum and gy
+        coef = torch.empty(2 * channels + 3 * r, **f64)
+        scratch = dict(a=coef[:channels], e=coef[channels:2 * channels],
+                       b=coef[2 * channels:2 * channels + r],
+                       gsum=coef[2 * channels + r:2 * channels + 2 * r],
+                       gy=coef[2 * channels + 2 * r:])
     t = dict(g=g.view(r, volume), yc=yc.contiguous().view(r, volume), off=rows[0],
-             means=rows[1], stats=stats.contiguous(), gsum=torch.empty(r, **f64),
-             gy=torch.empty(r, **f64), a=coef[:channels], e=coef[channels:2 * channels],
-             b=coef[2 * channels:], dy=torch.empty_like(g))
+             means=rows[1], stats=stats.contiguous(), dy=torch.empty_like(g), **scratch)
     if gamma is not None:
         t["gamma"] = gamma.detach().contiguous()
         t["dgamma"] = torch.empty_like(t["gamma"])  # A_c(local) / sigma
@@ -201,9 +217,21 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
     if need_w:
         t["x"] = x.detach().contiguous()
         t["dw"] = torch.empty_like(weight)
-        t["part"] = conv_grads.weight_grad_scratch(t["x"], g, t["dw"], stride, padding,
-                                                   dilation, groups)
+        t["part"] = torch.empty(part_size, **f64) if part_size is not None else \
+            conv_grads.weight_grad_scratch(t["x"], g, t["dw"], stride, padding, dilation,
+                                           groups)
     return t
+
+
+def _keep(key: tuple, t: dict) -> None:
+    """Keep the float64 scratch of ``t`` (the per-channel constants and per-(n, c) sums, a
+    few kB) and the size of its weight-gradient partials for the later calls of its kind on
+    its stream (``key``: the kind and the stream). They share the scratch: on one stream each
+    call's launches end before the next call's begin. The newest ``REPLAYS`` are kept."""
+    _KEPT[key] = ({name: t[name] for name in ("a", "e", "b", "gsum", "gy")},
+                  t["part"].numel() if "part" in t else None)
+    if len(_KEPT) > REPLAYS:
+        _KEPT.popitem(last=False)
 
 
 def _batch_stats_launches(conv, t: dict, affine: bool, group) -> None:
@@ -237,6 +265,8 @@ def _batch_stats_launches(conv, t: dict, affine: bool, group) -> None:
 #: written once, each call writing only its tensors' addresses. The newest REPLAYS are kept.
 _REPLAYS: OrderedDict = OrderedDict()
 REPLAYS = 32
+#: The float64 scratch of each kind of call and stream (``_keep``).
+_KEPT: OrderedDict = OrderedDict()
 _NEW = object()
 
 
@@ -261,8 +291,9 @@ def _replayed(key: tuple, tensors: dict, launches) -> None:
 
 
 def clear() -> None:
-    """Forget every recorded backward call."""
+    """Forget every recorded backward call and the scratch kept for it."""
     _REPLAYS.clear()
+    _KEPT.clear()
 
 
 def _channel_dots(w: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ transposed convolution), which ``conv_grads.input_grad`` runs on CUDA cores at
 ``INPUT_GRAD_EFFICIENCY`` of the FP32 peak and cuDNN's forward convolution on TF32 tensor
 cores at ``CUDNN_PER_CHANNEL`` of the TF32 peak per input channel of a group (its GEMM's
 columns), at most ``CUDNN_CAP``; taken where predicted ``GRAD_MARGIN`` faster and at
-least ``MIN_SAVING_US`` sooner (a PyTorch call's dispatch). The margin is wider than the
+least ``MIN_SAVING_US`` sooner (the host time a PyTorch call adds). The margin is wider than the
 forward's: TF32 takes the gradient's error from ~1e-6 to ~3e-4 (eager's), which only a clear
 gain pays for, so the default problem's gradients (predicted 1.2x) stay exact in float32.
 cuDNN's forward-convolution algorithms add no floats atomically: with the same algorithm every
@@ -91,14 +91,17 @@ MARGIN = 1.1
 #: ... for calls with at least this many outputs.
 MIN_OUTPUTS = 1 << 22
 #: ``conv_grads.input_grad``'s multiply-add rate, a fraction of the FP32 peak (H200: 12-14
-#: TFLOP/s at kernels of 1 to 3 taps an axis, less at 4 and 5).
+#: TFLOP/s at kernels of 1 to 3 taps an axis; at more, ``_taps_factor`` of it).
 INPUT_GRAD_EFFICIENCY = 0.2
 #: The backward's gradients run on cuDNN only where predicted this much faster ...
 GRAD_MARGIN = 1.5
-#: ... and at least this much sooner.
-MIN_SAVING_US = 20.0
+#: ... and at least this much sooner: the host time PyTorch's gradient call adds to a step
+#: (H200 host: 85-135 µs against 10-20 for a replayed launch), which a step that waits on
+#: the host pays whatever the GPU saves.
+MIN_SAVING_US = 100.0
 #: ``conv_grads.weight_grad``'s multiply-add rate, a fraction of the FP32 peak (H200: 11-12
-#: TFLOP/s from 16 to 256 channels at 4M+ outputs; less on smaller calls).
+#: TFLOP/s from 16 to 256 channels at 4M+ outputs and up to 3 taps an axis; less on smaller
+#: calls, and ``_taps_factor`` of it at more taps).
 WEIGHT_GRAD_EFFICIENCY = 0.18
 #: cuDNN's TF32 weight gradient: a fraction of the TF32 peak per input channel of a group ...
 CUDNN_WEIGHT_PER_CHANNEL = 0.0016
@@ -196,8 +199,8 @@ def predict_input_grad(geom: ConvGeometry, batch: int, in_spatial,
     multiply-adds decide."""
     flops = 2.0 * geom.macs(batch, in_spatial)
     rate = min(CUDNN_PER_CHANNEL * geom.in_per_group, CUDNN_CAP) * peaks["tf32"]
-    return {"kernels": flops / (INPUT_GRAD_EFFICIENCY * peaks["fp32"]) * 1e6,
-            "torch": flops / rate * 1e6}
+    kernel_rate = INPUT_GRAD_EFFICIENCY * _taps_factor(geom) * peaks["fp32"]
+    return {"kernels": flops / kernel_rate * 1e6, "torch": flops / rate * 1e6}
 
 
 def torch_input_grad(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
@@ -215,8 +218,16 @@ def predict_weight_grad(geom: ConvGeometry, batch: int, in_spatial,
     weight gradient, its deterministic algorithms)."""
     flops = 2.0 * geom.macs(batch, in_spatial)
     rate = min(CUDNN_WEIGHT_PER_CHANNEL * geom.in_per_group, CUDNN_WEIGHT_CAP) * peaks["tf32"]
-    return {"kernels": flops / (WEIGHT_GRAD_EFFICIENCY * peaks["fp32"]) * 1e6,
+    kernel_rate = WEIGHT_GRAD_EFFICIENCY * _taps_factor(geom) * peaks["fp32"]
+    return {"kernels": flops / kernel_rate * 1e6,
             "torch": flops / rate * 1e6 + CUDNN_WEIGHT_FIXED_US}
+
+
+def _taps_factor(geom: ConvGeometry) -> float:
+    """The gradient kernels' rate at kernels of more than 3 taps an axis, against their rate
+    at 3: 3 / the most taps an axis (H200: input gradient 0.64x at 4 taps, 0.49x at 5; weight
+    gradient 0.67-0.77x at 4, 0.78x at 5)."""
+    return min(1.0, 3.0 / max(geom.kernel_size))
 
 
 def torch_weight_grad(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,

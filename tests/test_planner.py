@@ -191,8 +191,8 @@ FITTED = {"default", "b8_64to64", "32to32", "48to48", "96to96", "128to128",
 FITTED_WEIGHT = {"default", "b32_32to64", "b8_64to64", "32to32", "48to48", "96to96",
                  "128to128", "256to256", "64to32", "groups4", "dilation2", "k4s2p1_48"}
 # where the weight-gradient kernel measured well under its rate, so the choice keeps it though
-# cuDNN measured 2x faster
-SLOW_WEIGHT_KERNEL = {"k1s1", "24to24_b16"}
+# cuDNN measured 2x and 100+ µs faster
+SLOW_WEIGHT_KERNEL = {"24to24_b16"}
 
 
 @pytest.mark.parametrize("row", MEASURED_GRADS, ids=lambda r: r[0])
@@ -217,8 +217,9 @@ def test_the_input_gradient_model_against_its_measurements(row):
 @pytest.mark.parametrize("row", MEASURED_GRADS, ids=lambda r: r[0])
 def test_the_weight_gradient_model_against_its_measurements(row):
     """The backward's weight gradient: the kernel wherever it measured the faster; cuDNN's
-    wherever it measured twice as fast, but on the rows where the kernel ran well under its
-    rate; on the fitted rows each prediction within 30% of the measured time."""
+    wherever it measured twice as fast (and the saving is worth a call), but on the row where
+    the kernel ran well under its rate; on the fitted rows each prediction within 30% of the
+    measured time."""
     name, cin, cout, k, s, p, d, groups, batch, spatial = row[:10]
     kernel_us, torch_us = row[12:]
     geom = ConvGeometry.create(cin, cout, k, s, p, dilation=d, groups=groups)
@@ -227,7 +228,8 @@ def test_the_weight_gradient_model_against_its_measurements(row):
         and t["kernels"] - t["torch"] >= planner.MIN_SAVING_US
     if torch_us >= kernel_us:
         assert not takes
-    elif kernel_us >= 2 * torch_us and name not in SLOW_WEIGHT_KERNEL:
+    elif kernel_us >= 2 * torch_us and kernel_us - torch_us >= planner.MIN_SAVING_US \
+            and name not in SLOW_WEIGHT_KERNEL:
         assert takes
     if name in FITTED_WEIGHT:
         assert abs(t["kernels"] / kernel_us - 1) < 0.3
