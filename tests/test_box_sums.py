@@ -35,7 +35,6 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
 # rows=3 (and 4): slices of a few rows take a whole round of loads and a partial one, or only a
 # partial one
 # grid_cap=3: 8 planes over 3 blocks, each takes several (of different samples)
@@ -43,10 +42,23 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
 # means' share and the last block loop twice), more than eight input channels per group
 # wide: the 64-bit offsets of volumes of 2**32 elements or more, forced on small ones
 # shift: x starts this many elements into its buffer (1: not 16-byte aligned, element loads)
-@pytest.mark.parametrize("groups,ipg,opg,grid_cap,rows,block,wide,shift", [
+SETTINGS = [
     (1, 5, 2, 65535, box_sums.ROWS, None, False, 0), (3, 3, 2, 65535, 3, None, False, 0),
     (1, 2, 2, 65535, 3, box_sums.MAX_BLOCK, False, 0), (1, 4, 2, 3, 3, None, False, 1),
-    (1, 9, 5, 65535, 4, 32, False, 0), (1, 3, 2, 65535, 3, None, True, 0)])
+    (1, 9, 5, 65535, 4, 32, False, 0), (1, 3, 2, 65535, 3, None, True, 0)]
+
+
+def _case_settings():
+    """Every case with every setting on a GPU; under the simulator each case with one setting,
+    so that every case and every setting still runs there (the CI run keeps to its minutes)."""
+    for i, case in enumerate(CASES):
+        for j, setting in enumerate(SETTINGS):
+            marks = () if j == i % len(SETTINGS) else (pytest.mark.gpu,)
+            yield pytest.param(case, *setting, marks=marks, id=f"case{i}-setting{j}")
+
+
+@pytest.mark.parametrize("case,groups,ipg,opg,grid_cap,rows,block,wide,shift",
+                         list(_case_settings()))
 def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, block, wide,
                                         shift, device, monkeypatch):
     kernel, stride, padding, output_padding, dilation, size = case
