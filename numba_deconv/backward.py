@@ -40,7 +40,8 @@ Host time: with batch statistics, every tensor the launches take is made first a
 what is asked for) is recorded and later ones replay it (``launch.Replay``, ``_replayed``),
 writing only their tensors' addresses: a training loop's backward pays neither the launchers'
 Python nor their argument checks. The kind's float64 scratch (a few kB) is kept and shared by
-its calls on a stream (``_keep``): there each call's launches end before the next call's begin.
+its calls on a stream (``_keep``): there each call's launches end before the next call's begin
+(one host thread per stream, as a pipeline's forward asks: docs/design.md §5).
 Synchronized calls, which exchange between launches, and
 evaluation, which folds on the host between them, launch unrecorded every time.
 """
@@ -48,6 +49,7 @@ evaluation, which folds on the host between them, launch unrecorded every time.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 
 import torch
@@ -55,7 +57,7 @@ import torch
 from . import folding, sync
 from .dtypes import no_autocast
 from .kernels import conv_grads, grad_rows
-from .kernels.launch import Replay, recording
+from .kernels.launch import Replay, current_stream, recording
 
 
 def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -93,14 +95,17 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         else:
             key = (conv, g.shape, g.dtype, g.device, x.shape, x.dtype, weight.shape,
                    weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, kernel_dw)
-            # (the scratch is the stream's: calls of one kind on two streams stay independent)
-            where = (key, torch.cuda.current_stream(g.device).cuda_stream
-                     if g.device.type == "cuda" else None)
-            kept = _KEPT.get(where)
+            # (the scratch is the stream's: calls of one kind on two streams stay independent;
+            # none is kept from a graph capture, whose memory is the graph's)
+            where = (key, current_stream() if g.device.type == "cuda" else None)
+            capturing = g.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            kept = None if capturing else _KEPT.get(where)
             t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
                                      kernel_dw, kept)
-            if kept is None:
+            if kept is None and not capturing:
                 _keep(where, t)
+            elif kept is not None:
+                _KEPT.move_to_end(where)
             _replayed(key, t, lambda: _batch_stats_launches(conv, t, gamma is not None, None))
         dx, dw = t.get("dx"), t.get("dw")
         # (PyTorch's after the replay: they are not among its launches)
@@ -128,7 +133,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         dx = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
         conv_grads.launch_input_grad(dy, conv_weight.contiguous(), dx, stride, padding, dilation)
     if need_w or need_gamma:
-        if torch_dw:
+        if torch_dw and need_w:  # (dL/dgamma alone keeps the exact kernel)
             v = weight_grad_torch(dy, x.detach(), weight.detach(), conv)
         else:
             v = torch.empty_like(weight)
@@ -168,19 +173,36 @@ def weight_grad_torch(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     out_pad = [o - ((i - 1) * s - 2 * p + d * (k - 1) + 1) for o, i, s, p, d, k in zip(
         dy.shape[2:], x.shape[2:], stride, padding, dilation, weight.shape[2:])]
     with torch.no_grad(), no_autocast(dy.device.type), _cudnn_deterministic():
-        return torch.ops.aten.convolution_backward(
+        return _convolution_backward(
             dy, x, weight, None, list(stride), list(padding), list(dilation), True, out_pad,
             groups, [False, True, False])[1]
 
 
+_convolution_backward = torch.ops.aten.convolution_backward
+# (the process-wide flag, set while any thread's weight gradient runs: autograd runs a
+# backward thread per device)
+_DETERMINISTIC_LOCK = threading.Lock()
+_deterministic_users = 0
+_deterministic_was = False
+
+
 @contextlib.contextmanager
 def _cudnn_deterministic():
-    was = torch.backends.cudnn.deterministic
-    torch.backends.cudnn.deterministic = True
+    """``torch.backends.cudnn.deterministic`` on for the block, then as it was, with any
+    number of threads inside at once."""
+    global _deterministic_users, _deterministic_was
+    with _DETERMINISTIC_LOCK:
+        if _deterministic_users == 0:
+            _deterministic_was = torch.backends.cudnn.deterministic
+            torch.backends.cudnn.deterministic = True
+        _deterministic_users += 1
     try:
         yield
     finally:
-        torch.backends.cudnn.deterministic = was
+        with _DETERMINISTIC_LOCK:
+            _deterministic_users -= 1
+            if _deterministic_users == 0:
+                torch.backends.cudnn.deterministic = _deterministic_was
 
 
 def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: bool,

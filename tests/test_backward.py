@@ -242,11 +242,53 @@ def test_replayed_backward_with_pytorchs_gradients(device):
     assert any(isinstance(entry, backward.Replay) for entry in backward._REPLAYS.values())
 
 
+def test_pytorchs_weight_gradient_runs_deterministic(monkeypatch):
+    """``backward.weight_grad_torch`` calls PyTorch's weight gradient with
+    ``torch.backends.cudnn.deterministic`` on, whatever it was, and leaves it as it found it,
+    also with several threads inside at once (autograd runs a backward thread per device)."""
+    import threading
+
+    from numba_deconv import backward
+
+    seen, inside, release = [], threading.Barrier(3), threading.Event()
+    real = backward._convolution_backward
+
+    def spy(*args):
+        seen.append(torch.backends.cudnn.deterministic)
+        if threading.current_thread() is not threading.main_thread():
+            inside.wait()  # both threads inside at once
+            release.wait()
+        return real(*args)
+
+    monkeypatch.setattr(backward, "_convolution_backward", spy)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    conv = nn.ConvTranspose3d(2, 4, 3, 2, 1).double()
+    x = torch.randn(1, 2, 3, 3, 3, dtype=torch.float64)
+    dy = torch.randn_like(conv(x))
+    geometry = (conv.stride, conv.padding, conv.dilation, 1)
+
+    def grad():
+        return backward.weight_grad_torch(dy, x, conv.weight.detach(), geometry)
+
+    threads = [threading.Thread(target=grad) for _ in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    assert torch.backends.cudnn.deterministic  # (set while the threads are inside)
+    release.set()
+    for t in threads:
+        t.join()
+    assert not torch.backends.cudnn.deterministic
+    grad()
+    assert seen == [True, True, True] and not torch.backends.cudnn.deterministic
+
+
 @pytest.mark.gpu
-def test_pytorchs_weight_gradient_is_the_same_bits_every_run(device):
+def test_pytorchs_weight_gradient_is_the_same_bits_every_run(device, monkeypatch):
     """cuDNN's weight gradient runs on its deterministic algorithms whatever the global flag
     says (``backward.weight_grad_torch``), and leaves the flag as it found it: the same call's
     gradient twice is the same bits, as the kernel's is."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
     torch.manual_seed(7)
     conv = nn.ConvTranspose3d(64, 64, 3, 2, 1).to(device)
     bn = nn.BatchNorm3d(64).to(device)

@@ -93,6 +93,12 @@ def _current_stream() -> tuple[int, int]:
         return torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
 
 
+def current_stream() -> tuple[int, int]:
+    """(device index, raw handle) of torch's current stream, without building a stream object
+    (``_current_stream``): a key for what belongs to one stream."""
+    return _current_stream()
+
+
 SIM_BLOCK = 64
 
 
