@@ -56,6 +56,7 @@ import torch
 
 from . import folding, sync
 from .dtypes import no_autocast
+from .geometry import output_length
 from .kernels import conv_grads, grad_rows
 from .kernels.launch import Replay, current_stream, recording
 
@@ -170,7 +171,7 @@ def weight_grad_torch(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     the call), so the gradient is the same bits at every run. The output padding is what the
     shapes say it was. Never under autocast, as ``input_grad_torch``."""
     stride, padding, dilation, groups = conv
-    out_pad = [o - ((i - 1) * s - 2 * p + d * (k - 1) + 1) for o, i, s, p, d, k in zip(
+    out_pad = [o - output_length(i, k, s, p, 0, d) for o, i, s, p, d, k in zip(
         dy.shape[2:], x.shape[2:], stride, padding, dilation, weight.shape[2:])]
     with torch.no_grad(), no_autocast(dy.device.type), _cudnn_deterministic():
         return _convolution_backward(

@@ -179,7 +179,7 @@ class Pipeline:
         # conv_impl="auto" call runs PyTorch's convolution: ``planner.torch_conv``); and
         # ("grads", input shape, device) -> (the flags, whether its backward's dL/dx and dL/dW
         # do: ``planner.torch_input_grad``, ``torch_weight_grad``)
-        self._torch_choice: dict[tuple, tuple[bool, bool]] = {}
+        self._torch_choice: dict[tuple, tuple] = {}
         if variance == "gram" and not specialize:
             raise ValueError("variance='gram' runs the specialised kernels: not with "
                              "specialize=False")
@@ -681,17 +681,13 @@ class Pipeline:
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
                 or self.process_group is not None or self.variance == "gram" or len(shape) != 5:
             return False
-        flag = planner.torch_flags()
+        shape = tuple(shape)
         # (the mode and batch norm's settings decide whether batch statistics are used)
-        key = (tuple(shape), device, self.training, self.bn.track_running_stats)
-        hit = self._torch_choice.get(key)
-        if hit is None or hit[0] != flag:
-            batch_stats = folding.uses_batch_statistics(self.bn, self.training)
-            if len(self._torch_choice) >= 4 * PLAN_CACHE:
-                self._torch_choice.clear()
-            hit = self._torch_choice[key] = (flag, planner.torch_conv(
-                self.geometry, tuple(shape), dtype, device, None, batch_stats)[0])
-        return hit[1]
+        return self._flag_keyed(
+            (shape, device, self.training, self.bn.track_running_stats),
+            lambda: planner.torch_conv(
+                self.geometry, shape, dtype, device, None,
+                folding.uses_batch_statistics(self.bn, self.training))[0])
 
     def torch_input_grad(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the backward of a call on an input of ``shape``, ``dtype`` and ``device``
@@ -716,16 +712,20 @@ class Pipeline:
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
                 or len(shape) != 5:
             return False, False
+        shape = tuple(shape)
+        return self._flag_keyed(("grads", shape, device), lambda: tuple(
+            decide(self.geometry, shape, dtype, device, None)[0]
+            for decide in (planner.torch_input_grad, planner.torch_weight_grad)))
+
+    def _flag_keyed(self, key: tuple, decide):
+        """``decide()``, kept in ``_torch_choice`` under ``key`` while PyTorch's flags
+        (``planner.torch_flags``) stay as they were when it was decided."""
         flag = planner.torch_flags()
-        key = ("grads", tuple(shape), device)
         hit = self._torch_choice.get(key)
         if hit is None or hit[0] != flag:
             if len(self._torch_choice) >= 4 * PLAN_CACHE:
                 self._torch_choice.clear()
-            shape = tuple(shape)
-            hit = self._torch_choice[key] = (flag, tuple(
-                decide(self.geometry, shape, dtype, device, None)[0]
-                for decide in (planner.torch_input_grad, planner.torch_weight_grad)))
+            hit = self._torch_choice[key] = (flag, decide())
         return hit[1]
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
