@@ -168,15 +168,15 @@ def backward(grad: Tensor, x: Tensor, weight: Tensor, gamma: Optional[Tensor], y
 
 
 def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups,
-                   batch_stats, needs, sync, handle):
+                   batch_stats, needs, sync, handle, yc_spent=False):
     """The backward op's body on its arguments: ``backward.backward``'s gradients, None where
-    not needed."""
+    not needed. ``yc_spent``: nothing reads ``yc`` after this call (``backward.backward``)."""
     pipe = _PIPELINES.get(handle)
     torch_dx, torch_dw = (False, False) if pipe is None else \
         pipe.torch_grads(x.shape, x.dtype, x.device)
     return run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
                         weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
-                        _GROUPS[sync] if sync else None, torch_dx, torch_dw)
+                        _GROUPS[sync] if sync else None, torch_dx, torch_dw, yc_spent)
 
 
 @backward.register_fake
@@ -200,10 +200,16 @@ def _setup_context(ctx, inputs, output):
     synced = training and pipe.process_group is not None
     ctx.sync = _group_handle(pipe.process_group) if synced else 0
     ctx.handle = handle
+    ctx.yc_private = False  # (the op's caller holds ``yc``; ``_Eager``'s drops it)
     ctx.mark_non_differentiable(yc, rows, stats)
+    # (else autograd would hand the backward zeros for them: an output-sized tensor for ``yc``
+    # made, filled and held through the backward)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, *_):
+    if grad_out is None:  # (no gradient reached the output: none flows on)
+        return (None,) * 9
     x, weight, gamma, yc, rows, stats = ctx.saved_tensors
     need_x, need_w, need_b, need_gamma, need_beta = ctx.needs_input_grad[:5]
     dx = dw = dgamma = None
@@ -211,14 +217,28 @@ def _backward(ctx, grad_out, *_):
         # the op where a tracer must see it, and under create_graph (its own backward
         # refuses); else its body, without the dispatcher
         traced = torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling())
-        dx, dw, dgamma = (backward if traced else _backward_body)(
-            grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv, ctx.batch_stats,
-            [need_x, need_w, need_gamma], ctx.sync, ctx.handle)
+        args = (grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv, ctx.batch_stats,
+                [need_x, need_w, need_gamma], ctx.sync, ctx.handle)
+        if traced:
+            dx, dw, dgamma = backward(*args)
+        else:  # ``yc`` seen by nobody else and, the graph not kept, read no more: the
+            # backward may write over it
+            dx, dw, dgamma = _backward_body(
+                *args, yc_spent=ctx.yc_private and not _keeps_graph())
     # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8)
     zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
     return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,
             dgamma if need_gamma else None, zeros() if need_beta else None,
             None, None, None, None)
+
+
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph``), so a later backward
+    reads the saved tensors again; True where this torch cannot say."""
+    return _KEEP_GRAPH is None or _KEEP_GRAPH()
 
 
 def _no_double_backward(ctx, *grads):
@@ -245,6 +265,7 @@ class _Eager(torch.autograd.Function):
         # statistics are updated by the call's own statistics kernel (one launch fewer)
         output = _saving_call(_pipeline(handle), x, training, update=True)
         _setup_context(ctx, inputs, output)
+        ctx.yc_private = True  # ``apply``, its one caller, drops ``yc``
         return output
 
     backward = staticmethod(_backward)

@@ -64,14 +64,19 @@ from .kernels.launch import Replay, current_stream, recording
 def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
              gamma: torch.Tensor | None, yc: torch.Tensor, rows: torch.Tensor,
              stats: torch.Tensor, batch_stats: bool, needs: tuple[bool, bool, bool],
-             group=None, torch_dx: bool = False, torch_dw: bool = False):
+             group=None, torch_dx: bool = False, torch_dw: bool = False,
+             yc_spent: bool = False):
     """``(dL/dx, dL/dW, dL/dgamma)``, None where ``needs`` (x, weight, gamma) says not needed
     (``dL/dgamma`` also None without gamma). ``conv``: the convolution's (stride, padding,
     dilation, groups); ``yc``, ``rows``, ``stats``: as ``Pipeline.forward_saving`` returns
     them; ``group``: the process group of synchronized batch statistics, or None;
     ``torch_dx``: ``dL/dx`` by PyTorch's convolution (``input_grad_torch``), not the kernel
     (``Pipeline.torch_input_grad``); ``torch_dw``: ``dL/dW`` (and in evaluation ``V``) by
-    PyTorch's (``weight_grad_torch``; ``Pipeline.torch_weight_grad``)."""
+    PyTorch's (``weight_grad_torch``; ``Pipeline.torch_weight_grad``); ``yc_spent``: nothing
+    reads ``yc`` after this call (a backward that keeps no graph, ``autograd``), so with batch
+    statistics ``dy`` is written over it (``form_grad`` reads each element before writing it):
+    the backward then holds no output-sized tensor of its own, as eager's convolution backward
+    holds only its incoming gradient."""
     stride, padding, dilation, groups = conv
     need_x, need_w, need_gamma = needs
     need_gamma = need_gamma and gamma is not None
@@ -91,23 +96,28 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         kernel_dx, kernel_dw = need_x and not torch_dx, need_w and not torch_dw
         if pooled:  # an exchange between the launches: no replay
             t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
-                                     kernel_dw)
+                                     kernel_dw, yc_spent=yc_spent)
             _batch_stats_launches(conv, t, gamma is not None, group)
         else:
             key = (conv, g.shape, g.dtype, g.device, x.shape, x.dtype, weight.shape,
-                   weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, kernel_dw)
+                   weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, kernel_dw,
+                   yc_spent)
             # (the scratch is the stream's: calls of one kind on two streams stay independent;
             # none is kept from a graph capture, whose memory is the graph's)
             where = (key, current_stream() if g.device.type == "cuda" else None)
             capturing = g.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             kept = None if capturing else _KEPT.get(where)
             t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
-                                     kernel_dw, kept)
+                                     kernel_dw, kept, yc_spent)
             if kept is None and not capturing:
                 _keep(where, t)
             elif kept is not None:
                 _KEPT.move_to_end(where)
-            _replayed(key, t, lambda: _batch_stats_launches(conv, t, gamma is not None, None))
+            # (written over ``yc``, ``dy`` is no tensor of its own: the replay knows it as yc)
+            named = {k: v for k, v in t.items()
+                     if not (k == "dy" and v.data_ptr() == t["yc"].data_ptr())}
+            _replayed(key, named,
+                      lambda: _batch_stats_launches(conv, t, gamma is not None, None))
         dx, dw = t.get("dx"), t.get("dw")
         # (PyTorch's after the replay: they are not among its launches)
         if torch_dx:
@@ -207,13 +217,14 @@ def _cudnn_deterministic():
 
 
 def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: bool,
-                         need_w: bool, kept: tuple | None = None) -> dict:
+                         need_w: bool, kept: tuple | None = None,
+                         yc_spent: bool = False) -> dict:
     """Every tensor the backward's launches with batch statistics take, by name: the call's
     inputs, a new output for each gradient asked for (``dx``, ``dw``; ``dgamma`` whenever
     there is a gamma) and new scratch, or ``kept`` for this kind of call (``_keep``: its
     float64 scratch, and the size of its weight-gradient partials). Every one is contiguous
-    and none shares another's address, so a replay can put another call's tensors in their
-    places (``_replayed``)."""
+    and none shares another's address but ``dy``, which with ``yc_spent`` is ``yc`` itself,
+    so a replay can put another call's tensors in their places (``_replayed``)."""
     stride, padding, dilation, groups = conv
     batch, channels = g.shape[0], g.shape[1]
     volume = g[0, 0].numel()
@@ -229,8 +240,10 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
                        b=coef[2 * channels:2 * channels + r],
                        gsum=coef[2 * channels + r:2 * channels + 2 * r],
                        gy=coef[2 * channels + 2 * r:])
-    t = dict(g=g.view(r, volume), yc=yc.contiguous().view(r, volume), off=rows[0],
-             means=rows[1], stats=stats.contiguous(), dy=torch.empty_like(g), **scratch)
+    yc = yc.contiguous()
+    dy = yc.view(g.shape) if yc_spent else torch.empty_like(g)
+    t = dict(g=g.view(r, volume), yc=yc.view(r, volume), off=rows[0], means=rows[1],
+             stats=stats.contiguous(), dy=dy, **scratch)
     if gamma is not None:
         t["gamma"] = gamma.detach().contiguous()
         t["dgamma"] = torch.empty_like(t["gamma"])  # A_c(local) / sigma
