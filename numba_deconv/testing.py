@@ -21,7 +21,9 @@ the reference; NaN never passes).
 Tolerance (``tolerance``): float64 within 1e-10; float32 within ``max(1e-5, TORCH_FACTOR x
 PyTorch's own strict-fp32 error on the same input)``. Where a channel's mean dwarfs its spread no
 float32 convolution, PyTorch's included, reaches 1e-5; the bar is to lose about what PyTorch
-does.
+does. Gradients (``check_gradients``) likewise, and in float64 within ``max(1e-10, TORCH_FACTOR
+x how far PyTorch's float64 gradients move when the input moves by a few ulps)``: at offsets
+of 10^3 times the spread no float64 gradient is known to 1e-10.
 
 Each example compiles kernels for its drawn geometry (seconds on a GPU's host, more under the
 simulator): give your own properties ``deadline=None``.
@@ -50,6 +52,12 @@ from .geometry import ConvGeometry
 TORCH_FACTOR = 5
 #: ... and of TF32's own error, for a pipeline on TF32 tensor cores (``tolerance``)
 TF32_FACTOR = 3
+#: A float64 gradient is held to ``TORCH_FACTOR`` times how far PyTorch's own float64
+#: gradients move when the input moves by about this many of its ulps (``check_gradients``),
+#: where that is above ``RTOL``: where an input's offset dwarfs its spread, the backward's sums
+#: cancel twice (``y - mean``, then the weight gradient's sum over ``x * dy``), and a float64
+#: gradient, PyTorch's included, keeps about 16 - 2 log10(offset / spread) digits.
+MOVE_ULPS = 4
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 #: Absolute floor per element, for references that are zero up to rounding (an output with no
 #: taps is a constant, so the centred result is pure rounding noise on both sides).
@@ -445,6 +453,13 @@ def reference_gradients(conv: nn.Module, bn: nn.Module, x: torch.Tensor, g: torc
     return out, _grads(conv, bn, x, out, g), terms
 
 
+def _moved_by_ulps(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` (float64) with each element moved by a random ``MOVE_ULPS`` of its own ulps, or so."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    jitter = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device)
+    return x * (1.0 + MOVE_ULPS * 2.0 ** -52 * jitter)
+
+
 def check_gradients(case: Case, make: Callable, device: torch.device | str | None = None,
                     rtol: float | None = None) -> None:
     """``make(conv, bn)(x)`` and its backward against PyTorch's autograd in float64.
@@ -452,7 +467,9 @@ def check_gradients(case: Case, make: Callable, device: torch.device | str | Non
     The output and the running statistics as ``check_case`` holds them; every gradient (the
     input's, the convolution's weight, batch norm's weight) within ``RTOL`` of the float64
     reference, or for float32 within ``TORCH_FACTOR`` times PyTorch's own strict-fp32 error on
-    the same values, whichever is larger (``rtol`` overrides both); the shifts' gradients
+    the same values, for float64 within ``TORCH_FACTOR`` times how far PyTorch's float64
+    gradients move when the input moves by ``MOVE_ULPS`` ulps (the reference's own
+    sensitivity to rounding), whichever is larger (``rtol`` overrides all); the shifts' gradients
     (the convolution's bias, batch norm's beta), zero in exact arithmetic, within
     ``RTOL`` times the largest reference gradient (PyTorch's own, the rounding of a sum of
     terms that cancel, within 1e-12 times the sum of the terms' magnitudes).
@@ -465,9 +482,11 @@ def check_gradients(case: Case, make: Callable, device: torch.device | str | Non
     conv, bn = (copy.deepcopy(m).to(case.dtype) for m in (conv64, bn64))
     x64 = make_input(case, device)
     tol = tolerance(case, conv64, bn64, x64) if rtol is None else Tolerance(rtol, rtol, rtol)
-    torch32 = None
+    torch32 = moved = None
     if case.dtype != torch.float64 and rtol is None:  # PyTorch's own modules in strict fp32
         torch32 = tuple(copy.deepcopy(m).cpu().to(case.dtype) for m in (conv64, bn64))
+    elif rtol is None:  # float64: PyTorch's own, on an input moved by a few ulps
+        moved = tuple(copy.deepcopy(m) for m in (conv64, bn64))
     x = x64.to(case.dtype).requires_grad_(True)
     out = make(conv, bn)(x)
     g = incoming_gradient(case, tuple(out.shape), device)
@@ -477,8 +496,12 @@ def check_gradients(case: Case, make: Callable, device: torch.device | str | Non
     _check_running_stats(case, bn, bn64, tol, stats_atol(case))
     floor = RTOL[case.dtype] if rtol is None else rtol
     factors: dict[str, float] = {}
+    theirs = None
     if torch32 is not None:
         _, theirs, _ = reference_gradients(*torch32, x64.cpu().to(case.dtype), g.cpu())
+    elif moved is not None:
+        _, theirs, _ = reference_gradients(*moved, _moved_by_ulps(x64, case.seed), g)
+    if theirs is not None:
         factors = {n: TORCH_FACTOR * relative_error(t, expected[n]) for n, t in theirs.items()
                    if t is not None and expected.get(n) is not None}
     scale = max((t.abs().max().item() for t in expected.values() if t is not None), default=1.0)
