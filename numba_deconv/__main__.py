@@ -104,6 +104,14 @@ PROBLEM_DESCRIPTION = _paragraphs(
 
 
 # ---- argument types -----------------------------------------------------------------------------
+def _names(text: str) -> list[str]:
+    """Comma-separated names (argparse type), at least one."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected one or more comma-separated names")
+    return names
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (argparse type)."""
     return _int_at_least(text, 1)
@@ -216,6 +224,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     b.add_argument("--suite", action="store_true",
                    help="time the shape suite: several geometries, both modes, back to back "
                         "and synchronized after every call")
+    b.add_argument("--rows", type=_names, default=None,
+                   help="with --suite: only these rows, comma-separated (default: every row; "
+                        "the names are the suite table's, e.g. default,tiny)")
     b.add_argument("--first-call", action="store_true",
                    help="time first calls in new processes: cold and warm kernel cache, a "
                         "new geometry in a warm process, the same for the generic tier, and "
@@ -388,6 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given")
     if args.command == "cache":
         return cache(clear=args.clear)
+    if args.command == "bench" and args.rows is not None:
+        from numba_deconv import bench
+
+        if not args.suite:
+            commands["bench"].error("--rows selects rows of the suite: give --suite too")
+        known = [case.name for case in bench.suite_cases()]
+        unknown = [name for name in args.rows if name not in known]
+        if unknown:
+            commands["bench"].error(f"--rows: no suite row named {', '.join(unknown)} (the "
+                                    f"rows: {', '.join(known)})")
     if args.command == "bench" and args.first_call:
         from numba_deconv import bench, first_call
 
@@ -408,8 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from numba_deconv import bench
 
-        # ``suite`` is passed only when asked for, so bench.main without it still works.
+        # ``suite`` (and ``rows``) are passed only when asked for, so bench.main without them
+        # still works.
         extra = {"suite": True} if args.suite else {}
+        if args.rows is not None:
+            extra["rows"] = args.rows
         return bench.main(args.out, tiny=args.tiny, geometry=args.geometry, sweep=args.sweep,
                           reps=args.reps, **extra)
 

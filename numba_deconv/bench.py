@@ -1426,12 +1426,14 @@ def plot_suite(rows: Sequence[SuiteRow], path: str, device: str | None = None) -
 
 # ---- entry point ----------------------------------------------------------------------------
 def main(out_dir: str = "benchmarks/results", *, tiny: bool = False, geometry: bool = False,
-         sweep: bool = False, reps: int = MAIN_REPS, suite: bool = False) -> int:
+         sweep: bool = False, reps: int = MAIN_REPS, suite: bool = False,
+         rows: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 when every numba row passed its correctness check, else 1.
 
     ``suite=True`` runs the shape suite (:func:`run_suite`) instead of the main table: its rows
     include the tiny and geometry cases, so ``tiny``, ``geometry`` and ``sweep`` are not run
-    with it. ``reps`` is the timed calls per row (per provider and method in the suite).
+    with it; ``rows``, the names of the suite rows to run (:func:`suite_cases`; all by
+    default). ``reps`` is the timed calls per row (per provider and method in the suite).
 
     Returns 2 (and prints one line) without a GPU: timings under the simulator mean nothing.
     """
@@ -1443,7 +1445,13 @@ def main(out_dir: str = "benchmarks/results", *, tiny: bool = False, geometry: b
         if tiny or geometry or sweep:
             print("bench: the suite runs alone (it has the tiny and geometry rows); --tiny, "
                   "--geometry and --sweep are not run with it", flush=True)
-        rows = run_suite(out_dir, reps=reps)
+        cases = suite_cases()
+        if rows is not None:
+            unknown = set(rows) - {case.name for case in cases}
+            if unknown:
+                raise ValueError(f"no suite row named {', '.join(sorted(unknown))}")
+            cases = [case for case in cases if case.name in rows]
+        rows = run_suite(out_dir, cases=cases, reps=reps)
         for r in rows:
             if r.status != "ok":
                 print(f"FAIL: suite {r.case}/{r.mode}: status {r.status}, numba rel. error "

@@ -296,6 +296,37 @@ def test_bench_passes_suite_only_when_asked(monkeypatch, suite):
     assert ("suite" in kw) == suite and kw.get("suite", True)
 
 
+def test_bench_suite_rows_are_passed_by_name(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda out, **kw: seen.append(kw) or 0)
+    assert cli.main(["bench", "--suite", "--rows", "tiny, default"]) == 0
+    assert seen[0]["rows"] == ["tiny", "default"] and seen[0]["suite"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--rows", "tiny"], "give --suite too"),
+    (["bench", "--suite", "--rows", "tiny,nope"], "no suite row named nope"),
+    (["bench", "--suite", "--rows", ","], "comma-separated names")])
+def test_bench_rows_refused_with_a_usage_error(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(bench, "main", lambda out, **kw: pytest.fail("bench ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_main_runs_only_the_rows_asked_for(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(bench, "is_simulator", lambda: False)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    ok = bench.SuiteRow("tiny", "", "eval", "float32", (), ())
+    monkeypatch.setattr(bench, "run_suite",
+                        lambda out, cases, reps: seen.append([c.name for c in cases]) or [ok])
+    assert bench.main(str(tmp_path), suite=True, rows=["tiny", "default"]) == 0
+    assert seen == [["default", "tiny"]]  # (the suite's order)
+    with pytest.raises(ValueError, match="no suite row named nope"):
+        bench.main(str(tmp_path), suite=True, rows=["nope"])
+
+
 TINY = ["--in-channels", "2", "--out-channels", "3", "--kernel", "2", "--stride", "2",
         "--input", "2,3,2", "--batch", "1", "--padding", "0"]
 
