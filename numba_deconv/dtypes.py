@@ -3,8 +3,9 @@
 Kernel factories take the dtype as a string, ``"float32"`` or ``"float64"``, so that it can key
 their caches (``functools.lru_cache``) and be compared without importing numba's types. This
 module maps that name to numba's element type and to its size in bytes, and a torch dtype to
-the name; ``no_autocast`` keeps the PyTorch operations the package calls in the operator's
-dtype.
+the name; ``half_output`` says when a call is a half-precision one (computed in float32, its
+output in float16 or bfloat16); ``no_autocast`` keeps the PyTorch operations the package calls
+in the operator's dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +32,27 @@ def name_of(dtype: torch.dtype) -> str:
         return _NAMES[dtype]
     except KeyError:
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}") from None
+
+
+#: The half-precision dtypes a call accepts (``half_output``): it computes in float32 and
+#: returns its output in one of these.
+HALF = (torch.float16, torch.bfloat16)
+
+
+def half_output(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a call on ``x`` returns where it is a half-precision one, else None: under
+    ``torch.autocast`` for ``x``'s device type, the autocast dtype for a float32 or half input
+    (eager's convolution casts its input to it there; float64 stays float64); outside it, a
+    half-precision input's own dtype. One dtype check and one flag read a call."""
+    dtype = x.dtype
+    if dtype == torch.float64:
+        return None
+    device_type = x.device.type
+    # (the kernels run on CUDA tensors, or on CPU ones under the simulator; another device's
+    # input is refused later, and autocast knows no "meta")
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype if dtype in HALF else None
 
 
 def no_autocast(device_type: str):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import autograd
+from . import autograd, dtypes
 from .pipeline import Pipeline
 
 
@@ -46,6 +46,9 @@ class ModelNew(nn.Module):
     def forward(self, x):
         pipe = self._pipeline.train(self.training)
         if torch.compiler.is_compiling():  # what dynamo traces: the op alone
+            half = dtypes.half_output(x)
+            if half is not None:
+                return pipe.half_call(x, half, autograd.apply)
             return autograd.apply(pipe, x)
         return pipe(x)
 

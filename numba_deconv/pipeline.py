@@ -246,6 +246,9 @@ class Pipeline:
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
         if isinstance(x, torch.Tensor):
+            half = dtypes.half_output(x)
+            if half is not None:
+                return self.half_call(x, half, self)
             if torch.is_grad_enabled() and self._wants_grad(x):
                 # through the custom op, which records the backward (``autograd``)
                 return autograd.apply(self, x)
@@ -255,6 +258,21 @@ class Pipeline:
                 return self._replay_prepared(prepared, x)
         tensor, restore = self._accept(x)
         return restore(self._run(tensor))
+
+    def half_call(self, x: torch.Tensor, half: torch.dtype, call) -> torch.Tensor:
+        """A half-precision call (``dtypes.half_output``): ``call`` (the pipeline, or
+        ``autograd.apply`` under torch.compile) on ``x`` in the parameters' float32, outside
+        autocast, its output cast to ``half``. Both casts are autograd's own, so a backward
+        takes ``dL/dout`` to float32 and returns ``dL/dx`` in ``x``'s dtype; the running
+        statistics stay in the parameters' dtype. One rounding, at the end: within half a unit
+        in the last place of ``half`` of the float32 result, where eager under autocast also
+        rounds the convolution's output before batch norm."""
+        compute = self.conv.weight.dtype
+        if compute != torch.float32:
+            raise TypeError(f"a {half} call needs float32 parameters (as torch.autocast keeps "
+                            f"them), got {compute}")
+        with dtypes.no_autocast(x.device.type):
+            return (self(x.to(compute)) if call is self else call(self, x.to(compute))).to(half)
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
         """Whether a call under grad mode must record its backward: the input or a parameter
@@ -595,9 +613,8 @@ class Pipeline:
     def _check(self, x: torch.Tensor):
         weight = self.conv.weight
         if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"input dtype must be torch.float32 or torch.float64, got {x.dtype}"
-                            + (" (half precision is not supported yet)"
-                               if x.dtype in (torch.float16, torch.bfloat16) else ""))
+            raise TypeError(f"input dtype must be torch.float32, torch.float64 or, with float32 "
+                            f"parameters, a half precision one, got {x.dtype}")
         if weight.dtype != x.dtype:
             raise TypeError(
                 f"input dtype {x.dtype} does not match the parameters' dtype {weight.dtype}")

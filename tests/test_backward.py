@@ -369,7 +369,8 @@ def test_pytorchs_weight_gradient_is_the_same_bits_every_run(device, monkeypatch
 def test_channels_last_input_and_autocast(conv_impl, device):
     """An input in channels-last memory format gets a correct (contiguous) input gradient from
     the kernel and from PyTorch's convolution; and under autocast the operator, PyTorch's
-    convolutions included, keeps its dtype: the same output and gradients as outside it."""
+    convolutions included, computes in float32 and returns the autocast dtype, as eager does:
+    the float32 output rounded, and the gradients of the rounded incoming gradient."""
     conv, bn = _modules(True, device)
     ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
     pipe = Pipeline(conv, bn, conv_impl=conv_impl)
@@ -386,11 +387,12 @@ def test_channels_last_input_and_autocast(conv_impl, device):
     plain = pipe(x32)
     (plain_dx,) = torch.autograd.grad(plain, x32, g.float())
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        cast = pipe(x32)
-        (cast_dx,) = torch.autograd.grad(cast, x32, g.float())
-    assert cast.dtype == torch.float32 and cast_dx.dtype == torch.float32
-    torch.testing.assert_close(cast, plain, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(cast_dx, plain_dx, rtol=1e-6, atol=1e-6)
+        cast = pipe(x32)  # (as eager's: the output in the autocast dtype)
+        (cast_dx,) = torch.autograd.grad(cast, x32, g.to(torch.bfloat16))
+    assert cast.dtype == torch.bfloat16 and cast_dx.dtype == torch.float32
+    assert torch.equal(cast, plain.to(torch.bfloat16))
+    (rounded_dx,) = torch.autograd.grad(pipe(x32), x32, g.to(torch.bfloat16).float())
+    torch.testing.assert_close(cast_dx, rounded_dx, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
@@ -476,6 +478,29 @@ def test_compiled_model_matches_eager(device):
         testing.assert_close(b.grad, a.grad, 1e-12, f"d/d {name}")
     for (name, a), (_, b) in zip(eager.named_buffers(), compiled_model.named_buffers()):
         testing.assert_close(b, a, 1e-12, name)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_compiled_half_precision_call_matches_eager(device):
+    """Under ``torch.compile(fullgraph=True)`` a bfloat16 input takes the same casts around the
+    op as an eager call (``Pipeline.half_call``): the same output and gradients, bit for bit."""
+    torch.manual_seed(6)
+    eager = ModelNew(3, 4, 3, 2, 1).to(device)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True,
+                             backend="aot_eager" if SIM else "inductor")
+    x = torch.randn(2, 3, 2, 2, 3, device=device).to(torch.bfloat16)
+    grads = []
+    for model in (eager, compiled):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        grads.append((out, xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and grads[1][1].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=0, atol=0)
+    for a, b in zip(eager.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("specialize", [True, False], ids=["specialised", "generic"])

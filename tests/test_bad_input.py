@@ -36,7 +36,7 @@ def test_bad_shapes(pipe, device, shape, match):
     assert torch.equal(x, before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.int32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8])
 def test_bad_dtype(pipe, device, dtype):
     x = torch.ones(2, 4, 3, 4, 5, device=device).to(dtype)
     with pytest.raises(TypeError, match="dtype"):

@@ -15,7 +15,14 @@ very large values (1e19, float32)          *deliberate difference*: PyTorch's fl
 input or parameters that require grad      an output that requires grad, its backward recorded
 (grad mode)                                (tests/test_backward.py); under ``torch.no_grad()``
                                            nothing is recorded
-float16 / bfloat16 input                   ``TypeError`` naming half precision (not supported yet)
+float16 / bfloat16 input, float32          computed in float32, the output in the input's dtype
+parameters                                 (*deliberate difference*: eager refuses the mix); the
+                                           running statistics in float32; ``dL/dx`` in the input's
+                                           dtype
+float16 / bfloat16 input and parameters    ``TypeError``: half-precision calls need float32
+                                           parameters (eager runs them in half precision)
+float32 input under ``torch.autocast``     the output in the autocast dtype, as eager's; the
+                                           running statistics and ``dL/dx`` in float32
 one value per channel in training          ``ValueError``, as PyTorch (tests/test_bad_input.py)
 a tensor on another CUDA device            runs there if it is the current device, else a clear
                                            ``ValueError`` (GPU machines with two devices)
@@ -165,15 +172,52 @@ def test_grad_mode_records_a_backward(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_is_refused(device, dtype):
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_half_precision_input(device, dtype, training):
+    """A half-precision input with float32 parameters: the float32 call's output rounded once
+    (within ``testing.HALF_RTOL`` of float64), the running statistics those of the float32
+    call on the same values, and ``dL/dx`` in the input's dtype, the float32 call's rounded."""
+    ref, ours = _models(device, training)
+    twin = copy.deepcopy(ours)
+    x = (torch.randn(2, 3, 3, 4, 5, device=device) * 3 + 1).to(dtype).requires_grad_(True)
+    out = Pipeline.from_torch(ours)(x)
+    assert out.dtype == dtype and out.shape == (2, 4, 5, 7, 9)
+    testing.assert_close(out, ref(x.detach().double()), testing.HALF_RTOL[dtype])
+    x32 = x.detach().float().requires_grad_(True)
+    out32 = Pipeline.from_torch(twin)(x32)
+    for k, v in ours.state_dict().items():
+        torch.testing.assert_close(v, twin.state_dict()[k], rtol=0, atol=0)
+    g = torch.randn(out.shape, device=device)
+    (dx,) = torch.autograd.grad(out, x, g.to(dtype))
+    (dx32,) = torch.autograd.grad(out32, x32, g.to(dtype).float())
+    assert dx.dtype == dtype
+    assert torch.equal(dx, dx32.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_parameters_are_refused(device, dtype):
     _, ours = _models(device, True)
+    ours = ours.to(dtype)
     before = _buffers(ours)
     x = torch.randn(2, 3, 3, 4, 5, device=device).to(dtype)
     x_before = x.clone()
-    with pytest.raises(TypeError, match="half precision"):
+    with pytest.raises(TypeError, match="needs float32 parameters"):
         Pipeline.from_torch(ours)(x)
     assert torch.equal(x, x_before)
     assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+
+
+def test_autocast_output_is_eagers_dtype(device):
+    """Under ``torch.autocast`` a float32 call returns the autocast dtype, as eager's does
+    (its convolution runs in that dtype there); a float64 call stays float64, as eager's."""
+    ref, ours = _models(device, True)
+    eager = copy.deepcopy(ours)
+    x = torch.randn(2, 3, 3, 4, 5, device=device)
+    with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = Pipeline.from_torch(ours)(x)
+        assert out.dtype == eager(x).dtype == torch.bfloat16
+        assert Pipeline.from_torch(copy.deepcopy(ref))(x.double()).dtype == torch.float64
+    testing.assert_close(out, ref(x.double()), testing.HALF_RTOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
