@@ -223,8 +223,14 @@ def _backward(ctx, grad_out, *_):
             dx, dw, dgamma = backward(*args)
         else:  # ``yc`` seen by nobody else and, the graph not kept, read no more: the
             # backward may write over it
-            dx, dw, dgamma = _backward_body(
-                *args, yc_spent=ctx.yc_private and not _keeps_graph())
+            spent = ctx.yc_private and not _keeps_graph()
+            if spent:
+                if getattr(ctx, "yc_written", False):  # (autograd keeps a failed node's tensors)
+                    raise RuntimeError(
+                        "numba_deconv: an earlier backward of this output failed after writing "
+                        "over what its forward kept; run the forward again")
+                ctx.yc_written = True
+            dx, dw, dgamma = _backward_body(*args, yc_spent=spent)
     # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8)
     zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
     return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,

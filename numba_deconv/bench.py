@@ -1076,10 +1076,11 @@ def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: s
             out = None
 
             if mode == TRAIN_STEP:
-                call = _train_step(fn, x)
-                # its first step (the backward's kernels compile here) is a first call too:
-                # left in the warm-up, it would cut the timed calls to the budget's minimum
+                # its first saving forward and first step (the backward's kernels compile
+                # there) are first calls too: left in the warm-up, they would cut the timed
+                # calls to the budget's minimum
                 t0 = clock.wall()
+                call = _train_step(fn, x)
                 call()
                 clock.synchronize()
                 m.first_call_s += clock.wall() - t0

@@ -174,6 +174,30 @@ def test_backward_writes_over_what_no_later_backward_reads(device, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_backward_failed_after_writing_over_yc_refuses_a_retry(device, monkeypatch):
+    """A backward that fails after writing ``dy`` over the kept convolution leaves autograd's
+    saved tensors in place, written over: a retry of the same backward gets a clear error, not
+    gradients of the overwritten values."""
+    from numba_deconv import backward
+    from numba_deconv.kernels import conv_grads
+
+    def failing(*args, **kwargs):
+        raise MemoryError("out of memory (simulated)")
+
+    backward.clear()  # (a first call of its kind: launched, not replayed)
+
+    conv, bn = _modules(True, device, dtype=torch.float32)
+    x = torch.randn(2, 2, 3, 2, 2, device=device, requires_grad=True)
+    out = Pipeline(conv, bn)(x)
+    g = torch.randn_like(out)
+    with monkeypatch.context() as m:
+        m.setattr(conv_grads, "launch_weight_grad", failing)
+        with pytest.raises(MemoryError):
+            torch.autograd.grad(out, (x, conv.weight), g)
+    with pytest.raises(RuntimeError, match="run the forward again"):
+        torch.autograd.grad(out, (x, conv.weight), g)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("conv_impl", ["gather", "torch"])
 def test_training_step_peak_memory_within_eagers(conv_impl, device):
