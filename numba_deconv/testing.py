@@ -23,7 +23,9 @@ PyTorch's own strict-fp32 error on the same input)``. Where a channel's mean dwa
 float32 convolution, PyTorch's included, reaches 1e-5; the bar is to lose about what PyTorch
 does. Gradients (``check_gradients``) likewise, and in float64 within ``max(1e-10, TORCH_FACTOR
 x how far PyTorch's float64 gradients move when the input moves by a few ulps)``: at offsets
-of 10^3 times the spread no float64 gradient is known to 1e-10.
+of 10^3 times the spread no float64 gradient is known to 1e-10. Half-precision cases (float16
+or bfloat16 inputs, float32 parameters) add the half dtype's unit roundoff to the output's
+(``HALF_RTOL``), against the float64 reference on the input's own half-precision values.
 
 Each example compiles kernels for its drawn geometry (seconds on a GPU's host, more under the
 simulator): give your own properties ``deadline=None``.
@@ -220,9 +222,12 @@ def cases(draw, limits: Limits = CI_LIMITS, dtypes=(torch.float32,),
     settings = draw(batch_norm_settings())
     if (mode or not settings.track_running_stats) and batch * volume < 2:
         batch = 2  # PyTorch refuses one value per channel with batch statistics (tested apart)
-    return Case(geom, settings, batch, tuple(spatial), mode,
-                draw(st.sampled_from(dtypes)), draw(st.integers(0, 2**31 - 1)),
-                draw(input_styles()))
+    dtype = draw(st.sampled_from(dtypes))
+    styles = input_styles()
+    if dtype == torch.float16:  # values float16 holds (its largest is 65504)
+        styles = styles.filter(lambda s: s.scale * (s.offset + 6.0) < 6e4)
+    return Case(geom, settings, batch, tuple(spatial), mode, dtype,
+                draw(st.integers(0, 2**31 - 1)), draw(styles))
 
 
 def build_modules(case: Case, device: torch.device | str = "cpu"):
@@ -321,12 +326,13 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor,
 
     ``conv64`` and ``bn64`` are the float64 modules *before* the reference ran (copied here, so
     their running statistics are untouched)."""
-    floor = RTOL[case.dtype]
+    compute = compute_dtype(case.dtype)
+    floor = RTOL[compute]
     if case.dtype == torch.float64:
         return Tolerance(floor, floor, floor)
     conv_ref, bn_ref = (copy.deepcopy(m).cpu() for m in (conv64, bn64))
     x64 = x.detach().to("cpu", torch.float64)
-    conv32, bn32 = (copy.deepcopy(m).to(case.dtype) for m in (conv_ref, bn_ref))
+    conv32, bn32 = (copy.deepcopy(m).to(compute) for m in (conv_ref, bn_ref))
     conv_t, bn_t = (copy.deepcopy(m) for m in (conv_ref, bn_ref))  # (precision="tf32")
     exact = reference(conv_ref, bn_ref, x64)  # (updates bn_ref's running statistics)
 
@@ -337,7 +343,7 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor,
                              relative_error(bn.running_var, bn_ref.running_var)]
         return errors + [0.0, 0.0]
 
-    errors = errors_of(conv32, bn32, x64.to(case.dtype))
+    errors = errors_of(conv32, bn32, x64.to(compute))
     # PyTorch's float32 overflowing where float64 does not gives no scale to hold us to
     margins = [max(floor, TORCH_FACTOR * e) if math.isfinite(e) else floor for e in errors]
     if precision == "tf32":
@@ -348,6 +354,8 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor,
         x_t = torch.from_numpy(round_tf32(x64.float().numpy())).double()
         margins = [max(m, TF32_FACTOR * e) if math.isfinite(e) else m
                    for m, e in zip(margins, errors_of(conv_t, bn_t, x_t))]
+    if case.dtype in HALF_RTOL:  # the output rounded once more, to the half dtype
+        margins[0] = max(margins[0], HALF_RTOL[case.dtype])
     return Tolerance(*margins)
 
 
@@ -362,6 +370,12 @@ def _check_running_stats(case: Case, bn: nn.Module, bn64: nn.Module, tol: Tolera
         assert int(bn.num_batches_tracked) == int(bn64.num_batches_tracked), "num_batches_tracked"
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The parameters' and the arithmetic's dtype of a case in ``dtype``: float32 for a
+    half-precision one (``Pipeline.half_call``), else ``dtype``."""
+    return torch.float32 if dtype in HALF_RTOL else dtype
+
+
 def output_atol(case: Case) -> float:
     """The absolute floor per element of an output comparison. With running statistics it
     follows the input's magnitude (small inputs give small outputs); batch statistics scale
@@ -369,13 +383,13 @@ def output_atol(case: Case) -> float:
     arithmetic (each channel constant over space) is then PyTorch's rounding of order-one
     values, which the floor must cover."""
     batch_stats = case.training or not case.bn.track_running_stats
-    return ATOL[case.dtype] * (1.0 if batch_stats else min(1.0, case.inputs.scale))
+    return ATOL[compute_dtype(case.dtype)] * (1.0 if batch_stats else min(1.0, case.inputs.scale))
 
 
 def stats_atol(case: Case) -> float:
     """The absolute floor per element of the running statistics: they follow the input's
     magnitude in every mode."""
-    return ATOL[case.dtype] * min(1.0, case.inputs.scale)
+    return ATOL[compute_dtype(case.dtype)] * min(1.0, case.inputs.scale)
 
 
 def check_case(case: Case, make: Callable, device: torch.device | str | None = None,
@@ -383,18 +397,19 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
                precision: str = "ieee") -> None:
     """Run ``make(conv, bn)(x)`` against the float64 reference on the same parameters.
 
-    ``make`` receives modules in ``case.dtype`` on ``device`` (by default where the kernels
-    run: the GPU, or the CPU under the simulator) and returns a callable. Checks the
-    output, that ``x`` was not modified, and the running statistics (mean, var, batches seen),
-    each within ``tolerance`` (or ``rtol`` where given).
+    ``make`` receives modules in ``case.dtype`` (float32 for a half-precision case, whose input
+    alone is in half precision) on ``device`` (by default where the kernels run: the GPU, or
+    the CPU under the simulator) and returns a callable. Checks the output, that ``x`` was not
+    modified, and the running statistics (mean, var, batches seen), each within ``tolerance``
+    (or ``rtol`` where given), against the float64 reference on the input's own values.
     """
     if device is None:
         from .backend import tensor_device
 
         device = tensor_device()
     conv64, bn64 = build_modules(case, device)
-    conv = copy.deepcopy(conv64).to(case.dtype)
-    bn = copy.deepcopy(bn64).to(case.dtype)
+    conv = copy.deepcopy(conv64).to(compute_dtype(case.dtype))
+    bn = copy.deepcopy(bn64).to(compute_dtype(case.dtype))
     if x is None:
         x = make_input(case, device).to(case.dtype)
     tol = tolerance(case, conv64, bn64, x, precision) if rtol is None \

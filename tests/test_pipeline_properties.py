@@ -71,6 +71,18 @@ def test_matches_pytorch_any_geometry(impl, variance, data, limits, device):
                            precision=_precision(impl, device))
 
 
+# (2 examples under the simulator: the half-precision call is the float32 call between two
+# casts, which the other properties draw in full)
+@settings(max_examples=min(2, settings().max_examples) if SIM else settings().max_examples)
+@given(data=st.data())
+def test_half_precision_matches_pytorch_any_geometry(data, limits, device):
+    """A float16 or bfloat16 input with float32 parameters, both modes, on the gather path's
+    tiers: within the half dtype's rounding of PyTorch's float64 output on the same input
+    values (``testing.HALF_RTOL``), the running statistics within float32's tolerance."""
+    case = data.draw(testing.cases(limits, dtypes=(torch.float16, torch.bfloat16)))
+    _check_tiers(case, device=device)
+
+
 # (2 examples under the simulator, where the simulated mma.sync makes each cost ~15 s, and
 # tests/test_gather_mma.py checks the kernel on its own; the GPU profile draws the full count)
 @settings(max_examples=min(2, settings().max_examples) if SIM else settings().max_examples)
