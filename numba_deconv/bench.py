@@ -76,11 +76,15 @@ TF32_RTOL = 1e-3
 
 
 def numba_rtol(provider, x: torch.Tensor) -> float:
-    """The error a numba provider is held to on input ``x``: :data:`TF32_RTOL` where its call
-    runs a TF32 convolution, :data:`NUMBA_RTOL` elsewhere."""
+    """The error a numba provider is held to on input ``x``: under autocast (``Autocast``) the
+    half dtype's unit roundoff on top of :data:`TF32_RTOL`; :data:`TF32_RTOL` where its call
+    runs a TF32 convolution; :data:`NUMBA_RTOL` elsewhere."""
     from .precision import resolve
 
     from .planner import TF32_CC, capability
+
+    if isinstance(provider, Autocast):
+        return torch.finfo(provider.dtype).eps / 2 + TF32_RTOL
 
     pipe = getattr(provider, "pipe", None)
     if pipe is not None and x.dtype == torch.float32 and (
@@ -489,7 +493,10 @@ class Case:
     init: dict  # GeneralModel kwargs
     batch: int
     spatial: tuple[int, int, int]
-    dtype: str = "float32"  # "float32" or "float64": the parameters' and the input's
+    #: "float32" or "float64": the parameters' and the input's; "bfloat16": float32 parameters
+    #: and input, every provider called under torch.autocast(bfloat16) (eager's mixed
+    #: precision; numba_deconv's half-precision call, ``Pipeline.half_call``)
+    dtype: str = "float32"
 
     def build(self, device, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
         """Model with non-trivial BN parameters/statistics, and one input, in ``dtype`` (drawn
@@ -502,9 +509,15 @@ class Case:
         return model.to(device=device, dtype=dtype), x.to(device=device, dtype=dtype)
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
-        return getattr(torch, self.dtype)
+        """The parameters' and the input's dtype (float32 for an autocast row)."""
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32', 'float64' or 'bfloat16', got "
+                             f"{self.dtype!r}")
+        return torch.float32 if self.autocast() else getattr(torch, self.dtype)
+
+    def autocast(self) -> torch.dtype | None:
+        """The dtype every provider's call runs under ``torch.autocast`` with, or None."""
+        return torch.bfloat16 if self.dtype == "bfloat16" else None
 
     def geometry(self) -> ConvGeometry:
         return ConvGeometry.from_conv(GeneralModel(**self.init).conv_transpose)
@@ -533,6 +546,8 @@ class Case:
         if g.groups != 1:
             text += f" g{g.groups}"
         text += f" -> out {'x'.join(map(str, g.output_spatial(self.spatial)))}"
+        if self.autocast():
+            return text + f", {self.dtype} autocast"
         return text + ("" if self.dtype == "float32" else f", {self.dtype}")
 
 
@@ -623,10 +638,14 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def compulsory_bytes(model: nn.Module, x: torch.Tensor, out_shape) -> int:
+def compulsory_bytes(model: nn.Module, x: torch.Tensor, out_shape,
+                     out_itemsize: int | None = None) -> int:
+    """Input, weights and output, each once (the output in ``out_itemsize`` bytes an element,
+    by default the input's)."""
     conv = model.conv_transpose
     weights = conv.weight.numel() + (conv.bias.numel() if conv.bias is not None else 0)
-    return x.element_size() * (x.numel() + weights + math.prod(out_shape))
+    out = math.prod(out_shape) * (out_itemsize or x.element_size())
+    return x.element_size() * (x.numel() + weights) + out
 
 
 def float64_reference(base: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -917,11 +936,37 @@ def suite_cases() -> list[Case]:
         geometry_case(),
         tiny_case(),
         dataclasses.replace(default_case(), name="default_float64", dtype="float64"),
+        dataclasses.replace(default_case(), name="default_bfloat16", dtype="bfloat16"),
     ]
 
 
 def suite_providers(case: Case) -> tuple[str, ...]:
-    return SUITE_PROVIDERS_FLOAT64 if case.dtype == "float64" else SUITE_PROVIDERS
+    """Every provider; strict fp32 only on float32 rows (it is eager there, without TF32)."""
+    return SUITE_PROVIDERS if case.dtype == "float32" else SUITE_PROVIDERS_FLOAT64
+
+
+class Autocast(nn.Module):
+    """``inner`` called under ``torch.autocast(dtype)`` (an autocast row's providers,
+    ``Case.autocast``); its parameters are ``inner``'s."""
+
+    def __init__(self, inner: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    @property
+    def pipe(self):
+        return getattr(self.inner, "pipe", None)
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=self.dtype):
+            return self.inner(x)
+
+
+def _under_autocast(make: Callable, dtype: torch.dtype) -> Callable:
+    """``make`` whose providers run under ``torch.autocast(dtype)``."""
+    def wrapped(name, base, mode):
+        return Autocast(make(name, base, mode), dtype)
+    return wrapped
 
 
 @dataclass
@@ -1111,9 +1156,10 @@ def _train_step(model: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     params = [p for p in model.parameters() if p.requires_grad] \
         if isinstance(model, nn.Module) else []
     with torch.enable_grad():
-        shape = model(x).shape
-    g = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
-    g = g.to(x.device)
+        probe = model(x)
+    g = torch.randn(probe.shape, generator=torch.Generator().manual_seed(0), dtype=x.dtype)
+    g = g.to(x.device, probe.dtype)  # (the output's dtype: an autocast row's is bfloat16)
+    probe = None
 
     def call():
         for t in (x, *params):
@@ -1235,7 +1281,11 @@ def run_suite(out_dir: str, *, cases: Sequence[Case] | None = None, reps: int = 
 
 def _run_row(row: SuiteRow, case: Case, base: nn.Module, x: torch.Tensor, mode: str, *,
              reps: int, warmup: int, clock, make, budget_s, gb_per_s: float, say) -> None:
-    row.compulsory_bytes = compulsory_bytes(base, x, row.output_shape)
+    half = case.autocast()
+    if half is not None:
+        make = _under_autocast(make, half)
+    row.compulsory_bytes = compulsory_bytes(base, x, row.output_shape,
+                                            None if half is None else half.itemsize)
     if gb_per_s > 0:
         row.floor_us = row.compulsory_bytes / (gb_per_s * 1e9) * 1e6
     try:

@@ -28,6 +28,7 @@ EXPECTED_ROWS = {
     "geometry": ((3, 2, 4), 3, (1, 0, 1), (8, 16, 8, 16, 16), (8, 32, 24, 48, 50), "float32"),
     "tiny": (3, 2, 1, (1, 4, 4, 4, 4), (1, 4, 7, 7, 7), "float32"),
     "default_float64": (3, 2, 1, (16, 16, 16, 32, 32), (16, 32, 31, 63, 63), "float64"),
+    "default_bfloat16": (3, 2, 1, (16, 16, 16, 32, 32), (16, 32, 31, 63, 63), "bfloat16"),
 }
 
 
@@ -71,6 +72,46 @@ def test_case_descriptions_and_dtypes():
     assert torch.equal(m32.batch_norm.running_var.double(), m64.batch_norm.running_var)
     with pytest.raises(ValueError, match="dtype"):
         dataclasses.replace(bench.tiny_case(), dtype="float16").build("cpu")
+    # an autocast row: float32 modules and input, every call under autocast
+    assert cases["default_bfloat16"].describe().endswith(", bfloat16 autocast")
+    assert cases["default_bfloat16"].autocast() == torch.bfloat16
+    assert cases["default"].autocast() is None
+    mb, xb = dataclasses.replace(bench.tiny_case(), dtype="bfloat16").build("cpu")
+    assert torch.equal(xb, x32) and mb.conv_transpose.weight.dtype == torch.float32
+
+
+def test_autocast_row_runs_every_provider_under_autocast(tmp_path):
+    """An autocast row (``Case.autocast``): every provider called under torch.autocast, so
+    eager's output and numba_deconv's are bfloat16, the latter held to bfloat16's rounding
+    (``numba_rtol``), strict fp32 not run, and a training step's incoming gradient in the
+    output's dtype."""
+    case = dataclasses.replace(bench.tiny_case(), name="tiny_bfloat16", dtype="bfloat16")
+    dtypes = {}
+
+    def make(name, base, mode):
+        if name == "torch_compile":
+            raise RuntimeError("no compiler here")
+        model = bench.make_provider(name, base, mode)
+        dtypes[name] = None
+        return model
+
+    rows = bench.run_suite(str(tmp_path), cases=[case], reps=2, warmup=1, device="cpu",
+                           clock=bench.HostClock(), make=make, bandwidth=(1000.0, "test"),
+                           budget_s=None, log=lambda text: None)
+    assert [r.mode for r in rows] == list(bench.SUITE_MODES)
+    for row in rows:
+        assert set(row.results) == {"numba_deconv", "torch_eager", "torch_compile"}
+        ours, eager = row.results["numba_deconv"], row.results["torch_eager"]
+        assert ours.status == "ok" and eager.status == "ok", (ours.error, eager.error)
+        # both rounded to bfloat16: errors of its order, never float32's
+        assert 1e-4 < ours.rel_error < 2.0 ** -8 + bench.TF32_RTOL
+        assert eager.rel_error > 1e-4
+        assert ours.back_to_back is not None and ours.kernelbench is not None
+    model, x = case.build("cpu")
+    provider = bench.Autocast(bench.make_provider("numba_deconv", model, "train"),
+                              torch.bfloat16)
+    assert bench.numba_rtol(provider, x) == 2.0 ** -8 + bench.TF32_RTOL
+    assert provider(x).dtype == torch.bfloat16
 
 
 # ---- timing on a simulated device ---------------------------------------------------------------
