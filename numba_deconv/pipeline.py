@@ -547,11 +547,15 @@ class Pipeline:
         """Run once and return every stage's intermediate (torch tensors), in order.
 
         Running statistics are *not* updated by a trace, so it can be called freely in a
-        notebook between real steps.
+        notebook between real steps. A half-precision call (``half_call``) is traced as the
+        float32 call it runs: its ``"output"`` is float32, before the final rounding.
         """
         tensor, _ = self._accept(x)
+        if dtypes.half_output(tensor) is not None:
+            tensor = tensor.to(self.conv.weight.dtype)
         record: dict[str, torch.Tensor] = {"input": tensor.detach().clone()}
-        record["output"] = self._forward(tensor, record=record)
+        with dtypes.no_autocast(tensor.device.type):
+            record["output"] = self._forward(tensor, record=record)
         return record
 
     def path(self, shape=None, dtype: torch.dtype | None = None,

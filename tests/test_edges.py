@@ -194,6 +194,15 @@ def test_half_precision_input(device, dtype, training):
     assert torch.equal(dx, dx32.to(dtype))
 
 
+def test_half_precision_input_is_traced_as_its_float32_call(device):
+    _, ours = _models(device, False)
+    x = torch.randn(2, 3, 3, 4, 5, device=device).to(torch.bfloat16)
+    pipe = Pipeline.from_torch(ours)
+    record = pipe.trace(x)
+    assert record["input"].dtype == record["output"].dtype == torch.float32
+    assert torch.equal(record["output"].to(torch.bfloat16), pipe(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_parameters_are_refused(device, dtype):
     _, ours = _models(device, True)
