@@ -82,18 +82,14 @@ def test_case_descriptions_and_dtypes():
 
 def test_autocast_row_runs_every_provider_under_autocast(tmp_path):
     """An autocast row (``Case.autocast``): every provider called under torch.autocast, so
-    eager's output and numba_deconv's are bfloat16, the latter held to bfloat16's rounding
-    (``numba_rtol``), strict fp32 not run, and a training step's incoming gradient in the
-    output's dtype."""
+    eager's output and numba_deconv's are bfloat16 (errors of bfloat16's rounding, not
+    float32's), numba_deconv held to that rounding (``numba_rtol``), strict fp32 not run."""
     case = dataclasses.replace(bench.tiny_case(), name="tiny_bfloat16", dtype="bfloat16")
-    dtypes = {}
 
     def make(name, base, mode):
         if name == "torch_compile":
             raise RuntimeError("no compiler here")
-        model = bench.make_provider(name, base, mode)
-        dtypes[name] = None
-        return model
+        return bench.make_provider(name, base, mode)
 
     rows = bench.run_suite(str(tmp_path), cases=[case], reps=2, warmup=1, device="cpu",
                            clock=bench.HostClock(), make=make, bandwidth=(1000.0, "test"),
@@ -104,8 +100,7 @@ def test_autocast_row_runs_every_provider_under_autocast(tmp_path):
         ours, eager = row.results["numba_deconv"], row.results["torch_eager"]
         assert ours.status == "ok" and eager.status == "ok", (ours.error, eager.error)
         # both rounded to bfloat16: errors of its order, never float32's
-        assert 1e-4 < ours.rel_error < 2.0 ** -8 + bench.TF32_RTOL
-        assert eager.rel_error > 1e-4
+        assert ours.rel_error > 1e-4 and eager.rel_error > 1e-4
         assert ours.back_to_back is not None and ours.kernelbench is not None
     model, x = case.build("cpu")
     provider = bench.Autocast(bench.make_provider("numba_deconv", model, "train"),
