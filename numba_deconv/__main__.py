@@ -404,11 +404,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.suite:
             commands["bench"].error("--rows selects rows of the suite: give --suite too")
-        known = [case.name for case in bench.suite_cases()]
-        unknown = [name for name in args.rows if name not in known]
-        if unknown:
-            commands["bench"].error(f"--rows: no suite row named {', '.join(unknown)} (the "
-                                    f"rows: {', '.join(known)})")
+        try:
+            bench.select_cases(args.rows)
+        except ValueError as err:
+            commands["bench"].error(f"--rows: {err}")
     if args.command == "bench" and args.first_call:
         from numba_deconv import bench, first_call
 

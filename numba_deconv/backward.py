@@ -114,8 +114,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
             elif kept is not None:
                 _KEPT.move_to_end(where)
             # (written over ``yc``, ``dy`` is no tensor of its own: the replay knows it as yc)
-            named = {k: v for k, v in t.items()
-                     if not (k == "dy" and v.data_ptr() == t["yc"].data_ptr())}
+            named = {k: v for k, v in t.items() if not (yc_spent and k == "dy")}
             _replayed(key, named,
                       lambda: _batch_stats_launches(conv, t, gamma is not None, None))
         dx, dw = t.get("dx"), t.get("dw")

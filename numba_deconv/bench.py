@@ -940,6 +940,18 @@ def suite_cases() -> list[Case]:
     ]
 
 
+def select_cases(names: Sequence[str]) -> list[Case]:
+    """The suite's rows named in ``names``, in the suite's order; ``ValueError`` naming any
+    unknown name and the rows there are."""
+    cases = suite_cases()
+    known = [case.name for case in cases]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"no suite row named {', '.join(unknown)} (the rows: "
+                         f"{', '.join(known)})")
+    return [case for case in cases if case.name in names]
+
+
 def suite_providers(case: Case) -> tuple[str, ...]:
     """Every provider; strict fp32 only on float32 rows (it is eager there, without TF32)."""
     return SUITE_PROVIDERS if case.dtype == "float32" else SUITE_PROVIDERS_NOT_FLOAT32
@@ -952,10 +964,6 @@ class Autocast(nn.Module):
     def __init__(self, inner: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.inner, self.dtype = inner, dtype
-
-    @property
-    def pipe(self):
-        return getattr(self.inner, "pipe", None)
 
     def forward(self, x):
         with torch.autocast(x.device.type, dtype=self.dtype):
@@ -1496,18 +1504,13 @@ def main(out_dir: str = "benchmarks/results", *, tiny: bool = False, geometry: b
         if tiny or geometry or sweep:
             print("bench: the suite runs alone (it has the tiny and geometry rows); --tiny, "
                   "--geometry and --sweep are not run with it", flush=True)
-        cases = suite_cases()
-        if rows is not None:
-            unknown = set(rows) - {case.name for case in cases}
-            if unknown:
-                raise ValueError(f"no suite row named {', '.join(sorted(unknown))}")
-            cases = [case for case in cases if case.name in rows]
-        rows = run_suite(out_dir, cases=cases, reps=reps)
-        for r in rows:
+        cases = suite_cases() if rows is None else select_cases(rows)
+        results = run_suite(out_dir, cases=cases, reps=reps)
+        for r in results:
             if r.status != "ok":
                 print(f"FAIL: suite {r.case}/{r.mode}: status {r.status}, numba rel. error "
                       f"{r.numba_rel_error:.2e} {r.error}", file=sys.stderr)
-        return suite_exit_code(rows)
+        return suite_exit_code(results)
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover

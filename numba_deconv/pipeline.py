@@ -248,7 +248,7 @@ class Pipeline:
         if isinstance(x, torch.Tensor):
             half = dtypes.half_output(x)
             if half is not None:
-                return self.half_call(x, half, self)
+                return self.half_call(x, half, Pipeline.__call__)
             if torch.is_grad_enabled() and self._wants_grad(x):
                 # through the custom op, which records the backward (``autograd``)
                 return autograd.apply(self, x)
@@ -260,8 +260,9 @@ class Pipeline:
         return restore(self._run(tensor))
 
     def half_call(self, x: torch.Tensor, half: torch.dtype, call) -> torch.Tensor:
-        """A half-precision call (``dtypes.half_output``): ``call`` (the pipeline, or
-        ``autograd.apply`` under torch.compile) on ``x`` in the parameters' float32, outside
+        """A half-precision call (``dtypes.half_output``): ``call(pipeline, x)``
+        (``Pipeline.__call__``, or ``autograd.apply`` under torch.compile) on ``x`` in the
+        parameters' float32, outside
         autocast, its output cast to ``half``. Both casts are autograd's own, so a backward
         takes ``dL/dout`` to float32 and returns ``dL/dx`` in ``x``'s dtype; the running
         statistics stay in the parameters' dtype. One rounding, at the end: within half a unit
@@ -272,7 +273,7 @@ class Pipeline:
             raise TypeError(f"a {half} call needs float32 parameters (as torch.autocast keeps "
                             f"them), got {compute}")
         with dtypes.no_autocast(x.device.type):
-            return (self(x.to(compute)) if call is self else call(self, x.to(compute))).to(half)
+            return call(self, x.to(compute)).to(half)
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
         """Whether a call under grad mode must record its backward: the input or a parameter

@@ -410,8 +410,7 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
 
         device = tensor_device()
     conv64, bn64 = build_modules(case, device)
-    conv = copy.deepcopy(conv64).to(compute_dtype(case.dtype))
-    bn = copy.deepcopy(bn64).to(compute_dtype(case.dtype))
+    conv, bn = (copy.deepcopy(m).to(compute_dtype(case.dtype)) for m in (conv64, bn64))
     if x is None:
         x = make_input(case, device).to(case.dtype)
     tol = tolerance(case, conv64, bn64, x, precision) if rtol is None \
