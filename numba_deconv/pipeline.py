@@ -80,7 +80,7 @@ from . import autograd, dtypes, folding, planner, precision as precisions, sync,
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gather_mma, gather_simple, gram,
-                      mma, scatter, spatial_reduce, sync_stats)
+                      half_store, mma, scatter, spatial_reduce, sync_stats)
 from .backend import tensor_device
 from .kernels.launch import Replay, block_size, pin, recording
 from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages as path_stages
@@ -109,6 +109,11 @@ class _Prepared:
     plan: CallPlan | None = None
     #: the ``"torch"`` path: PyTorch's convolution runs first, and the replay is its finish
     conv_first: bool = False
+    #: the output's dtype: a half-precision call's (``Pipeline._half_direct``) where its last
+    #: kernel wrote it, else the input's
+    out_dtype: torch.dtype | None = None
+    #: such a call's float32 convolution is a tensor of its own (named ``yc`` in its replay)
+    yc_temp: bool = False
 
 
 #: the attribute under which a plan's derived buffer keeps the key of what it holds
@@ -125,6 +130,8 @@ GRAPH_CACHE = 8
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 #: The strategies that run this package's gather (``"auto"`` where the planner keeps it).
 GATHERS = ("auto", "gather")
+#: The paths whose last kernel can write a half-precision output (``Pipeline._writes_half_on``)
+HALF_STORE_PATHS = ("eval", "epilogue", "generic", "torch", "scatter")
 #: The Gram path's statistics are not synchronized across processes (``Pipeline.synchronize``).
 GRAM_NOT_SYNCED = "synchronized statistics take the epilogue's variance: variance='gram' " \
     "cannot be synchronized"
@@ -273,7 +280,29 @@ class Pipeline:
             raise TypeError(f"a {half} call needs float32 parameters (as torch.autocast keeps "
                             f"them), got {compute}")
         with dtypes.no_autocast(x.device.type):
-            return call(self, x.to(compute)).to(half)
+            x = x.to(compute)
+            if call is Pipeline.__call__ and self._writes_half(x):
+                return self._half_direct(x, half)
+            return call(self, x).to(half)
+
+    def _writes_half(self, x: torch.Tensor) -> bool:
+        """Whether a half-precision call on ``x`` (its float32 input) goes to
+        ``_half_direct``: it records no backward, launches its kernels itself (no captured
+        graph: ``graphs=True``, a capture in progress) and takes no collective."""
+        return not (torch.is_grad_enabled() and self._wants_grad(x)) \
+            and self.graphs is not True and self.process_group is None \
+            and not self._stream_capturing()
+
+    def _half_direct(self, x: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+        """A half-precision call (``_writes_half``) on its float32 input ``x``: on the paths
+        whose last kernel writes every output value (``_forward_body``: not the Gram path, the
+        tensor-core gather nor an empty batch) that kernel stores it rounded to ``half``
+        (``kernels.half_store``), bit for bit the float32 output cast by torch, without the
+        float32 output and the pass that casts it; elsewhere the float32 output is cast."""
+        prepared = self._replayable(x, False, half)
+        out = self._replay_prepared(prepared, x) if prepared is not None else \
+            self._forward_prepared(x, half=half)
+        return out if out.dtype == half else out.to(half)
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
         """Whether a call under grad mode must record its backward: the input or a parameter
@@ -345,34 +374,36 @@ class Pipeline:
         return any((m := tensors.get(name)) is not None and m.data_ptr() == ptr
                    for tensors, name in self._watched)
 
-    def _forward_prepared(self, x: torch.Tensor, save: dict | None = None) -> torch.Tensor:
+    def _forward_prepared(self, x: torch.Tensor, save: dict | None = None,
+                          half: torch.dtype | None = None) -> torch.Tensor:
         """A call, prepared for replay when the same kind of call (input shape, dtype, device,
         mode, saving or not) comes a second time under the same ``_state`` (in evaluation, a
         parameter that changes at every call never pays for the recording). ``save``: a saving
         call's dict (``forward_saving``), which it fills; those are prepared with batch
-        statistics only."""
-        key = self._call_key(x, save is not None)
+        statistics only. ``half``: a half-precision call's output dtype (``_half_direct``)."""
+        key = self._call_key(x, save is not None, half)
         prepared = self._prepared.get(key)
         batch_stats = folding.uses_batch_statistics(self.bn, self.training)
         if self.poison or not x.is_contiguous() or x.shape[0] == 0 \
                 or self.process_group is not None or (save is not None and not batch_stats):
             # (a collective is no kernel launch; an evaluation's saving call keeps statistics
             # worked out on the host)
-            return self._forward(x, record=None, save=save)
+            return self._forward(x, record=None, save=save, half=half)
         if prepared is None or prepared.state != self._state():
-            out = self._forward(x, record=None, save=save)
+            out = self._forward(x, record=None, save=save, half=half)
             if not self._last_transitional:  # (the generic tier stands in: not kept)
                 self._remember(key, _Prepared(self._state(), None, self._updates(None)))
             return out
         if prepared.recorded:  # it could not be replayed: a plain call
-            out = self._forward(x, record=None, save=save)
+            out = self._forward(x, record=None, save=save, half=half)
             prepared.state = self._state()
             return out
+        temps: dict = {}
         with recording() as launches:
-            out = self._forward(x, record=None, save=save)
+            out = self._forward(x, record=None, save=save, half=half, temps=temps)
         if self._last_transitional:  # an input aligned otherwise, its kind not ready: not kept
             return out
-        named = {"x": x, "out": out}
+        named = {"x": x, "out": half_store.bits_view(out), **temps}
         if save is not None:  # (its rows are copies made after the launches: ``_save``)
             named.update(yc=save["yc"], stats=save["stats"])
         replay = Replay.build(launches, named, fixed=self._module_tensor)
@@ -383,16 +414,18 @@ class Pipeline:
                                       x_offset16=x.data_ptr() % 16,
                                       holds=tuple(d.get(n) for d, n in self._watched),
                                       plan=plan if batch_stats else None,
-                                      conv_first=plan is not None and plan.path == "torch"))
+                                      conv_first=plan is not None and plan.path == "torch",
+                                      out_dtype=out.dtype, yc_temp="yc" in temps))
         return out
 
-    def _call_key(self, x: torch.Tensor, saving: bool = False) -> tuple:
+    def _call_key(self, x: torch.Tensor, saving: bool = False,
+                  half: torch.dtype | None = None) -> tuple:
         """The kind of a call, which prepared calls are kept by: input shape, dtype, device,
         the mode, whether it saves for a backward and, if so, whether it updates the running
-        statistics (``forward_saving``)."""
+        statistics (``forward_saving``), and a half-precision call's output dtype."""
         return (x.shape, x.dtype, x.device, self.training, saving,
                 saving and self._saving_updates, self.tensor_cores(x.dtype, x.device),
-                self.torch_conv(x.shape, x.dtype, x.device))
+                self.torch_conv(x.shape, x.dtype, x.device), half)
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
@@ -409,11 +442,17 @@ class Pipeline:
         conv = None
         if prepared.conv_first:  # the "torch" path: its finish centres PyTorch's output in place
             conv = self._torch_convolution(x, prepared.plan is not None)
-        out = conv if conv is not None and save is None else \
-            torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
-        if save is None:
-            prepared.replay({"x": x, "out": out})
+        if prepared.yc_temp:  # a half-precision output, its float32 convolution apart
+            out = torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
+            yc = conv if conv is not None else \
+                torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
+            prepared.replay({"x": x, "out": half_store.bits_view(out), "yc": yc})
+        elif save is None:
+            out = conv if conv is not None else \
+                torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
+            prepared.replay({"x": x, "out": half_store.bits_view(out)})
         else:
+            out = torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
             yc = conv if conv is not None else torch.empty_like(out)
             stats = torch.empty((4, self.geometry.out_channels), dtype=torch.float64,
                                 device=x.device)
@@ -425,9 +464,10 @@ class Pipeline:
             prepared.state = self._state()
         return out
 
-    def _replayable(self, x: torch.Tensor, saving: bool) -> "_Prepared | None":
+    def _replayable(self, x: torch.Tensor, saving: bool,
+                    half: torch.dtype | None = None) -> "_Prepared | None":
         """The recorded call that replays a call like this one now, or None."""
-        key = self._call_key(x, saving)
+        key = self._call_key(x, saving, half)
         prepared = self._prepared.get(key)
         if (prepared is not None and prepared.replay is not None
                 and prepared.state == self._state() and x.is_contiguous()
@@ -811,12 +851,13 @@ class Pipeline:
             self._saving_updates = False
         return out, save["yc"], save["rows"], save["stats"]
 
-    def _forward(self, x: torch.Tensor, record: dict | None,
-                 save: dict | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, record: dict | None, save: dict | None = None,
+                 half: torch.dtype | None = None, temps: dict | None = None) -> torch.Tensor:
         """A call: its tier (``specialize``, ``tiers``), then its launches; the first call of a
-        kind on the specialised kernels records them, for the kernel cache's marker."""
+        kind on the specialised kernels records them, for the kernel cache's marker. ``half``
+        and ``temps``: as for ``_forward_body``."""
         checked = self._check(x)
-        name = self._tier_kind(x, checked[0], save is not None)
+        name = self._tier_kind(x, checked[0], save is not None, half)
         # (a trace shows the specialised kernels' stages, ``stages``; a graph, ours or the
         # caller's, captures the specialised kernels; the Gram path has no generic counterpart:
         # asked for, it is compiled)
@@ -824,20 +865,22 @@ class Pipeline:
             and folding.uses_batch_statistics(self.bn, self.training)
         generic = name is not None and self.specialize == tiers.AUTO and record is None \
             and not gram and not self._capturing and not self._stream_capturing() \
-            and tiers.serve_generic(name, lambda: tiers.spec(self, x, save is not None, name))
+            and tiers.serve_generic(name, lambda: tiers.spec(self, x, save is not None, name,
+                                                             half))
         self._transitional = generic
         try:
             if name is None or generic or tiers.kind(name).ready:
-                return self._forward_body(x, record, save, checked)
+                return self._forward_body(x, record, save, checked, half, temps)
             with recording() as launches:
-                out = self._forward_body(x, record, save, checked)
+                out = self._forward_body(x, record, save, checked, half, temps)
             tiers.specialised(name, launches)
             return out
         finally:
             self._transitional = False
             self._last_transitional = generic
 
-    def _tier_kind(self, x: torch.Tensor, batch: int, saving: bool) -> str | None:
+    def _tier_kind(self, x: torch.Tensor, batch: int, saving: bool,
+                   half: torch.dtype | None = None) -> str | None:
         """The name of this call's kind (``tiers.kind_name``) where a tier is to be chosen or
         its kernels marked ready: a non-empty call on the gather path's kernels that compile
         (not the scatter path, not ``specialize=False``, not under the simulator); else None.
@@ -846,7 +889,7 @@ class Pipeline:
                 or not tiers.compiles() or self.torch_conv(x.shape, x.dtype, x.device):
             return None
         offset = x.data_ptr() % 16 if x.is_contiguous() else 0  # (else a contiguous copy runs)
-        key = tiers.kind_key(self, x.shape, x.dtype, x.device, offset, saving)
+        key = tiers.kind_key(self, x.shape, x.dtype, x.device, offset, saving, half)
         name = self._kinds.get(key)
         if name is None:
             if len(self._kinds) >= 4 * PLAN_CACHE:  # many shapes (fuzzing): start afresh
@@ -855,7 +898,13 @@ class Pipeline:
         return name
 
     def _forward_body(self, x: torch.Tensor, record: dict | None, save: dict | None,
-                      checked: tuple) -> torch.Tensor:
+                      checked: tuple, half: torch.dtype | None = None,
+                      temps: dict | None = None) -> torch.Tensor:
+        """The call's launches. ``half``: a half-precision call's output dtype
+        (``_half_direct``): the output is made in it where the call's last kernel writes every
+        value (``_writes_half_on``), the float32 convolution before that kernel going to a
+        tensor of its own (put in ``temps`` as ``"yc"`` for a recording); elsewhere the output
+        is float32, for the caller to cast."""
         batch, out_spatial = checked
         bn, geom = self.bn, self.geometry
         batch_stats = folding.uses_batch_statistics(bn, self.training)
@@ -870,11 +919,15 @@ class Pipeline:
         x = x.detach().contiguous()
         plan = self._plan(x, out_spatial, batch_stats)
         saves_conv = save is not None and batch_stats
+        half = half if save is None and self._writes_half_on(plan) else None
         if plan.path == "torch":
             # PyTorch allocates its convolution's output: the finish centres and scales it in
-            # place, unless a saving call keeps it (then the result goes to a tensor of its own)
+            # place, unless a saving call keeps it or the output is in half precision (then the
+            # result goes to a tensor of its own)
             conv_out = self._torch_convolution(x, batch_stats)
-            out = torch.empty_like(conv_out) if saves_conv else conv_out
+            out = torch.empty_like(conv_out, dtype=half) if saves_conv or half else conv_out
+            if half is not None and temps is not None:
+                temps["yc"] = conv_out
             if self.poison:
                 for t in ((out,) if saves_conv else ()) + plan.poisonable():
                     t.fill_(float("nan"))
@@ -882,12 +935,18 @@ class Pipeline:
             if save is not None:
                 self._save(save, x, batch_stats, plan, conv_out)
             return out
-        out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=x.dtype, device=x.device)
+        out = torch.empty((batch, geom.out_channels, *out_spatial), dtype=half or x.dtype,
+                          device=x.device)
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
             for t in (out, *plan.poisonable()):
                 t.fill_(float("nan"))
-        # with batch statistics a saving call keeps the unscaled convolution (``forward_saving``)
-        conv_out = torch.empty_like(out) if saves_conv else out
+        # with batch statistics a saving call keeps the unscaled convolution (``forward_saving``);
+        # a half output's convolution is float32 unless the gather's epilogue writes it last
+        conv_out = out
+        if saves_conv or (half is not None and plan.path != "eval"):
+            conv_out = torch.empty_like(out, dtype=x.dtype)
+            if half is not None and temps is not None:
+                temps["yc"] = conv_out
         if plan.path in STORED_PATHS:
             self._stored(x, out, plan, batch_stats, record, conv_out)
         else:
@@ -895,6 +954,14 @@ class Pipeline:
         if save is not None:
             self._save(save, x, batch_stats, plan, conv_out)
         return out
+
+    def _writes_half_on(self, plan: CallPlan) -> bool:
+        """Whether a call on ``plan`` can write a half-precision output in its last kernel:
+        the gather's evaluation epilogue, or ``scale_centered`` after the epilogue path and the
+        stored paths. Not the Gram path and the tensor-core gather (an epilogue that writes
+        the output last, not built with a half store) nor a synchronized call."""
+        return plan.path in HALF_STORE_PATHS and plan.scratch.x_tf32 is None \
+            and not self._synced()
 
     def _save(self, save: dict, x: torch.Tensor, batch_stats: bool, plan: CallPlan | None,
               conv_out: torch.Tensor | None) -> None:
@@ -1209,9 +1276,12 @@ class Pipeline:
             self._gram_train(x, out, plan, wph, box_inputs, dtype, record)
             return
         self._box_sums(*box_inputs, plan, record)
-        # box_sums was the previous kernel unless a trace recorded (copied) its results since
-        launch.run(dtype, batch_stats, x.view(-1), wph, plan.scratch.means, conv_out.view(-1),
-                   plan.scratch.ss, after_prior=record is None)
+        # box_sums was the previous kernel unless a trace recorded (copied) its results since;
+        # a half-precision output (the FFMA gather's evaluation only) is stored through its bits
+        store = half_store.store_name(conv_out.dtype)
+        launch.run(dtype, batch_stats, x.view(-1), wph, plan.scratch.means,
+                   half_store.bits_view(conv_out).view(-1), plan.scratch.ss,
+                   after_prior=record is None, **({"store": store} if store else {}))
         if not batch_stats:
             if record is not None:
                 record["conv_transpose3d_gather"] = out.clone()

@@ -83,11 +83,12 @@ MAX_KINDS = 4096
 
 
 def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offset16: int,
-             saving: bool) -> tuple:
+             saving: bool, half: torch.dtype | None = None) -> tuple:
     """What picks the specialised kernels of a call and their argument types: an input of
     ``shape`` and ``dtype`` on ``device`` at an address ``offset16`` modulo 16, ``saving`` (its
-    backward will run), and the pipeline's geometry, mode and settings. A pipeline keeps its
-    kinds' names by it (``Pipeline._tier_kind``)."""
+    backward will run), a half-precision output's dtype (``Pipeline._half_direct``), and the
+    pipeline's geometry, mode and settings. A pipeline keeps its kinds' names by it
+    (``Pipeline._tier_kind``)."""
     from . import folding
 
     bn = pipe.bn
@@ -97,7 +98,7 @@ def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offse
             "gather" if pipe.conv_impl == "auto" else pipe.conv_impl, pipe.options,
             pipe._synced(), bn.affine,
             folding.tracks_running_stats(bn), bn.momentum is None, pipe.conv.bias is None,
-            pipe.tensor_cores(dtype, device))
+            pipe.tensor_cores(dtype, device), half)
 
 
 def kind_name(key: tuple) -> str:
@@ -214,7 +215,8 @@ def status(pipe, shape, dtype: torch.dtype) -> str:
 
 
 # ---- the background process ----------------------------------------------------------------------
-def spec(pipe, x: torch.Tensor, saving: bool, name: str) -> dict:
+def spec(pipe, x: torch.Tensor, saving: bool, name: str,
+         half: torch.dtype | None = None) -> dict:
     """What a background process needs to make the same kind of call (JSON)."""
     g, bn = pipe.geometry, pipe.bn
     return {
@@ -231,6 +233,7 @@ def spec(pipe, x: torch.Tensor, saving: bool, name: str) -> dict:
                      "precision": "tf32" if pipe.tensor_cores(x.dtype, x.device) else "ieee"},
         "dtype": str(x.dtype).replace("torch.", ""), "shape": list(x.shape),
         "offset_bytes": x.data_ptr() % 16, "training": pipe.training, "saving": saving,
+        "half": None if half is None else str(half).replace("torch.", ""),
         "device": x.device.index if x.device.type == "cuda" else None,
     }
 
@@ -263,16 +266,19 @@ def run_spec(spec: dict) -> None:
     buffer = torch.randn(numel + 16 // itemsize, dtype=dtype, device=device)
     skip = (spec["offset_bytes"] - buffer.data_ptr() % 16) % 16 // itemsize
     x = buffer[skip:skip + numel].view(shape)
+    half = None if spec.get("half") is None else getattr(torch, spec["half"])
     with recording() as launches, torch.no_grad():
         if spec["saving"]:
             pipe.forward_saving(x)
+        elif half is not None:  # (the float32 input a half-precision call runs on)
+            pipe._half_direct(x, half)
         else:
             pipe(x)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # the caller's kind only where this call was of it (not one this process cannot make, a
     # synchronized call say: the caller then compiles, loading what this process stored)
-    made = pipe._tier_kind(x, shape[0], spec["saving"])
+    made = pipe._tier_kind(x, shape[0], spec["saving"], half)
     if made == spec["name"]:
         specialised(spec["name"], launches)
 

@@ -80,7 +80,7 @@ def test_case_descriptions_and_dtypes():
     assert torch.equal(xb, x32) and mb.conv_transpose.weight.dtype == torch.float32
 
 
-def test_autocast_row_runs_every_provider_under_autocast(tmp_path):
+def test_autocast_row_runs_every_provider_under_autocast(tmp_path, device):
     """An autocast row (``Case.autocast``): every provider called under torch.autocast, so
     eager's output and numba_deconv's are bfloat16 (errors of bfloat16's rounding, not
     float32's), numba_deconv held to that rounding (``numba_rtol``), strict fp32 not run."""
@@ -115,7 +115,7 @@ def test_autocast_row_runs_every_provider_under_autocast(tmp_path):
         # both rounded to bfloat16: errors of its order, never float32's
         assert ours.rel_error > 1e-4 and eager.rel_error > 1e-4
         assert ours.back_to_back is not None and ours.kernelbench is not None
-    model, x = case.build("cpu")
+    model, x = case.build(device)  # (the real half call, where the kernels run)
     provider = bench.Autocast(bench.make_provider("numba_deconv", model, "train"),
                               torch.bfloat16)
     assert bench.numba_rtol(provider, x) == 2.0 ** -8 + bench.TF32_RTOL

@@ -1,7 +1,8 @@
 """Elementwise kernels around a stored convolution output: channel fills and ``scale*(y - mean)``.
 
 ``scale_centered``: out[n, c, s] = scale[c] * (y[n, c, s] - mean[n, c]), the whole batch-norm +
-mean-subtraction of docs/design.md §2.1 once the statistics are known (in place when out is y).
+mean-subtraction of docs/design.md §2.1 once the statistics are known (in place when out is y;
+into a half-precision output rounded as it is stored, ``make_scale_centered``).
 ``scale_rows``: y[n, c, s] *= scale[c] in place, training's last pass after the gather kernel
 (which writes y already centred, §2.4). ``fill_channels``: y[n, c, s] = value[c], what a scatter
 convolution accumulates onto (the pipeline fills zeros: the bias cancels with the mean).
@@ -19,11 +20,13 @@ bytes; fill_channels writes it once.
 from __future__ import annotations
 
 
-from numba import cuda, float64, uint64
+from numba import cuda, float32, float64, uint64
 
 from ..dtypes import NUMBA
+from . import half_store
 from .disk_cache import kernel_factory
 from .griddep import wait_prior_grid
+from .half_store import STORES, store_bits
 from .launch import block_size, grid_for, launch
 
 BLOCK = 256
@@ -36,27 +39,43 @@ MAX_ROW_BLOCKS = 65535
 LAST_FIRST = True
 
 
-@cuda.jit
-def scale_centered(y, mean, scale, out):
-    # y, out: (N*C, S); mean: (N*C,) float64; scale: (C,) float64, or the input's dtype
-    # Each thread has UNROLL independent loads in flight before it stores (one at a time would
-    # leave the kernel latency-bound, well below the bandwidth a copy reaches).
-    rows, size = y.shape
-    channels = scale.shape[0]
-    step = cuda.gridDim.x * cuda.blockDim.x
-    for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
-        m = mean[row]
-        a = scale[row % channels]
-        vals = cuda.local.array(UNROLL, float64)
-        for s0 in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, size,
-                        step * UNROLL):
-            for u in range(UNROLL):
-                s = s0 + u * step
-                vals[u] = y[row, s] if s < size else 0.0
-            for u in range(UNROLL):
-                s = s0 + u * step
-                if s < size:
-                    out[row, s] = a * (vals[u] - m)
+@kernel_factory
+def make_scale_centered(store: str = ""):
+    """``scale_centered``; with ``store`` ("bfloat16" or "float16") ``out`` is the ``uint16``
+    view of a half-precision output, each value stored rounded to that dtype
+    (``half_store``)."""
+    half = store != ""
+    to_bits = store_bits(store or STORES[1])
+
+    @cuda.jit
+    def scale_centered(y, mean, scale, out):
+        # y, out: (N*C, S); mean: (N*C,) float64; scale: (C,) float64, or the input's dtype
+        # Each thread has UNROLL independent loads in flight before it stores (one at a time
+        # would leave the kernel latency-bound, well below the bandwidth a copy reaches).
+        rows, size = y.shape
+        channels = scale.shape[0]
+        step = cuda.gridDim.x * cuda.blockDim.x
+        for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+            m = mean[row]
+            a = scale[row % channels]
+            vals = cuda.local.array(UNROLL, float64)
+            for s0 in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, size,
+                            step * UNROLL):
+                for u in range(UNROLL):
+                    s = s0 + u * step
+                    vals[u] = y[row, s] if s < size else 0.0
+                for u in range(UNROLL):
+                    s = s0 + u * step
+                    if s < size:
+                        if half:  # (float32 first, as a float32 output stores it)
+                            out[row, s] = to_bits(float32(a * (vals[u] - m)))
+                        else:
+                            out[row, s] = a * (vals[u] - m)
+
+    return scale_centered
+
+
+scale_centered = make_scale_centered("")  # (the launcher's own call: one kernel object)
 
 
 @cuda.jit
@@ -130,9 +149,13 @@ def _grid(rows: int, size: int, block: int, row_blocks_cap: int):
 
 
 def launch_scale_centered(y, mean, scale, out, *, block: int | None = None) -> None:
+    """``scale_centered`` into ``out``, which may be a half-precision tensor (then written
+    through its ``uint16`` view, ``half_store``)."""
     block = block_size(BLOCK) if block is None else block
     rows, size = y.shape
-    launch(scale_centered, _grid(rows, size, block, MAX_ROW_BLOCKS), block, (y, mean, scale, out))
+    kernel = make_scale_centered(half_store.store_name(out.dtype))
+    launch(kernel, _grid(rows, size, block, MAX_ROW_BLOCKS), block,
+           (y, mean, scale, half_store.bits_view(out)))
 
 
 def launch_fill_channels(y, value, *, block: int | None = None) -> None:

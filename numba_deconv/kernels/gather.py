@@ -32,6 +32,7 @@ from .async_copy import copy1, copy16, wait_all
 from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents, wait_prior_grid
+from .half_store import STORES, store_bits
 from .launch import block_size, nvvm_inlined
 from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
@@ -197,7 +198,7 @@ def _fma_step(nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple):
 def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat: tuple,
                        wpat: tuple, wshift: int, exact: bool, train: bool, max_regs: int,
                        wide: bool, chunked: bool, scaled: bool = False,
-                       edges: tuple[int, int] = (1, 1)):
+                       edges: tuple[int, int] = (1, 1), store: str = ""):
     """Compile-time specialisation of the gather kernel.
 
     What one thread owns: one sample n and NC consecutive output channels of one group (a
@@ -271,8 +272,15 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     depends on the batch statistics); never with ``train``.
     ``edges``: (rows, columns) of every active thread's output patch that lie inside the output
     (``patch_edges``): those are stored without a test. (1, 1) holds for any size.
+    ``store``: "" writes the output in ``dtype``; "bfloat16" or "float16" writes each value
+    rounded to that dtype into a ``uint16`` view of a half-precision output (``half_store``:
+    a half-precision call's evaluation, whose output this epilogue writes last); never with
+    ``train`` or ``scaled``, whose outputs another pass scales.
     """
     assert not (train and scaled), "a scaled epilogue writes no centred squares"
+    half = store != ""
+    assert not (half and (train or scaled)), "a half store is the output's last write"
+    to_bits = store_bits(store or STORES[1])
     acc_t = NUMBA[dtype]
     # Offsets into x, out and the weights: signed 32-bit unless a tensor is too large for that
     # (64-bit offsets cost two instructions per add and compare and twice the registers). A
@@ -603,7 +611,10 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
                                                 v = acc[a] * a_c - m  # ptxas fuses: FFMA
                                             else:
                                                 v = acc[a] - m
-                                            out[uint64(rb + (q * sw + rw))] = v
+                                            if half:
+                                                out[uint64(rb + (q * sw + rw))] = to_bits(v)
+                                            else:
+                                                out[uint64(rb + (q * sw + rw))] = v
                                             if train:
                                                 sq[c] += v * v
         if train:
@@ -757,10 +768,10 @@ class GatherLaunch:
         return phase_weight_index(geom, self.tiling)
 
     def run(self, dtype: str, train: bool, x, wph, mean, out, ss, *, scale=None,
-            after_prior: bool = False) -> None:
+            after_prior: bool = False, store: str = "") -> None:
         """``launch_gather`` with this launch."""
         launch_gather(self, dtype, train, x, wph, mean, out, ss, scale=scale,
-                      after_prior=after_prior)
+                      after_prior=after_prior, store=store)
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
@@ -815,16 +826,17 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                         ci_chunk < ipg, patch_edges(tiling, (sh, sw), (oh, ow)))
 
 
-def gather_kernel(launch: GatherLaunch, dtype: str, train: bool, scaled: bool = False):
+def gather_kernel(launch: GatherLaunch, dtype: str, train: bool, scaled: bool = False,
+                  store: str = ""):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_gather_kernel(dtype, t.nc, t.mh, t.qw, launch.dpat, launch.hpat, launch.wpat,
                               launch.wshift, launch.exact, train, t.max_regs, launch.wide,
-                              launch.chunked, scaled, launch.edges)
+                              launch.chunked, scaled, launch.edges, store)
 
 
 def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, out, ss, *,
-                  scale=None, after_prior: bool = False) -> None:
+                  scale=None, after_prior: bool = False, store: str = "") -> None:
     """Launch the specialised kernel for ``launch`` (x and out flattened, contiguous).
 
     ``scale``: (CO,) per-channel scale of a scaled epilogue (``make_gather_kernel``), or None.
@@ -832,10 +844,12 @@ def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, o
     its epilogue (``box_sums``: the means; the Gram path's ``gram_statistics``: the scaled
     means and the scale), so the gather is launched as its programmatic dependent and waits for
     it only where the epilogue reads them. Never after a kernel that writes ``x`` or ``wph``.
+    ``store``: a half-precision output's dtype name (``make_gather_kernel``; ``out`` is then
+    its ``uint16`` view, ``half_store.bits_view``).
     """
     if wph.data_ptr() % 16:  # the staging's 16-byte copies (arrange_weights' tensors are)
         raise ValueError("gather: the arranged weights must be 16-byte aligned")
-    kernel = gather_kernel(launch, dtype, train, scale is not None)
+    kernel = gather_kernel(launch, dtype, train, scale is not None, store)
     launch_kernel(kernel, launch.grid, launch.tiling.block,
                   (x, wph, mean, wph if scale is None else scale, out, ss, *launch.dims),
                   smem=launch.smem, after_prior=after_prior)

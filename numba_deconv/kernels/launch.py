@@ -39,7 +39,8 @@ from .. import simulator
 from ..simulator import is_simulator
 from . import disk_cache
 
-_TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.int32: "<i4", torch.int64: "<i8"}
+_TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.int32: "<i4", torch.int64: "<i8",
+            torch.uint16: "<u2"}  # (a half-precision output's bits: ``half_store``)
 
 
 def device_array(t: torch.Tensor):

@@ -1,0 +1,97 @@
+"""A half-precision call's output written by its last kernel (``kernels.half_store``).
+
+A call on a float16 or bfloat16 input (or under ``torch.autocast``) that records no backward
+stores its output rounded to the half dtype in the kernel that writes it last: it must be bit
+for bit the float32 call's output cast by torch, on every path and mode, in a recorded call's
+replays too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from numba_deconv import Pipeline
+from numba_deconv.kernels import epilogue
+from numba_deconv.reference import Model
+from numba_deconv.simulator import is_simulator
+
+HALVES = (torch.bfloat16, torch.float16)
+
+
+def _hard_values() -> torch.Tensor:
+    """float32 values whose rounding to bfloat16 and float16 is easy to get wrong: ties (to
+    even, both ways), values past each dtype's range, float16's subnormals and underflow,
+    signed zeros, infinities, NaN, and random values of every scale."""
+    ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -11, 1 + 3 * 2 ** -11,
+            1 + 2 ** -8 + 2 ** -20, 2049.0, 2051.0]
+    edges = [65504.0, 65519.0, 65520.0, 7e4, 3.3895e38, 3.4e38, -3.4e38, 6.1e-5, 5.96e-8,
+             2.98e-8, 2.9e-8, 1e-40, -1e-40, 0.0, -0.0, math.inf, -math.inf, math.nan]
+    gen = torch.Generator().manual_seed(0)
+    scales = 10.0 ** torch.randint(-9, 9, (400,), generator=gen)
+    spread = torch.randn(400, generator=gen, dtype=torch.float64) * scales
+    return torch.cat([torch.tensor(ties + edges, dtype=torch.float64), spread]).float()
+
+
+@pytest.mark.parametrize("half", HALVES, ids=["bfloat16", "float16"])
+def test_half_store_rounds_as_torch(device, half):
+    y = _hard_values().to(device)[None]
+    out = torch.full(y.shape, 7.0, dtype=half, device=device)
+    one = torch.ones(1, dtype=torch.float64, device=device)
+    epilogue.launch_scale_centered(y, torch.zeros(1, dtype=torch.float64, device=device),
+                                   one, out)
+    expected = y.to(half)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+def _models(device, training: bool):
+    torch.manual_seed(5)
+    model = Model(3, 4, 3, 2, 1)
+    with torch.no_grad():
+        bn = model.batch_norm
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 1.5)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    return model.to(device).train(training)
+
+
+# (path, mode and dtype paired so that each comes once or more; three of them on the GPU
+# profile only: the CI run keeps to its 20 minutes)
+@pytest.mark.parametrize("settings, training, half", [
+    ({}, False, torch.bfloat16), ({}, True, torch.float16),
+    ({"conv_impl": "torch"}, False, torch.float16),
+    pytest.param({"conv_impl": "torch"}, True, torch.bfloat16, marks=pytest.mark.gpu),
+    pytest.param({"conv_impl": "scatter"}, True, torch.bfloat16, marks=pytest.mark.gpu),
+    pytest.param({"specialize": False}, False, torch.float16, marks=pytest.mark.gpu)],
+    ids=["gather-eval", "epilogue-train", "torch-eval", "torch-train", "scatter-train",
+         "generic-eval"])
+def test_half_output_is_the_float32_output_rounded(device, settings, training, half):
+    """Calls planned, recorded and replayed on inputs with large per-channel offsets, each
+    followed by the float32 call on the same values: the half output equal bit for bit to the
+    float32 one cast to ``half`` (the scatter path's atomics add in no fixed order: within one
+    rounding of ``half``), written in ``half`` by the last kernel (a float32 output and a cast
+    would pass the comparison too). In training the output does not depend on the running
+    statistics the float32 calls update in between."""
+    model = _models(device, training)
+    pipe = Pipeline.from_torch(model, **settings)
+    gen = torch.Generator().manual_seed(1)
+    # (on a GPU, specialize="auto" serves a kind's first two calls from the generic tier and
+    # compiles its specialised kernels at the third)
+    for call in range(3 if is_simulator() or "specialize" in settings else 5):
+        x = (torch.randn(1, 3, 2, 3, 4, generator=gen) * 4
+             + torch.tensor([50.0, -3.0, 0.5])[:, None, None, None]).to(device, half)
+        with torch.no_grad():
+            out = pipe(x)
+            expected = pipe(x.float()).to(half)
+        assert out.dtype == half
+        if settings.get("conv_impl") == "scatter":
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+        else:
+            assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"call {call}"
+    kinds = [p for key, p in pipe._prepared.items() if key[-1] == half]
+    assert kinds and kinds[0].out_dtype == half and kinds[0].replay is not None
