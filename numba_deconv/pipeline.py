@@ -279,10 +279,10 @@ class Pipeline:
         if compute != torch.float32:
             raise TypeError(f"a {half} call needs float32 parameters (as torch.autocast keeps "
                             f"them), got {compute}")
+        x = x.to(compute)  # (no autocast policy applies to a cast)
+        if call is Pipeline.__call__ and self._writes_half(x):
+            return self._half_direct(x, half)
         with dtypes.no_autocast(x.device.type):
-            x = x.to(compute)
-            if call is Pipeline.__call__ and self._writes_half(x):
-                return self._half_direct(x, half)
             return call(self, x).to(half)
 
     def _writes_half(self, x: torch.Tensor) -> bool:
@@ -300,8 +300,13 @@ class Pipeline:
         (``kernels.half_store``), bit for bit the float32 output cast by torch, without the
         float32 output and the pass that casts it; elsewhere the float32 output is cast."""
         prepared = self._replayable(x, False, half)
-        out = self._replay_prepared(prepared, x) if prepared is not None else \
-            self._forward_prepared(x, half=half)
+        if prepared is not None:
+            # (launches, and on the "torch" path PyTorch's convolution, which leaves autocast
+            # itself: entering a context that leaves it costs a call 5-20 µs of host time)
+            out = self._replay_prepared(prepared, x)
+        else:
+            with dtypes.no_autocast(x.device.type):
+                out = self._forward_prepared(x, half=half)
         return out if out.dtype == half else out.to(half)
 
     def _wants_grad(self, x: torch.Tensor) -> bool:
