@@ -104,13 +104,13 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gamma: Optional[T
         return _saving_call(pipe, x, training)
 
 
-def _saving_call(pipe, x: Tensor, training: bool,
-                 update: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``pipe.forward_saving(x, update)`` in the mode ``training`` says."""
+def _saving_call(pipe, x: Tensor, training: bool, update: bool = False,
+                 half: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``pipe.forward_saving(x, update, half)`` in the mode ``training`` says."""
     was = pipe.training
     pipe.training = training
     try:
-        return pipe.forward_saving(x, update)
+        return pipe.forward_saving(x, update, half)
     finally:
         pipe.training = was
 
@@ -190,7 +190,7 @@ def _(grad, x, weight, gamma, yc, rows, stats, stride, padding, dilation, groups
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _, gamma, _, running_mean, _, handle, training = inputs
+    x, weight, _, gamma, _, running_mean, _, handle, training = inputs[:9]
     _, yc, rows, stats = output
     ctx.save_for_backward(x, weight, gamma, yc, rows, stats)
     pipe = _pipeline(handle)  # the backward needs the geometry, and the process group if any
@@ -266,15 +266,19 @@ class _Eager(torch.autograd.Function):
     def forward(ctx, *inputs):
         # (with a separate ``setup_context``, every ``apply`` would bind its arguments to this
         # signature through ``inspect``: more host time than the rest of ``apply``)
-        x, handle, training = inputs[0], inputs[7], inputs[8]
+        x, handle, training, half = inputs[0], inputs[7], inputs[8], inputs[9]
         # the tensors are the modules' own here (``apply``): no rebinding; the running
         # statistics are updated by the call's own statistics kernel (one launch fewer)
-        output = _saving_call(_pipeline(handle), x, training, update=True)
+        output = _saving_call(_pipeline(handle), x, training, update=True, half=half)
         _setup_context(ctx, inputs, output)
         ctx.yc_private = True  # ``apply``, its one caller, drops ``yc``
         return output
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, *grads):
+        # (the op's inputs, and ``half``: a half-precision output's dtype, whose gradient
+        # the backward reads in that dtype)
+        return (*_backward(ctx, *grads), None)
 
 
 def _plain_eager(compiling: bool) -> bool:
@@ -284,9 +288,12 @@ def _plain_eager(compiling: bool) -> bool:
         and _peek_interpreter_stack() is None
 
 
-def apply(pipe, x: Tensor) -> Tensor:
+def apply(pipe, x: Tensor, half: Optional[torch.dtype] = None) -> Tensor:
     """One call of ``pipe`` on ``x`` through the ops: the output, with its backward recorded,
-    and in training the running statistics updated."""
+    and in training the running statistics updated. ``half``: a half-precision call's output
+    dtype (``Pipeline.half_call``): a plain eager call's output is made in it where the
+    pipeline can (``Pipeline.forward_saving``), and its backward reads the incoming gradient
+    in it; the caller casts an output that is not."""
     conv, bn = pipe.conv, pipe.bn
     compiling = torch.compiler.is_compiling()
     if not compiling:
@@ -297,10 +304,9 @@ def apply(pipe, x: Tensor) -> Tensor:
     # plain eager calls run the forward's body as ``_Eager``, whose statistics kernel updates
     # the running statistics too
     plain = _plain_eager(compiling)
-    run = _Eager.apply if plain else forward
-    out, _, _, stats = run(x, conv.weight, conv.bias, bn.weight, bn.bias,
-                           bn.running_mean if tracks else None,
-                           bn.running_var if tracks else None, pipe._handle, training)
+    args = (x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean if tracks else None,
+            bn.running_var if tracks else None, pipe._handle, training)
+    out, _, _, stats = _Eager.apply(*args, half) if plain else forward(*args)
     if training and tracks and not plain:  # (``_Eager`` updated them)
         # synchronized, the statistics are the group's even where this rank's slice is empty
         seen = x.shape[0] > 0 or pipe.process_group is not None

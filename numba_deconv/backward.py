@@ -58,6 +58,7 @@ from . import folding, sync
 from .dtypes import no_autocast
 from .geometry import output_length
 from .kernels import conv_grads, grad_rows
+from .kernels.half import bits_view, kind_of
 from .kernels.launch import Replay, current_stream, recording
 
 
@@ -90,6 +91,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
                 torch.zeros_like(weight) if need_w else None,
                 torch.zeros_like(gamma) if need_gamma else None)
     g = g.detach().contiguous()
+    half = kind_of(g.dtype)  # (a half-precision call's: read in its dtype, ``kernels.half``)
     torch_dx = torch_dx and need_x
     if batch_stats:
         torch_dw = torch_dw and need_w
@@ -97,7 +99,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         if pooled:  # an exchange between the launches: no replay
             t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
                                      kernel_dw, yc_spent=yc_spent)
-            _batch_stats_launches(conv, t, gamma is not None, group)
+            _batch_stats_launches(conv, t, gamma is not None, group, half)
         else:
             key = (conv, g.shape, g.dtype, g.device, x.shape, x.dtype, weight.shape,
                    weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, kernel_dw,
@@ -116,7 +118,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
             # (written over ``yc``, ``dy`` is no tensor of its own: the replay knows it as yc)
             named = {k: v for k, v in t.items() if not (yc_spent and k == "dy")}
             _replayed(key, named,
-                      lambda: _batch_stats_launches(conv, t, gamma is not None, None))
+                      lambda: _batch_stats_launches(conv, t, gamma is not None, None, half))
         dx, dw = t.get("dx"), t.get("dw")
         # (PyTorch's after the replay: they are not among its launches)
         if torch_dx:
@@ -126,15 +128,15 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         return dx, dw, t["dgamma"] if need_gamma else None
     volume = g[0, 0].numel()
     r = batch * channels
-    g_rows = g.view(r, volume)
+    g_rows = bits_view(g).view(r, volume)
     sigma = stats[2]
     gsum = torch.empty(r, **f64)
-    dy = torch.empty_like(g)
+    dy = torch.empty_like(g, dtype=x.dtype)
     dgamma = None
     k1 = 1.0 / sigma if gamma is None else gamma.detach().to(torch.float64) / sigma
-    grad_rows.launch_grad_row_sums(g_rows, gsum)
+    grad_rows.launch_grad_row_sums(g_rows, gsum, half=half)
     ones = torch.ones(channels, **f64)
-    grad_rows.launch_form_grad(g_rows, ones, -gsum / volume, dy.view(r, volume))
+    grad_rows.launch_form_grad(g_rows, ones, -gsum / volume, dy.view(r, volume), half=half)
     conv_weight = folding.fold_weights(weight.detach(), k1, groups) if need_x else None
     dx = dw = None
     if torch_dx:
@@ -240,8 +242,8 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
                        gsum=coef[2 * channels + r:2 * channels + 2 * r],
                        gy=coef[2 * channels + 2 * r:])
     yc = yc.contiguous()
-    dy = yc.view(g.shape) if yc_spent else torch.empty_like(g)
-    t = dict(g=g.view(r, volume), yc=yc.view(r, volume), off=rows[0], means=rows[1],
+    dy = yc.view(g.shape) if yc_spent else torch.empty_like(g, dtype=yc.dtype)
+    t = dict(g=bits_view(g).view(r, volume), yc=yc.view(r, volume), off=rows[0], means=rows[1],
              stats=stats.contiguous(), dy=dy, **scratch)
     if gamma is not None:
         t["gamma"] = gamma.detach().contiguous()
@@ -253,7 +255,7 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
         t["x"] = x.detach().contiguous()
         t["dw"] = torch.empty_like(weight)
         t["part"] = torch.empty(part_size, **f64) if part_size is not None else \
-            conv_grads.weight_grad_scratch(t["x"], g, t["dw"], stride, padding, dilation,
+            conv_grads.weight_grad_scratch(t["x"], dy, t["dw"], stride, padding, dilation,
                                            groups)
     return t
 
@@ -269,14 +271,15 @@ def _keep(key: tuple, t: dict) -> None:
         _KEPT.popitem(last=False)
 
 
-def _batch_stats_launches(conv, t: dict, affine: bool, group) -> None:
+def _batch_stats_launches(conv, t: dict, affine: bool, group, half: str = "") -> None:
     """The backward's launches with batch statistics, on the tensors ``t`` names (and, with
-    ``group``, the exchange of the group's count and ``A_c`` between them)."""
+    ``group``, the exchange of the group's count and ``A_c`` between them); ``half``: ``g`` is
+    the bits of a gradient in that dtype (``kernels.half``)."""
     stride, padding, dilation, groups = conv
     batch, channels = t["off"].shape
     volume = t["g"].shape[1]
     gsum, gy = t["gsum"], t["gy"]
-    grad_rows.launch_grad_row_sums(t["g"], gsum, t["yc"], t["off"].view(-1), gy)
+    grad_rows.launch_grad_row_sums(t["g"], gsum, t["yc"], t["off"].view(-1), gy, half=half)
     totals = None
     if group is not None:  # the group's count and A_c
         totals = sync.all_sums(batch * volume, gy.view(batch, channels).sum(dim=0), group)
@@ -286,7 +289,7 @@ def _batch_stats_launches(conv, t: dict, affine: bool, group) -> None:
         t["dgamma"] if affine else None, totals)
     dy = t["dy"]
     grad_rows.launch_form_grad(t["g"], t["a"], t["b"], dy.view(batch * channels, volume),
-                               t["yc"], t["e"])
+                               t["yc"], t["e"], half=half)
     if "dx" in t:
         conv_grads.launch_input_grad(dy, t["weight"], t["dx"], stride, padding, dilation)
     if "dw" in t:

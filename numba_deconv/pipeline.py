@@ -80,8 +80,9 @@ from . import autograd, dtypes, folding, planner, precision as precisions, sync,
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather, gather_mma, gather_simple, gram,
-                      half_store, mma, scatter, spatial_reduce, sync_stats)
+                      mma, scatter, spatial_reduce, sync_stats)
 from .backend import tensor_device
+from .kernels.half import bits_view, kind_of
 from .kernels.launch import Replay, block_size, pin, recording
 from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages as path_stages
 from .simulator import is_simulator
@@ -268,22 +269,34 @@ class Pipeline:
 
     def half_call(self, x: torch.Tensor, half: torch.dtype, call) -> torch.Tensor:
         """A half-precision call (``dtypes.half_output``): ``call(pipeline, x)``
-        (``Pipeline.__call__``, or ``autograd.apply`` under torch.compile) on ``x`` in the
-        parameters' float32, outside
-        autocast, its output cast to ``half``. Both casts are autograd's own, so a backward
-        takes ``dL/dout`` to float32 and returns ``dL/dx`` in ``x``'s dtype; the running
-        statistics stay in the parameters' dtype. One rounding, at the end: within half a unit
+        (``Pipeline.__call__``, or ``autograd.apply`` under torch.compile) on ``x`` cast to the
+        parameters' float32 (autograd's own cast: ``dL/dx`` comes back in ``x``'s dtype),
+        outside autocast, its output in ``half``. One rounding, at the end: within half a unit
         in the last place of ``half`` of the float32 result, where eager under autocast also
-        rounds the convolution's output before batch norm."""
+        rounds the convolution's output before batch norm. The running statistics stay in the
+        parameters' dtype.
+
+        Where the pipeline launches the call's kernels itself, the last of them writes the
+        output in ``half`` (``_half_direct``; with a backward recorded, ``autograd.apply``,
+        whose backward then reads ``dL/dout`` in ``half``); elsewhere (torch.compile's trace,
+        paths without a half store, ``_writes_half_on``) a float32 output is cast by
+        autograd's own cast, and its backward takes ``dL/dout`` to float32."""
         compute = self.conv.weight.dtype
         if compute != torch.float32:
             raise TypeError(f"a {half} call needs float32 parameters (as torch.autocast keeps "
                             f"them), got {compute}")
         x = x.to(compute)  # (no autocast policy applies to a cast)
-        if call is Pipeline.__call__ and self._writes_half(x):
+        if call is not Pipeline.__call__:  # (torch.compile's trace: the op between two casts)
+            with dtypes.no_autocast(x.device.type):
+                return call(self, x).to(half)
+        if self._writes_half(x):
             return self._half_direct(x, half)
         with dtypes.no_autocast(x.device.type):
-            return call(self, x).to(half)
+            if torch.is_grad_enabled() and self._wants_grad(x):
+                out = autograd.apply(self, x, half)
+            else:
+                out = call(self, x)
+        return out if out.dtype == half else out.to(half)
 
     def _writes_half(self, x: torch.Tensor) -> bool:
         """Whether a half-precision call on ``x`` (its float32 input) goes to
@@ -297,7 +310,7 @@ class Pipeline:
         """A half-precision call (``_writes_half``) on its float32 input ``x``: on the paths
         whose last kernel writes every output value (``_forward_body``: not the Gram path, the
         tensor-core gather nor an empty batch) that kernel stores it rounded to ``half``
-        (``kernels.half_store``), bit for bit the float32 output cast by torch, without the
+        (``kernels.half``), bit for bit the float32 output cast by torch, without the
         float32 output and the pass that casts it; elsewhere the float32 output is cast."""
         prepared = self._replayable(x, False, half)
         if prepared is not None:
@@ -408,7 +421,7 @@ class Pipeline:
             out = self._forward(x, record=None, save=save, half=half, temps=temps)
         if self._last_transitional:  # an input aligned otherwise, its kind not ready: not kept
             return out
-        named = {"x": x, "out": half_store.bits_view(out), **temps}
+        named = {"x": x, "out": bits_view(out), **temps}
         if save is not None:  # (its rows are copies made after the launches: ``_save``)
             named.update(yc=save["yc"], stats=save["stats"])
         replay = Replay.build(launches, named, fixed=self._module_tensor)
@@ -451,17 +464,17 @@ class Pipeline:
             out = torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
             yc = conv if conv is not None else \
                 torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
-            prepared.replay({"x": x, "out": half_store.bits_view(out), "yc": yc})
+            prepared.replay({"x": x, "out": bits_view(out), "yc": yc})
         elif save is None:
             out = conv if conv is not None else \
                 torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
-            prepared.replay({"x": x, "out": half_store.bits_view(out)})
+            prepared.replay({"x": x, "out": bits_view(out)})
         else:
-            out = torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
-            yc = conv if conv is not None else torch.empty_like(out)
+            out = torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
+            yc = conv if conv is not None else torch.empty_like(out, dtype=x.dtype)
             stats = torch.empty((4, self.geometry.out_channels), dtype=torch.float64,
                                 device=x.device)
-            prepared.replay({"x": x, "out": out, "yc": yc, "stats": stats})
+            prepared.replay({"x": x, "out": bits_view(out), "yc": yc, "stats": stats})
             save["stats"] = stats
             self._save(save, x, True, prepared.plan, yc)
         if prepared.updates:
@@ -819,7 +832,8 @@ class Pipeline:
     # No ``torch.no_grad()`` around a call (~3-8 µs of host time): the kernels record nothing,
     # ``x`` is detached, and whatever derives from parameters does so in ``_cached`` and
     # ``_derived``.
-    def forward_saving(self, x: torch.Tensor, update: bool = False) -> tuple[torch.Tensor, ...]:
+    def forward_saving(self, x: torch.Tensor, update: bool = False,
+                       half: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """A call whose backward will run (``autograd``'s custom op): ``(out, yc, rows,
         stats)``, what ``backward.backward`` needs besides the input and the parameters. The
         running statistics are updated only with ``update`` (by the statistics kernel, as a
@@ -838,19 +852,21 @@ class Pipeline:
           all four are the process group's (``sync``).
 
         On the Gram path (``variance="gram"``) such a call takes the epilogue path: the Gram
-        path never stores the unscaled convolution."""
+        path never stores the unscaled convolution. ``half``: a half-precision call's output
+        dtype, the output made in it where ``_forward_body`` can (else float32; ``yc`` is
+        float32 either way)."""
         save: dict = {}
         x = x.detach()
         self._saving = save
         self._saving_updates = update
         try:
-            prepared = self._replayable(x, True)
+            prepared = self._replayable(x, True, half)
             if prepared is not None:
                 out = self._replay_prepared(prepared, x, save)
             elif not self._stream_capturing():
-                out = self._forward_prepared(x, save)
+                out = self._forward_prepared(x, save, half)
             else:  # inside the caller's graph capture: captured with it, never recorded
-                out = self._forward(x, record=None, save=save)
+                out = self._forward(x, record=None, save=save, half=half)
         finally:
             self._saving = None
             self._saving_updates = False
@@ -924,7 +940,8 @@ class Pipeline:
         x = x.detach().contiguous()
         plan = self._plan(x, out_spatial, batch_stats)
         saves_conv = save is not None and batch_stats
-        half = half if save is None and self._writes_half_on(plan) else None
+        half = half if self._writes_half_on(plan) else None
+        temps = temps if save is None else None  # (a saving call names its ``yc`` itself)
         if plan.path == "torch":
             # PyTorch allocates its convolution's output: the finish centres and scales it in
             # place, unless a saving call keeps it or the output is in half precision (then the
@@ -1283,9 +1300,9 @@ class Pipeline:
         self._box_sums(*box_inputs, plan, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since;
         # a half-precision output (the FFMA gather's evaluation only) is stored through its bits
-        store = half_store.store_name(conv_out.dtype)
+        store = kind_of(conv_out.dtype)
         launch.run(dtype, batch_stats, x.view(-1), wph, plan.scratch.means,
-                   half_store.bits_view(conv_out).view(-1), plan.scratch.ss,
+                   bits_view(conv_out).view(-1), plan.scratch.ss,
                    after_prior=record is None, **({"store": store} if store else {}))
         if not batch_stats:
             if record is not None:

@@ -23,6 +23,8 @@
                       rounding from inline PTX, with the simulator's stand-ins.
 * ``gather_mma``    - the gather's phase classes as implicit GEMMs on TF32 tensor cores, with the
                       gather's epilogues (``Pipeline(precision="tf32")``).
+* ``half``          - half-precision outputs stored rounded and incoming gradients loaded, through
+                      ``uint16`` views, by the float32 kernels (``Pipeline.half_call``).
 * ``launch``        - how a kernel is launched: tensors as arguments, torch's stream, the direct
                       path past numba's dispatcher, recorded calls replayed, and what differs
                       under the simulator.

@@ -23,10 +23,10 @@ from __future__ import annotations
 from numba import cuda, float32, float64, uint64
 
 from ..dtypes import NUMBA
-from . import half_store
+from . import half
 from .disk_cache import kernel_factory
 from .griddep import wait_prior_grid
-from .half_store import STORES, store_bits
+from .half import KINDS, store_bits
 from .launch import block_size, grid_for, launch
 
 BLOCK = 256
@@ -43,9 +43,9 @@ LAST_FIRST = True
 def make_scale_centered(store: str = ""):
     """``scale_centered``; with ``store`` ("bfloat16" or "float16") ``out`` is the ``uint16``
     view of a half-precision output, each value stored rounded to that dtype
-    (``half_store``)."""
+    (``half``)."""
     half = store != ""
-    to_bits = store_bits(store or STORES[1])
+    to_bits = store_bits(store or KINDS[1])
 
     @cuda.jit
     def scale_centered(y, mean, scale, out):
@@ -150,12 +150,12 @@ def _grid(rows: int, size: int, block: int, row_blocks_cap: int):
 
 def launch_scale_centered(y, mean, scale, out, *, block: int | None = None) -> None:
     """``scale_centered`` into ``out``, which may be a half-precision tensor (then written
-    through its ``uint16`` view, ``half_store``)."""
+    through its ``uint16`` view, ``half``)."""
     block = block_size(BLOCK) if block is None else block
     rows, size = y.shape
-    kernel = make_scale_centered(half_store.store_name(out.dtype))
+    kernel = make_scale_centered(half.kind_of(out.dtype))
     launch(kernel, _grid(rows, size, block, MAX_ROW_BLOCKS), block,
-           (y, mean, scale, half_store.bits_view(out)))
+           (y, mean, scale, half.bits_view(out)))
 
 
 def launch_fill_channels(y, value, *, block: int | None = None) -> None:

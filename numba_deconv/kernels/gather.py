@@ -32,7 +32,7 @@ from .async_copy import copy1, copy16, wait_all
 from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
 from .griddep import allow_dependents, wait_prior_grid
-from .half_store import STORES, store_bits
+from .half import KINDS, store_bits
 from .launch import block_size, nvvm_inlined
 from .launch import launch as launch_kernel
 from .warp import MAX_WARPS, WARP_SIZE, warp_sum
@@ -273,14 +273,14 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     ``edges``: (rows, columns) of every active thread's output patch that lie inside the output
     (``patch_edges``): those are stored without a test. (1, 1) holds for any size.
     ``store``: "" writes the output in ``dtype``; "bfloat16" or "float16" writes each value
-    rounded to that dtype into a ``uint16`` view of a half-precision output (``half_store``:
+    rounded to that dtype into a ``uint16`` view of a half-precision output (``half``:
     a half-precision call's evaluation, whose output this epilogue writes last); never with
     ``train`` or ``scaled``, whose outputs another pass scales.
     """
     assert not (train and scaled), "a scaled epilogue writes no centred squares"
     half = store != ""
     assert not (half and (train or scaled)), "a half store is the output's last write"
-    to_bits = store_bits(store or STORES[1])
+    to_bits = store_bits(store or KINDS[1])
     acc_t = NUMBA[dtype]
     # Offsets into x, out and the weights: signed 32-bit unless a tensor is too large for that
     # (64-bit offsets cost two instructions per add and compare and twice the registers). A
@@ -845,7 +845,7 @@ def launch_gather(launch: GatherLaunch, dtype: str, train: bool, x, wph, mean, o
     means and the scale), so the gather is launched as its programmatic dependent and waits for
     it only where the epilogue reads them. Never after a kernel that writes ``x`` or ``wph``.
     ``store``: a half-precision output's dtype name (``make_gather_kernel``; ``out`` is then
-    its ``uint16`` view, ``half_store.bits_view``).
+    its ``uint16`` view, ``half.bits_view``).
     """
     if wph.data_ptr() % 16:  # the staging's 16-byte copies (arrange_weights' tensors are)
         raise ValueError("gather: the arranged weights must be 16-byte aligned")

@@ -31,7 +31,8 @@ stride over the row (coalesced), accumulate in float64 and reduce with ``warp.bl
 deterministic, no atomics. ``form_grad`` strides over rows with the grid's y dimension (the
 row's constants loaded once) and over a row's voxels with the x dimension, in float64
 arithmetic (free: memory-bound). Cost: one read of ``g`` (and ``yc``) per kernel, one write of
-``dy``: memory-bound.
+``dy``: memory-bound. A half-precision ``g`` (the backward of a half-precision call) is read
+in its own dtype through its bits (``half``): half the bytes, and no cast before.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 from numba import cuda, float64
 
 from .disk_cache import kernel_factory
+from .half import KINDS, load_value
 from .launch import block_size, grid_for, launch
 from .warp import MAX_WARPS, block_sum, check_block
 
@@ -47,8 +49,10 @@ MAX_ROW_BLOCKS = 65535
 
 
 @kernel_factory
-def make_grad_row_sums(with_y: bool):
-    """``grad_row_sums``; ``with_y`` is a compile-time switch for ``gy`` (batch statistics)."""
+def make_grad_row_sums(with_y: bool, half: str = ""):
+    """``grad_row_sums``; ``with_y`` is a compile-time switch for ``gy`` (batch statistics);
+    ``half``: ``g`` is the ``uint16`` view of a gradient in that dtype (``half``)."""
+    load = load_value(half or KINDS[1])
 
     @cuda.jit
     def grad_row_sums(g, yc, off, gsum, gy):
@@ -60,7 +64,7 @@ def make_grad_row_sums(with_y: bool):
             acc_y = float64(0.0)
             o = off[row] if with_y else 0.0
             for s in range(cuda.threadIdx.x, size, cuda.blockDim.x):
-                v = float64(g[row, s])
+                v = float64(load(g[row, s])) if half else float64(g[row, s])
                 acc += v
                 if with_y:
                     acc_y += v * (float64(yc[row, s]) - o)
@@ -76,8 +80,10 @@ def make_grad_row_sums(with_y: bool):
 
 
 @kernel_factory
-def make_form_grad(with_y: bool):
-    """``form_grad``; ``with_y`` is a compile-time switch for the ``e[c] * yc`` term."""
+def make_form_grad(with_y: bool, half: str = ""):
+    """``form_grad``; ``with_y`` is a compile-time switch for the ``e[c] * yc`` term; ``half``
+    as for ``make_grad_row_sums``."""
+    load = load_value(half or KINDS[1])
 
     @cuda.jit
     def form_grad(g, yc, a, e, b, dy):
@@ -90,7 +96,7 @@ def make_form_grad(with_y: bool):
             br = b[row]
             for s in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, size,
                            cuda.gridDim.x * cuda.blockDim.x):
-                v = ac * float64(g[row, s]) + br
+                v = ac * (float64(load(g[row, s])) if half else float64(g[row, s])) + br
                 if with_y:
                     v += ec * float64(yc[row, s])
                 dy[row, s] = v
@@ -133,9 +139,11 @@ def make_grad_coefficients(pooled: bool, affine: bool):
     return grad_coefficients
 
 
-def launch_grad_row_sums(g, gsum, yc=None, off=None, gy=None, *, block: int | None = None) -> None:
+def launch_grad_row_sums(g, gsum, yc=None, off=None, gy=None, *, block: int | None = None,
+                         half: str = "") -> None:
     """``g`` (R, S); ``gsum`` (R,) float64; with ``yc`` (R, S), ``off`` and ``gy`` (R,) float64
-    also ``gy`` (all three or none)."""
+    also ``gy`` (all three or none). ``half``: ``g`` is the ``uint16`` view of a gradient in
+    that dtype (``half.bits_view``)."""
     with_y = yc is not None
     if with_y != (off is not None) or with_y != (gy is not None):
         raise ValueError("yc, off and gy go together")
@@ -144,13 +152,15 @@ def launch_grad_row_sums(g, gsum, yc=None, off=None, gy=None, *, block: int | No
     rows = g.shape[0]
     if not with_y:  # placeholders the kernel never reads or writes
         yc, off, gy = g, gsum, gsum
-    launch(make_grad_row_sums(with_y), max(1, min(rows, MAX_ROW_BLOCKS)), block,
+    launch(make_grad_row_sums(with_y, half), max(1, min(rows, MAX_ROW_BLOCKS)), block,
            (g, yc, off, gsum, gy))
 
 
-def launch_form_grad(g, a, b, dy, yc=None, e=None, *, block: int | None = None) -> None:
+def launch_form_grad(g, a, b, dy, yc=None, e=None, *, block: int | None = None,
+                     half: str = "") -> None:
     """``dy = a[c] * g + b[r]`` (+ ``e[c] * yc`` with ``yc`` and ``e``); ``g``, ``yc``, ``dy``
-    (R, S) of one dtype, ``a``, ``e`` (C,) and ``b`` (R,) float64."""
+    (R, S) of one dtype, ``a``, ``e`` (C,) and ``b`` (R,) float64; ``half`` as for
+    ``launch_grad_row_sums`` (``dy`` and ``yc`` then float32)."""
     with_y = yc is not None
     if with_y != (e is not None):
         raise ValueError("yc and e go together")
@@ -160,7 +170,7 @@ def launch_form_grad(g, a, b, dy, yc=None, e=None, *, block: int | None = None) 
         yc, e = g, a
     row_blocks = max(1, min(rows, MAX_ROW_BLOCKS))
     grid = (grid_for(size, block, cap=max(1, 4096 // row_blocks)), row_blocks)
-    launch(make_form_grad(with_y), grid, block, (g, yc, a, e, b, dy))
+    launch(make_form_grad(with_y, half), grid, block, (g, yc, a, e, b, dy))
 
 
 def launch_grad_coefficients(gsum, gy, off, means, stats, gamma, volume: int, count: int, a, e, b,

@@ -40,7 +40,7 @@ from ..simulator import is_simulator
 from . import disk_cache
 
 _TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.int32: "<i4", torch.int64: "<i8",
-            torch.uint16: "<u2"}  # (a half-precision output's bits: ``half_store``)
+            torch.uint16: "<u2"}  # (a half-precision output's bits: ``half``)
 
 
 def device_array(t: torch.Tensor):

@@ -1,13 +1,15 @@
-"""A half-precision call's output written by its last kernel (``kernels.half_store``).
+"""Half-precision calls' outputs and incoming gradients in their own dtype (``kernels.half``).
 
 A call on a float16 or bfloat16 input (or under ``torch.autocast``) that records no backward
-stores its output rounded to the half dtype in the kernel that writes it last: it must be bit
-for bit the float32 call's output cast by torch, on every path and mode, in a recorded call's
+stores its output rounded to the half dtype in the kernel that writes it last, and one that
+records its backward reads the incoming gradient in the half dtype: each must be bit for bit
+the float32 call between two casts by torch, on every path and mode, in a recorded call's
 replays too.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -36,7 +38,7 @@ def _hard_values() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("half", HALVES, ids=["bfloat16", "float16"])
-def test_half_store_rounds_as_torch(device, half):
+def test_half_rounds_as_torch(device, half):
     y = _hard_values().to(device)[None]
     out = torch.full(y.shape, 7.0, dtype=half, device=device)
     one = torch.ones(1, dtype=torch.float64, device=device)
@@ -100,3 +102,38 @@ def test_half_output_is_the_float32_output_rounded(device, settings, training, h
             assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"call {call}"
     kinds = [p for key, p in pipe._prepared.items() if key[-1] == half]
     assert kinds and kinds[0].out_dtype == half and kinds[0].replay is not None
+
+
+# (the second on the GPU profile only: the CI run keeps to its 20 minutes)
+@pytest.mark.parametrize("training, half", [
+    (True, torch.bfloat16), pytest.param(False, torch.float16, marks=pytest.mark.gpu)],
+    ids=["bfloat16-train", "float16-eval"])
+def test_half_training_step_is_the_cast_calls(device, training, half):
+    """A half-precision call that records its backward: its output written in ``half`` by the
+    forward's last kernel, and the backward reading ``dL/dout`` in ``half`` (no cast either
+    way), give bit for bit the output and every gradient of the float32 operator between
+    two casts (autograd's own, what torch.compile traces), in calls planned, recorded and
+    replayed, and the same running statistics."""
+    from numba_deconv import autograd
+
+    model = _models(device, training)
+    twin = copy.deepcopy(model)
+    pipe, pipe32 = Pipeline.from_torch(model), Pipeline.from_torch(twin)
+    gen = torch.Generator().manual_seed(2)
+    for call in range(3):
+        x = (torch.randn(1, 3, 2, 3, 4, generator=gen) * 4
+             + torch.tensor([50.0, -3.0, 0.5])[:, None, None, None]).to(device, half)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        out = pipe(xa)
+        expected = autograd.apply(pipe32, xb.float()).to(half)
+        assert out.dtype == half and type(out.grad_fn).__name__ == "_EagerBackward"
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"call {call}"
+        g = torch.randn(out.shape, generator=gen).to(device, half)
+        out.backward(g)
+        expected.backward(g)
+        assert torch.equal(xa.grad, xb.grad), f"call {call}"
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), f"{name}, call {call}"
+            p.grad = q.grad = None
+    for (name, value), twin_value in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(value, twin_value), name
