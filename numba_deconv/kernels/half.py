@@ -65,29 +65,27 @@ else:  # pragma: no cover - compiled only on a GPU
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def _as_float32(typingctx, bits):
-        """The 32 bits of a uint32 as a float32 (``mov.b32``)."""
-        sig = types.float32(types.uint32)
+    def _one_instruction(name: str, text: str, constraints: str, result, operand):
+        """An intrinsic emitting the one PTX instruction ``text`` on one operand."""
+        def impl(typingctx, value):
+            sig = result(operand)
 
-        def codegen(context, builder, signature, args):
-            fty = ir.FunctionType(ir.FloatType(), [ir.IntType(32)])
-            asm = ir.InlineAsm(fty, "mov.b32 $0, $1;", "=f,r", side_effect=False)
-            return builder.call(asm, list(args))
+            def codegen(context, builder, signature, args):
+                fty = ir.FunctionType(context.get_value_type(result),
+                                      [context.get_value_type(operand)])
+                asm = ir.InlineAsm(fty, text, constraints, side_effect=False)
+                return builder.call(asm, list(args))
 
-        return sig, codegen
+            return sig, codegen
 
-    @intrinsic
-    def _f16_to_f32(typingctx, bits):
-        """``cvt.f32.f16``: float16 bits (uint16) -> float32, exact."""
-        sig = types.float32(types.uint16)
+        impl.__name__ = name
+        return intrinsic(impl)
 
-        def codegen(context, builder, signature, args):
-            fty = ir.FunctionType(ir.FloatType(), [ir.IntType(16)])
-            asm = ir.InlineAsm(fty, "cvt.f32.f16 $0, $1;", "=f,h", side_effect=False)
-            return builder.call(asm, list(args))
-
-        return sig, codegen
+    # the 32 bits of a uint32 as a float32; float16 bits widened to float32, exactly
+    _as_float32 = _one_instruction("as_float32", "mov.b32 $0, $1;", "=f,r", types.float32,
+                                   types.uint32)
+    _f16_to_f32 = _one_instruction("f16_to_f32", "cvt.f32.f16 $0, $1;", "=f,h", types.float32,
+                                   types.uint16)
 
     @cuda.jit(device=True, inline="always")
     def bf16_value(bits):
