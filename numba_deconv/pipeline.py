@@ -271,7 +271,8 @@ class Pipeline:
         """A half-precision call (``dtypes.half_output``): ``call(pipeline, x)``
         (``Pipeline.__call__``, or ``autograd.apply`` under torch.compile) on ``x`` cast to the
         parameters' float32 (autograd's own cast: ``dL/dx`` comes back in ``x``'s dtype),
-        outside autocast, its output in ``half``. One rounding, at the end: within half a unit
+        its operations outside autocast (a replayed call has none that autocast touches), its
+        output in ``half``. One rounding, at the end: within half a unit
         in the last place of ``half`` of the float32 result, where eager under autocast also
         rounds the convolution's output before batch norm. The running statistics stay in the
         parameters' dtype.
@@ -301,7 +302,8 @@ class Pipeline:
     def _writes_half(self, x: torch.Tensor) -> bool:
         """Whether a half-precision call on ``x`` (its float32 input) goes to
         ``_half_direct``: it records no backward, launches its kernels itself (no captured
-        graph: ``graphs=True``, a capture in progress) and takes no collective."""
+        graph: ``graphs=True``, a capture in progress) and has no process group (a
+        synchronized pipeline's calls cast a float32 output)."""
         return not (torch.is_grad_enabled() and self._wants_grad(x)) \
             and self.graphs is not True and self.process_group is None \
             and not self._stream_capturing()
@@ -310,8 +312,9 @@ class Pipeline:
         """A half-precision call (``_writes_half``) on its float32 input ``x``: on the paths
         whose last kernel writes every output value (``_forward_body``: not the Gram path, the
         tensor-core gather nor an empty batch) that kernel stores it rounded to ``half``
-        (``kernels.half``), bit for bit the float32 output cast by torch, without the
-        float32 output and the pass that casts it; elsewhere the float32 output is cast."""
+        (``kernels.half``), bit for bit the float32 output cast by torch (a NaN as some NaN),
+        without the float32 output and the pass that casts it; elsewhere the float32 output is
+        cast."""
         prepared = self._replayable(x, False, half)
         if prepared is not None:
             # (launches, and on the "torch" path PyTorch's convolution, which leaves autocast
@@ -951,7 +954,7 @@ class Pipeline:
             if half is not None and temps is not None:
                 temps["yc"] = conv_out
             if self.poison:
-                for t in ((out,) if saves_conv else ()) + plan.poisonable():
+                for t in ((out,) if saves_conv or half else ()) + plan.poisonable():
                     t.fill_(float("nan"))
             self._stored(x, out, plan, batch_stats, record, conv_out)
             if save is not None:
@@ -980,8 +983,10 @@ class Pipeline:
     def _writes_half_on(self, plan: CallPlan) -> bool:
         """Whether a call on ``plan`` can write a half-precision output in its last kernel:
         the gather's evaluation epilogue, or ``scale_centered`` after the epilogue path and the
-        stored paths. Not the Gram path and the tensor-core gather (an epilogue that writes
-        the output last, not built with a half store) nor a synchronized call."""
+        stored paths. Not the Gram path and the tensor-core gather (their epilogues, which
+        write the output last in evaluation, have no half store; the tensor-core gather's
+        training, which could end in ``scale_centered`` as well, casts too) nor a synchronized
+        call."""
         return plan.path in HALF_STORE_PATHS and plan.scratch.x_tf32 is None \
             and not self._synced()
 

@@ -269,7 +269,7 @@ def run_spec(spec: dict) -> None:
     half = None if spec.get("half") is None else getattr(torch, spec["half"])
     with recording() as launches, torch.no_grad():
         if spec["saving"]:
-            pipe.forward_saving(x)
+            pipe.forward_saving(x, half=half)
         elif half is not None:  # (the float32 input a half-precision call runs on)
             pipe._half_direct(x, half)
         else:

@@ -363,3 +363,25 @@ def test_background_compile_on_the_gpu(cache, device, monkeypatch):
     assert len(launch_mod._LOADED) > loaded, "call 3 loaded the kernels the process stored"
     monkeypatch.setattr(tiers, "KINDS", {})
     assert tiers.serve_generic(name, lambda: pytest.fail("ready")) is False
+
+
+@pytest.mark.parametrize("saving", [False, True], ids=["forward", "saving"])
+def test_a_half_precision_kinds_spec_makes_the_callers_kernels(gpu_like, device, monkeypatch,
+                                                               saving):
+    """The background process of a half-precision kind (its output stored in bfloat16, a
+    kernel of its own) compiles the kernels the caller's call launches, saving or not."""
+    made = []
+    monkeypatch.setattr(tiers, "specialised", lambda name, launches: made.append(
+        (name, sorted(repr(disk_cache.identity(entry[0])) for entry in launches))))
+    conv, bn = _modules(dtype=torch.float32, device=device)
+    pipe = Pipeline(conv, bn, specialize=True)
+    x = torch.randn(2, 3, 3, 4, 5, device=device)
+    half = torch.bfloat16
+    with torch.no_grad():
+        if saving:
+            pipe.forward_saving(x, half=half)
+        else:
+            pipe._half_direct(x, half)
+    (name, ours), = made
+    tiers.run_spec(tiers.spec(pipe, x, saving, name, half))
+    assert made[1] == (name, ours) and any("bfloat16" in ident for ident in ours)

@@ -14,7 +14,8 @@ stores (UNROLL, SCALE_UNROLL): one at a time leaves such a kernel latency-bound,
 memory bandwidth. Arithmetic in ``scale_centered`` is float64 (free: memory-bound).
 
 Cost: scale_centered and scale_rows read and write each element once, 2 * itemsize * N*C*S
-bytes; fill_channels writes it once.
+bytes (scale_centered into a half-precision output: 4 + 2 bytes an element); fill_channels
+writes it once.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ numba has no bfloat16 arrays, so a half-precision tensor goes to a kernel as its
 view (``bits_view``) and the kernel is told which dtype the bits are (a factory's ``half``
 argument, ``kind_of``): a stored value is the float32 value rounded to nearest, ties to even
 (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``: ``mma.pack_bf16x2`` / ``pack_f16x2``), as
-``Tensor.to`` rounds, so a half output is bit for bit the float32 call's output cast by torch
-(a value the kernel holds in float64 is first rounded to float32, as a float32 output stores
-it); a loaded value is exact (every bfloat16 and float16 value is a float32 value): bfloat16's
+``Tensor.to`` rounds, so a half output is bit for bit the float32 call's output cast by torch,
+a NaN as some NaN (torch's cast writes one canonical NaN; a value the kernel holds in float64 is
+first rounded to float32, as a float32 output stores it); a loaded value is exact (every bfloat16 and float16 value is a float32 value): bfloat16's
 bits are float32's high half, float16's are widened by ``cvt.f32.f16``.
 """
 
