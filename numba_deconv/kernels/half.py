@@ -12,9 +12,10 @@ view (``bits_view``) and the kernel is told which dtype the bits are (a factory'
 argument, ``kind_of``): a stored value is the float32 value rounded to nearest, ties to even
 (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``: ``mma.pack_bf16x2`` / ``pack_f16x2``), as
 ``Tensor.to`` rounds, so a half output is bit for bit the float32 call's output cast by torch,
-a NaN as some NaN (torch's cast writes one canonical NaN; a value the kernel holds in float64 is
-first rounded to float32, as a float32 output stores it); a loaded value is exact (every bfloat16 and float16 value is a float32 value): bfloat16's
-bits are float32's high half, float16's are widened by ``cvt.f32.f16``.
+a NaN as some NaN (torch's cast writes one canonical NaN; a value the kernel holds in float64
+is first rounded to float32, as a float32 output stores it); a loaded value is exact (every
+bfloat16 and float16 value is a float32 value): bfloat16's bits are float32's high half,
+float16's are widened by ``cvt.f32.f16``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import numpy as np
 import torch
 from numba import cuda, float32, uint16, uint32
 
+from ..dtypes import HALF
 from ..simulator import is_simulator
 from .mma import half_value, pack_bf16x2, pack_f16x2
 
 #: a kernel factory's ``half`` argument: "" for the tensor's own dtype, else the name of the
 #: half dtype whose bits a ``uint16`` view holds
 KINDS = ("", "bfloat16", "float16")
-_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in HALF}  # (the dtypes a call takes)
 
 
 def kind_of(dtype: torch.dtype) -> str:
