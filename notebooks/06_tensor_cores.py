@@ -277,27 +277,27 @@ assert err_tf32 < err_bf16 < 3e-2
 # %% [markdown]
 # ## The real kernel: the transposed convolution as 16x8x8 tiles
 # `kernels/gather_mma.py` (docs/design.md §2.9) takes the gather's phase decomposition
-# (notebook 02) and writes each phase as an implicit GEMM. For one output plane and one H x W
-# phase `(rh, rw)`, the outputs `o = s·q + r` of a tile of quotients `q` are
+# (notebook 02) and writes each phase as an implicit GEMM with the output channels as its
+# rows. For one output row `(n, od, oh)` (so one D and one H phase) and one W phase `rw`, the
+# outputs `ow = sw·q + rw` of a run of quotients `q` are
 #
-#     out[n, c, od, s·q + r] = Σ over input channels ci and the phase's taps of
-#                              x[n, ci, q + shift + e(tap)] · w[ci, c, tap]
+#     out[n, c, od, oh, sw·q + rw] = Σ over input channels ci and the phases' taps of
+#                                    w[ci, c, tap] · x[n, ci, id, ih, q + shift + e(tap)]
 #
 # and in the fragments' terms:
-# * **m (rows)**: an m16-tile is 2 quotient rows x 8 quotient columns; fragment row `g` is
-#   quotient column `g` of the first row (`a0`, `c0 c1`), row `g + 8` the same column of the
-#   second (`a1`, `c2 c3`);
-# * **n (columns)**: an n8-tile of 8 output channels; a lane's accumulators hold channels
-#   `2t` and `2t + 1`;
-# * **k (depth)**: 8 input channels per step (`a0 a1`: channel `t`, `a2 a3`: channel `t + 4`),
-#   and one `mma` per tap of the phase — the tap only shifts where in the staged input window
-#   the A fragments are read.
+# * **m (rows)**: an m16-tile of 16 output channels; fragment row `g` is channel `g`, row
+#   `g + 8` channel `g + 8`: the weights, the same for every output row of the phase, so the
+#   host arranges them in fragment order and a lane's `a0..a3` are one 16-byte load;
+# * **n (columns)**: an n8-tile of 8 consecutive quotients; a lane's `b0`, `b1` are input
+#   channels `t` and `t + 4` at quotient `g`, read from the input's row as it is, and its
+#   accumulators hold quotients `2t` and `2t + 1`;
+# * **k (depth)**: 8 input channels per step, and one `mma` per tap of the phases.
 #
-# A block stages the input window and every tap's weights in shared memory for each D tap and
-# chunk of 8 input channels; a warp owns one phase, loads its B fragments once per tap and
-# reuses them over its m-tiles. The epilogue is the FFMA gather's: subtract the means that
-# box_sums computed (of the input and weights rounded to TF32 first, so the means are those of
-# this TF32 convolution), scale, store once.
+# A warp owns one output row, every W phase of it, a few n8-tiles of quotients per phase and
+# one or two m16-tiles of channels; nothing is staged, no barrier is needed. Its epilogue is
+# the FFMA gather's: subtract the means that box_sums computed (of the input and weights
+# rounded to TF32 first, so the means are those of this TF32 convolution), scale, and store,
+# through a shared tile so that each channel's row segment is written as consecutive floats.
 #
 # A tiny problem here (8 -> 8 channels, kernel 3, stride 2, padding 1, input 1x8x2x3x3): every
 # `mma.sync` under the simulator is a rendezvous of 32 Python threads, so it takes seconds.
@@ -317,10 +317,11 @@ print("input", tuple(x.shape), "-> output", tuple(expected.shape), "on", device)
 launch = gather_mma.mma_launch(geom, case.batch, case.input_spatial, expected.shape[2:])
 t = launch.tiling
 print(f"tensor-core gather: {launch.grid} blocks of {launch.block} threads "
-      f"({launch.block // 32} warps: {geom.stride[1] * geom.stride[2]} H x W phases x {t.wpp}); "
-      f"a block: {t.nt} n8-tile(s) of channels, a {t.tqh} x {t.tqw} quotient tile, {t.mt} m16-tile(s) a warp")
-assert launch.block == 32 * geom.stride[1] * geom.stride[2] * t.wpp
-assert t.tqh * t.tqw == 16 * t.mt * t.wpp  # the warps of a phase cover the quotient tile
+      f"({launch.block // 32} warps, one output row each); a warp: {t.mt} m16-tile(s) of "
+      f"channels, {t.nq} n8-tile(s) of quotients per W phase, a segment of "
+      f"{t.seg(geom.stride[2])} outputs")
+assert launch.block == 32 * min(gather_mma.ROWS, expected.shape[3])
+assert t.seg(geom.stride[2]) >= expected.shape[4]  # one segment covers this row
 
 pipes = {p: nd.Pipeline(copy.deepcopy(conv64).float(), copy.deepcopy(bn64).float(), precision=p,
                         specialize=True) for p in ("tf32", "ieee", None)}
@@ -358,43 +359,42 @@ assert 1e-5 < testing.relative_error(outs["tf32"], outs["ieee"]) < 1e-2
 assert tol["tf32"].output > tol["ieee"].output
 
 # %% [markdown]
-# ## Measured: from FFMA to tensor cores, on an H100
-# `benchmarks/results/h100_tf32_gather.log` is one recorded run on an **NVIDIA H100 80GB HBM3**:
-# forward calls of the shape suite (and one 128 -> 128 row outside it),
-# `Pipeline(precision="tf32" | "ieee", specialize=True)` and eager PyTorch at its default (TF32)
-# precision, medians of 100 timed calls in ms, back to back (b2b) / KernelBench-style (KB,
-# a synchronize after every call). The notebook reads the numbers from the log; nothing below is
-# measured here.
+# ## Measured: from FFMA to tensor cores
+# `benchmarks/results/h200_tf32_gather.log` is one recorded run (`benchmarks/probe_tf32.py`):
+# forward calls of the shape suite, `Pipeline(precision="tf32", specialize=True)`, this
+# package's default call (the FFMA gather) and eager PyTorch at its default (TF32) precision,
+# medians of 100 timed calls in ms, back to back (b2b) / KernelBench-style (KB, a synchronize
+# after every call). The notebook reads the numbers from the log; nothing below is measured here.
 
 # %%
-LOG = os.path.join("..", "benchmarks", "results", "h100_tf32_gather.log")
+LOG = os.path.join("..", "benchmarks", "results", "h200_tf32_gather.log")
 if not os.path.exists(LOG):
-    LOG = os.path.join("benchmarks", "results", "h100_tf32_gather.log")
+    LOG = os.path.join("benchmarks", "results", "h200_tf32_gather.log")
 with open(LOG) as f:
     text = f.read()
-recorded_on = re.search(r"^# (NVIDIA [^;]+);", text, re.M).group(1)
-ROW = re.compile(r"^(\S+)\s+(eval|train)\s*\| tf32 ([\d.]+)/([\d.]+) \| ffma ([\d.]+)/([\d.]+) "
-                 r"\| eager ([\d.]+)/([\d.]+) \| tf32/ffma ([\d.]+)x", re.M)
-rows = []
+recorded_on = re.search(r"^device: (NVIDIA [^;]+);", text, re.M).group(1)
+ROW = re.compile(r"^\| (\S+) \| (eval|train) \| (eager \(TF32\)|numba_deconv|tf32 [^|]+?) \| "
+                 r"([\d.]+) / ([\d.]+) \|", re.M)
+times = {}
 for m in ROW.finditer(text):
-    v = [float(s) for s in m.groups()[2:]]
-    rows.append(dict(case=m[1], mode=m[2], tf32=v[0:2], ffma=v[2:4], eager=v[4:6], ratio=v[6]))
-assert "H100" in recorded_on and len(rows) == 16
+    provider = {"eager (TF32)": "eager", "numba_deconv": "ffma"}.get(m[3], "tf32")
+    times[m[1], m[2], provider] = (float(m[4]), float(m[5]))
+rows = [dict(case=c, mode=md, **{p: times[c, md, p] for p in ("tf32", "ffma", "eager")})
+        for (c, md, p) in times if p == "eager"]
+assert "H200" in recorded_on and len(rows) == 14
 print(f"recorded on {recorded_on} ({LOG})\n")
-print(f"{'row':14} {'mode':5}  {'TF32 gather':>13}  {'FFMA gather':>13}  {'eager':>13}  TF32 speed / FFMA")
+print(f"{'row':14} {'mode':5}  {'TF32 gather':>13}  {'FFMA gather':>13}  {'eager':>13}  FFMA / TF32 b2b")
 for r in rows:
     print(f"{r['case']:14} {r['mode']:5}  {r['tf32'][0]:6.3f}/{r['tf32'][1]:.3f}  "
-          f"{r['ffma'][0]:6.3f}/{r['ffma'][1]:.3f}  {r['eager'][0]:6.3f}/{r['eager'][1]:.3f}  {r['ratio']:.2f}x")
-    assert abs(r["ffma"][0] / r["tf32"][0] - r["ratio"]) < 0.011  # the log's tf32/ffma: FFMA b2b / TF32 b2b
+          f"{r['ffma'][0]:6.3f}/{r['ffma'][1]:.3f}  {r['eager'][0]:6.3f}/{r['eager'][1]:.3f}  "
+          f"{r['ffma'][0] / r['tf32'][0]:.2f}x")
 
-suite = [r for r in rows if r["case"] != "b4_128to128"]
-# ahead of eager on every suite row, behind the FFMA gather on all but k4s2p1 (equal within the spread)
-assert all(r["tf32"][0] < r["eager"][0] for r in suite)
-assert all(r["tf32"][0] > r["ffma"][0] for r in suite if r["case"] != "k4s2p1")
-assert all(0.9 < r["ratio"] < 1.1 for r in suite if r["case"] == "k4s2p1")
-# at 128 -> 128 channels eager (cuDNN on TF32 tensor cores) is ahead of both, in both methods
-big = [r for r in rows if r["case"] == "b4_128to128"]
-assert all(r["eager"][i] < min(r["tf32"][i], r["ffma"][i]) for r in big for i in (0, 1))
+# ahead of eager on every row in both methods; ahead of the FFMA gather on the rows with
+# channels to spare, behind it on the geometry row (a W stride of 3, groups of 16 channels)
+assert all(r["tf32"][i] < r["eager"][i] for r in rows for i in (0, 1))
+assert all(r["tf32"][0] < r["ffma"][0] for r in rows
+           if r["case"] in ("default", "b32_32to64", "b8_64to64", "decoder_k2s2", "k4s2p1"))
+assert all(r["tf32"][0] > r["ffma"][0] for r in rows if r["case"] == "geometry")
 
 fig, ax = plt.subplots(figsize=(13, 4.8))
 pos = np.arange(len(rows))
@@ -405,14 +405,15 @@ for k, (key, label, colour) in enumerate((("tf32", "TF32 gather (tensor cores)",
 ax.set_xticks(pos, [f"{r['case'].replace('_', chr(10))}\n{r['mode']}" for r in rows], fontsize=7)
 ax.set_yscale("log")
 ax.set_ylabel("ms per call (back to back, median)")
-ax.set_title(f"recorded on an {recorded_on}: benchmarks/results/h100_tf32_gather.log")
+ax.set_title(f"recorded on an {recorded_on}: benchmarks/results/h200_tf32_gather.log")
 ax.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
 # What those times are in FLOP/s at the default problem (evaluation: the whole call, its
-# rounding pass and box_sums included), against the H100 peaks of the napkin math:
+# rounding pass and box_sums included), against the peaks of the napkin math (an H200 has the
+# H100's SMs):
 
 # %%
 default_eval = next(r for r in rows if r["case"] == "default" and r["mode"] == "eval")
@@ -422,50 +423,59 @@ for key, peak_name in (("tf32", "tf32"), ("ffma", "fp32")):
           f"= {100 * rate / h100[peak_name]:4.1f}% of the {peak_name.upper()} peak")
 tf32_share = flops_default / (default_eval["tf32"][0] * 1e-3) / h100["tf32"]
 ffma_share = flops_default / (default_eval["ffma"][0] * 1e-3) / h100["fp32"]
-assert tf32_share < 0.05 < 0.3 < ffma_share
+assert tf32_share < 0.1 < 0.3 < ffma_share
 
 # %% [markdown]
-# **Why the tensor cores lose here** (docs/performance.md, "TF32 on tensor cores": Nsight
-# Compute on the default problem's evaluation kernel, H100): 151.6 M instructions at 1.43 per
-# cycle, 23% achieved occupancy (two blocks of 256 threads at 128 registers), L2 63% busy, DRAM
-# 23%; a block stages ~1.1 weights per output it owns (the FFMA gather: 0.14). Not the `mma`s'
-# rate but the work around them bounds it, and the stores are the L2's load (843 MB sent to L2
-# for 252 MB of output, 11.6 of each 32-byte sector's bytes used).
-#
-# The fragment layout explains that last number. In the kernel, C-fragment row `g` is quotient
-# column `g`, i.e. output column `2g + rw` at stride 2, and column `2t` is a channel: one store
-# of `d0` by the warp writes every other output column of 4 channels. Counted over the default
-# problem's output (every row, both W phases, every tile of 8 quotient columns):
+# **What the kernel's layout does for its stores.** The tensor cores' rate is far from the
+# bound: the work around the `mma`s (loads, the epilogue) and the output's 252 MB are. In the
+# kernel the C fragment's rows are channels and its columns consecutive quotients of one W
+# phase, so a warp's register `d0` holds every other output column of a row; the warp writes
+# its fragments into a shared tile first and stores each channel's row segment as consecutive
+# floats, 32 lanes at a time. Counted over the default problem's output, the bytes used per
+# 32-byte sector a store instruction touches, both ways:
 
 # %%
 c0_cells = [mma.FRAGMENTS["c0"][1](lane >> 2, lane & 3) for lane in range(32)]
-assert sorted({r for r, _ in c0_cells}) == list(range(8))     # 8 rows g: 8 quotient columns
-assert sorted({n for _, n in c0_cells}) == [0, 2, 4, 6]       # 4 channels
+assert sorted({r for r, _ in c0_cells}) == list(range(8))     # 8 rows g: 8 channels
+assert sorted({n for _, n in c0_cells}) == [0, 2, 4, 6]       # columns 2t: every other quotient
 out_d, out_h, out_w = geom_default.output_spatial((16, 32, 32))
 sw = geom_default.stride[2]
-used_bytes = sectors = 0
-for rw in range(sw):
-    for oh in range(out_h):
-        for qw0 in range(0, -(-out_w // sw), 8):
-            addresses = [4 * ((ch * out_d * out_h + oh) * out_w + (qw0 + g) * sw + rw)
-                         for g, ch in c0_cells if (qw0 + g) * sw + rw < out_w]
-            used_bytes += 4 * len(addresses)
-            sectors += len({address // 32 for address in addresses})
-print(f"one d0 store: {used_bytes / sectors:.1f} of 32 bytes used per sector touched "
-      f"(docs/performance.md, H100 profile: 11.6)")
-assert abs(used_bytes / sectors - 11.6) < 0.05
+launch_default = gather_mma.mma_launch(geom_default, 16, (16, 32, 32), (out_d, out_h, out_w))
+seg = launch_default.tiling.seg(sw)
+
+
+def bytes_per_sector(stores):
+    """(bytes used) / (sectors touched), summed over ``stores``: lists of byte addresses."""
+    used = sum(4 * len(a) for a in stores)
+    return used / sum(len({address // 32 for address in a}) for a in stores)
+
+
+row_of = lambda ch, oh: (ch * out_d * out_h + oh) * out_w  # noqa: E731  (a plane of od = 0)
+direct, tiled = [], []
+for oh in range(out_h):
+    for s0 in range(0, out_w, seg):
+        for rw in range(sw):   # d0 straight from the fragments: channels g, quotients 2t
+            direct.append([4 * (row_of(g, oh) + s0 + n * sw + rw) for g, n in c0_cells
+                           if s0 + n * sw + rw < out_w])
+        for ch in range(16):   # through the tile: one channel's 32 consecutive outputs
+            for p0 in range(0, seg, 32):
+                tiled.append([4 * (row_of(ch, oh) + s0 + p0 + lane) for lane in range(32)
+                              if p0 + lane < seg and s0 + p0 + lane < out_w])
+print(f"bytes used per sector touched: d0 stored directly {bytes_per_sector(direct):.1f}, "
+      f"through the shared tile {bytes_per_sector(tiled):.1f} (of 32)")
+assert bytes_per_sector(direct) < 12 < 25 < bytes_per_sector(tiled)
 
 # %% [markdown]
-# Measured changes that did not help (stores through a shared tile, double-buffered `cp.async`
-# staging) are in the same section. So `precision=None` (the default) runs the FFMA gather,
-# exact in float32, even where PyTorch's flag allows TF32 (`gather_mma.TAKEN_WHEN_ALLOWED`);
-# `precision="tf32"` asks for this kernel. Where tensor cores *do* win — many channels — the
-# default planner (`conv_impl="auto"`) runs cuDNN's TF32 convolution with this package's finish
-# instead: cuDNN's rate grows with the channels (about 1 TFLOP/s per channel on an H100) while
-# the FFMA gather stays at 33-39 TFLOP/s. Recorded (docs/performance.md, H100, b2b): at
-# 96 -> 96 channels, batch 4, evaluation, the planner's choice ran in 0.750 ms against the
-# gather's 0.870 and eager's 1.039. The planner's cost model (`planner.predict`, calibrated on
-# the H100) draws that line:
+# So `precision="tf32"` asks for this kernel; `precision=None` (the default) still runs the
+# FFMA gather, exact in float32, even where PyTorch's flag allows TF32
+# (`gather_mma.TAKEN_WHEN_ALLOWED`), because the TF32 kernel is not ahead on every row and no
+# planner chooses between the two per geometry yet. At many channels the default planner
+# (`conv_impl="auto"`) runs cuDNN's TF32 convolution with this package's finish instead:
+# cuDNN's rate grows with the channels (about 1 TFLOP/s per channel on an H100) while the FFMA
+# gather stays at 33-39 TFLOP/s. Recorded (docs/performance.md, H100, b2b): at 96 -> 96
+# channels, batch 4, evaluation, the planner's choice ran in 0.750 ms against the gather's
+# 0.870 and eager's 1.039. The planner's cost model (`planner.predict`, calibrated on the H100)
+# draws that line:
 
 # %%
 for channels, batch in ((32, 8), (64, 8), (96, 4), (128, 4)):
@@ -488,17 +498,17 @@ for channels, batch in ((32, 8), (64, 8), (96, 4), (128, 4)):
 # * `Pipeline(precision="tf32")` runs the tensor-core gather (`explain` names it) and is within
 #   three times TF32's own error of float64; `precision="ieee"` and the default run the FFMA
 #   gather, within float32's.
-# * Recorded on an H100, the TF32 gather is ahead of eager on every suite row and behind the
-#   FFMA gather on every one but k4 s2 p1, where they are equal within the spread (default
-#   evaluation: 0.465 against 0.240 ms): the instructions around the `mma`s, stores that use
-#   11.6 of 32 bytes a sector, and two blocks per SM bound it, not the tensor cores' rate. So the
-#   default (`precision=None`) runs the FFMA gather, and from ~96 channels the planner runs
-#   cuDNN's TF32 convolution with this package's finish.
+# * Recorded on an H200, the TF32 gather is ahead of eager on every suite row and ahead of the
+#   FFMA gather on five of seven (default evaluation: 0.193 against 0.238 ms; 64 -> 64 channels
+#   0.456 against 0.796), behind it on the geometry row; the work around the `mma`s and the
+#   output's bytes bound it, not the tensor cores' rate. The default (`precision=None`) still
+#   runs the FFMA gather, and from ~96 channels the planner runs cuDNN's TF32 convolution with
+#   this package's finish.
 #
 # **Interpretation.** Tensor cores change the arithmetic floor by 7.4x, but a kernel only reaches
-# it if operands are staged and results stored at the tensor cores' pace; the fragment layout
-# decides what a warp's store touches, which is why the tile's shape (which outputs a C fragment
-# row holds) matters as much as the `mma` itself.
+# it if operands arrive and results leave at the tensor cores' pace: which matrix is which
+# (channels as the rows, so the weights are fixed fragments and a warp owns consecutive
+# outputs) decides what a warp loads and what its stores touch, as much as the `mma` itself.
 #
 # ## Exercises
 # 1. With `LAYOUT`, list the lanes that feed `D[9, 5]`. Why are there only 4 when `r % 8 == n`?

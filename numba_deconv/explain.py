@@ -205,11 +205,11 @@ def _box_sums_flops(geom, batch: int, in_spatial) -> int:
 
 def _gather_label(launch, variant: str) -> str:
     """The gather's row label: its register tile, the patch stored without tests, ``variant``;
-    for the tensor-core gather its channel tile, m-tiles per warp and quotient tile."""
+    for the tensor-core gather its m16-tiles of channels and n8-tiles of quotients per W phase
+    a warp, and its warps (output rows) a block."""
     t = launch.tiling
     if isinstance(launch, gather_mma.MmaLaunch):
-        return (f"conv_transpose3d_gather_mma[tf32,nt={t.nt},mt={t.mt},"
-                f"tile={t.tqh}x{t.tqw}{variant}]")
+        return f"conv_transpose3d_gather_mma[tf32,mt={t.mt},nq={t.nq},rows={t.rows}{variant}]"
     rows, cols = launch.edges
     return f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},edges={rows}x{cols}{variant}]"
 

@@ -140,6 +140,13 @@ GRAM_NOT_SYNCED = "synchronized statistics take the epilogue's variance: varianc
 GRAM_ITEMSIZE = dtypes.ITEMSIZE[gram.SUMS_DTYPE]
 
 
+def _arrange(launch, weight: torch.Tensor, index: torch.Tensor, out=None) -> torch.Tensor:
+    """``weight`` in a gather launch's arrangement: the tensor-core gather's rounded to TF32."""
+    if isinstance(launch, gather_mma.MmaLaunch):
+        return gather_mma.arrange_weights(weight, index, out=out)
+    return gather.arrange_weights(weight, index, out=out)
+
+
 class Pipeline:
     """The whole operator (docs/design.md §1) on Numba CUDA kernels.
 
@@ -1043,8 +1050,8 @@ class Pipeline:
         """The gather's weights (``conv_weight``, which ``key`` describes) in its arrangement,
         in the plan's buffer."""
         s = plan.scratch
-        return self._derived(s.wph, key, lambda buf: gather.arrange_weights(
-            conv_weight, s.wph_index, out=buf))
+        return self._derived(s.wph, key, lambda buf: _arrange(
+            plan.gather, conv_weight, s.wph_index, out=buf))
 
     def _derived(self, buf: torch.Tensor, key: tuple, fill) -> torch.Tensor:
         """``buf``, one of a plan's buffers, holding what ``fill(buf)`` writes from the
@@ -1285,8 +1292,7 @@ class Pipeline:
             # a tensor of its own per folded weights: a recorded evaluation call keeps the one
             # it read, whatever other calls of its shape (other weights bound, say) read since
             wph = self._cached("gather_wph_eval", key + (launch.arrangement, x.dtype),
-                               lambda: gather.arrange_weights(conv_weight,
-                                                              plan.scratch.wph_index))
+                               lambda: _arrange(launch, conv_weight, plan.scratch.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
         s = plan.scratch
@@ -1294,19 +1300,21 @@ class Pipeline:
             # the tensor-core gather multiplies TF32-rounded operands: its means (box_sums)
             # are taken of the same ones, so its output is centred as a TF32 convolution's
             # would be (design.md §2.9)
-            mma.launch_round_to_tf32(x.reshape(-1), s.x_tf32)
+            launch.round_input(x.reshape(-1), s.x_tf32, s.x_pad)
             mma.launch_round_to_tf32(flat_w.reshape(-1), s.w_tf32)
             box_inputs = (s.x_tf32.view(x.shape), s.w_tf32.view(flat_w.shape))
+            conv_in = s.x_pad
         else:
             box_inputs = (x, flat_w)
+            conv_in = x.view(-1)
         if plan.path == "gram":
-            self._gram_train(x, out, plan, wph, box_inputs, dtype, record)
+            self._gram_train(conv_in, out, plan, wph, box_inputs, dtype, record)
             return
         self._box_sums(*box_inputs, plan, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since;
         # a half-precision output (the FFMA gather's evaluation only) is stored through its bits
         store = kind_of(conv_out.dtype)
-        launch.run(dtype, batch_stats, x.view(-1), wph, plan.scratch.means,
+        launch.run(dtype, batch_stats, conv_in, wph, plan.scratch.means,
                    bits_view(conv_out).view(-1), plan.scratch.ss,
                    after_prior=record is None, **({"store": store} if store else {}))
         if not batch_stats:
@@ -1338,10 +1346,11 @@ class Pipeline:
             record["box_sums"] = s.boxes.clone()
             record["mean_from_box_sums"] = s.means.clone()
 
-    def _gram_train(self, x, out, plan: CallPlan, wph, box_inputs: tuple, dtype: str,
+    def _gram_train(self, conv_in, out, plan: CallPlan, wph, box_inputs: tuple, dtype: str,
                     record) -> None:
         """Training on the Gram path: the variance from the input, then the evaluation kernel
-        with the unscaled weights and the scale in its epilogue.
+        with the unscaled weights and the scale in its epilogue. ``conv_in``: the gather's
+        input, flat (on tensor cores, the padded TF32 copy).
 
         One chain of programmatic dependents (``griddep``) after ``gram_sums``: every kernel
         lets the next start at once and waits for the one before only where it reads its
@@ -1383,7 +1392,7 @@ class Pipeline:
             self._running_stats_written()
         if record is not None:
             record["batch_statistics"] = s.stats.clone()
-        plan.gather.run(dtype, False, x.view(-1), wph, s.means_scaled, out.view(-1), s.ss,
+        plan.gather.run(dtype, False, conv_in, wph, s.means_scaled, out.view(-1), s.ss,
                         scale=s.scale, after_prior=chained)
         if record is not None:
             record["conv_transpose3d_gather"] = out.clone()

@@ -100,9 +100,11 @@ class Scratch:
     zero_bias_x: torch.Tensor | None = None   # (C,) zeros in the input's dtype (generic tier)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
     # the tensor-core gather's operands rounded to TF32 (input, weights): box_sums sums them,
-    # so its means are those of the convolution the tensor cores compute
+    # so its means are those of the convolution the tensor cores compute; the gather reads the
+    # input from a copy in rows padded with zeros (``gather_mma.MmaLaunch.padded_w``)
     x_tf32: torch.Tensor | None = None
     w_tf32: torch.Tensor | None = None
+    x_pad: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for f in fields(self) if (t := getattr(self, f.name)) is not None)
@@ -196,7 +198,8 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         wph_index = torch.from_numpy(launch.weight_index(geom)).to(dev)
         if tensor_cores:
             common.update(x_tf32=empty(x.numel(), dtype=x.dtype),
-                          w_tf32=empty(int(np.prod(geom.weight_shape())), dtype=x.dtype))
+                          w_tf32=empty(int(np.prod(geom.weight_shape())), dtype=x.dtype),
+                          x_pad=torch.zeros(launch.padded_numel, dtype=x.dtype, device=dev))
         common.update(
             box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),
             boxes=empty(batch, geom.in_channels, kd, kh, kw),

@@ -9,7 +9,6 @@ against the exact one."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ import torch
 from numba_deconv import Pipeline, precision
 from numba_deconv.geometry import ConvGeometry
 from numba_deconv.kernels import gather_mma, mma
-from numba_deconv.kernels.gather import arrange_weights
 from numba_deconv.reference import Model
 from numba_deconv.testing import reference, relative_error
 
@@ -26,7 +24,8 @@ from numba_deconv.testing import reference, relative_error
 # default problem's pattern, every phase's taps of a non-cubic kernel with odd strides,
 # dilation and groups, a stride-1 kernel taller than its input, channels that are not whole
 # tiles of 8, a 2x2 stride with a single tap per phase, a one-voxel output whose block is one
-# warp with more channels than threads, and two channel tiles of one group
+# warp with more channels than threads, two channel tiles of one group, rows past the last row
+# block's end and two row segments with channels not a whole m-tile, and a W stride of 5
 KERNEL_CASES = [
     (4, 8, 3, 2, 1, 0, 1, 1, 1, (2, 3, 4)),
     (6, 4, (3, 2, 4), (3, 2, 1), (1, 0, 2), (1, 1, 0), (2, 1, 2), 2, 2, (2, 2, 3)),
@@ -34,11 +33,21 @@ KERNEL_CASES = [
     (9, 17, 2, 2, 0, 0, 1, 1, 1, (1, 3, 9)),
     (8, 40, 1, 1, 0, 0, 1, 1, 2, (1, 1, 1)),
     (5, 72, 2, 2, 0, 0, 1, 1, 1, (1, 1, 2)),
+    (12, 20, 3, 2, 1, 1, 1, 1, 1, (1, 3, 37)),
+    (3, 5, (1, 1, 6), (1, 1, 5), (0, 0, 2), 0, 1, 1, 1, (1, 2, 3)),
 ]
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(mma.round_tf32(t.detach().cpu().float().numpy())).to(t.device)
+
+
+def _pad_with_zeros(launch, x_pad):
+    """Zeros where ``round_input`` does not write (the plan's buffer starts as zeros): the
+    rest stays NaN, so a row ``round_input`` missed would poison the output."""
+    rows = x_pad.view(-1, launch.padded_w)
+    rows[:, :launch.lpad] = 0
+    rows[:, launch.lpad + launch.in_w:] = 0
 
 
 def _kernel_run(device, case, mode: str, zero_mean: bool = False):
@@ -53,14 +62,19 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False):
     bound_y = conv(_tf32(x).double().abs(), _tf32(w).double().abs())
     out_spatial = tuple(y.shape[2:])
     launch = gather_mma.mma_launch(geom, batch, spatial, out_spatial)
-    wmm = arrange_weights(w, torch.from_numpy(launch.weight_index(geom)).to(device))
+    wmm = gather_mma.arrange_weights(w, torch.from_numpy(launch.weight_index(geom)).to(device))
     mean = (torch.randn(batch, co, generator=gen, dtype=torch.float64) * 3).to(device)
     if zero_mean:
         mean.zero_()
     scale = (torch.rand(co, generator=gen) + 0.5).to(device)
     out = torch.full((batch, co, *out_spatial), float("nan"), device=device)
     ss = torch.full((batch, co, launch.slots), float("nan"), dtype=torch.float64, device=device)
-    launch.run("float32", mode == "train", x.view(-1), wmm, mean, out.view(-1), ss,
+    x_tf32 = torch.empty(x.numel(), device=device)
+    x_pad = torch.full((launch.padded_numel,), float("nan"), device=device)
+    _pad_with_zeros(launch, x_pad)
+    launch.round_input(x.view(-1), x_tf32, x_pad)
+    assert torch.equal(x_tf32, _tf32(x).view(-1))
+    launch.run("float32", mode == "train", x_pad, wmm, mean, out.view(-1), ss,
                scale=scale if mode == "scaled" else None)
     a = scale.double().view(1, -1, 1, 1, 1) if mode == "scaled" else 1.0
     want = y * a - mean.view(batch, co, 1, 1, 1)
@@ -103,30 +117,57 @@ def test_weight_index_places_every_weight_once(case):
     index = launch.weight_index(geom)
     counts = np.bincount(index[index >= 0], minlength=int(np.prod(geom.weight_shape())))
     assert (counts == 1).all()
-    assert index.shape[-1] % 32 in (8, 24) and index.shape[-2] == gather_mma.KC
+    assert index.shape[-3:] == (launch.tiling.mt, 32, 4)
 
 
-@pytest.mark.parametrize("opg", [1, 3, 8, 24, 64, 128])
-@pytest.mark.parametrize("kernel, stride", [(1, 1), (3, 2), (5, 1), (4, 2), (5, 3), (2, 4)])
+def test_weight_index_is_the_fragment_layout():
+    """Lane (g, t)'s four values of one (tap, chunk, m-tile) are A[g, t], A[g + 8, t],
+    A[g, t + 4], A[g + 8, t + 4] of ``A[c, ci] = w[ci, c, tap]`` (``mma.FRAGMENTS``)."""
+    geom = ConvGeometry.create(16, 32, 3, 2, 1, 0, 1, False, 1)
+    launch = gather_mma.mma_launch(geom, 1, (2, 3, 4), geom.output_spatial((2, 3, 4)))
+    index = launch.weight_index(geom)
+    w = np.arange(int(np.prod(geom.weight_shape()))).reshape(geom.weight_shape())
+    # D phase 0's only tap is kd = 1; H and W tap 0 is phase 0's (kh = kw = 1)
+    block = index[0, 0, 0, 0, 1, 0, 1]            # channel tile 0, chunk 1, W tap 0, m-tile 1
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for reg in range(4):
+            row, col = mma.FRAGMENTS[f"a{reg}"][1](g, t)
+            assert block[lane, reg] == w[8 + col, 16 + row, 1, 1, 1]
+
+
+def test_arranged_weights_are_tf32(device):
+    """The kernel loads the weights' bits as they are: ``arrange_weights`` rounds them."""
+    geom = ConvGeometry.create(5, 9, 3, 2, 1, 0, 1, False, 1)
+    launch = gather_mma.mma_launch(geom, 1, (2, 2, 2), geom.output_spatial((2, 2, 2)))
+    w = torch.randn(*geom.weight_shape(), generator=torch.Generator().manual_seed(1)).to(device)
+    index = torch.from_numpy(launch.weight_index(geom)).to(device)
+    got = gather_mma.arrange_weights(w, index)
+    flat = torch.cat([w.reshape(-1), w.new_zeros(1)])[index.reshape(-1)]
+    assert torch.equal(got, _tf32(flat)) and not torch.equal(got, flat)
+
+
+@pytest.mark.parametrize("opg", [1, 3, 8, 16, 17, 24, 64, 128])
+@pytest.mark.parametrize("stride", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("out_hw", [(1, 1), (7, 9), (63, 63), (200, 40)])
-def test_tiling_fits_a_block(opg, kernel, stride, out_hw):
-    geom = ConvGeometry.create(8, opg, kernel, stride, kernel // 2, 0, 1, False, 1)
+def test_tiling_fits(opg, stride, out_hw):
+    geom = ConvGeometry.create(8, opg, 3, stride, 1, 0, 1, False, 1)
     launch = gather_mma.mma_launch(geom, 2, (4, 4, 4), (3, *out_hw))
     t = launch.tiling
-    assert t.mt * t.nt <= gather_mma.MAX_ACC_TILES
-    # a group's channels in one tile, up to 64, unless one more n-tile's weights do not fit
-    wider = dataclasses.replace(t, nt=t.nt + 1, mt=1)
-    assert t.nt == min(-(-opg // 8), 8) or \
-        gather_mma.smem_bytes(wider, launch.hpat, launch.wpat) > gather_mma.STATIC_SMEM
-    assert launch.block <= 32 * gather_mma.MAX_PHASES and launch.block % 32 == 0
-    assert gather_mma.smem_bytes(t, launch.hpat, launch.wpat) <= gather_mma.STATIC_SMEM
-    qh = -(-out_hw[0] // stride)
-    assert t.tqh <= max(2 * -(-qh // 2), 2) or (t.mt == 1 and t.wpp == 1)
+    assert stride * t.nq * t.mt <= gather_mma.MAX_ACC_TILES
+    assert t.mt == (1 if opg <= 16 else 2)
+    assert t.seg(stride) <= gather_mma.MAX_SEG
+    qw = -(-out_hw[1] // stride)
+    assert t.nq <= max(1, -(-qw // 8))  # no n8-tile wholly past the row's end
+    assert launch.block == 32 * min(gather_mma.ROWS, out_hw[0])
+    assert gather_mma.smem_bytes(t, stride) <= 48 * 1024
 
 
 def test_what_it_does_not_take():
-    geom = ConvGeometry.create(4, 4, 5, 5, 0, 0, 1, False, 1)
-    assert "25 phases" in gather_mma.unsupported(geom, "float32")
+    geom = ConvGeometry.create(4, 4, 9, 9, 0, 0, 1, False, 1)
+    assert "W stride 9" in gather_mma.unsupported(geom, "float32")
+    assert gather_mma.unsupported(ConvGeometry.create(4, 4, 5, 8, 0, 0, 1, False, 1),
+                                  "float32") is None
     assert "float32" in gather_mma.unsupported(ConvGeometry.create(4, 4, 3, 2, 1, 0, 1, False, 1),
                                                "float64")
 

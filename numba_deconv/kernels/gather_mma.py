@@ -1,41 +1,46 @@
 """The gather on tensor cores: ``conv_transpose3d_gather_mma``, TF32 ``mma.sync`` (``kernels.mma``).
 
-The same phase decomposition as ``gather`` (docs/design.md §2.6), written as implicit GEMMs:
-for one output plane ``od`` (so one D phase) and one phase ``(rh, rw)`` of H and W, the outputs
-``o = s*q + r`` of the block's tile of quotients are the rows of a GEMM whose columns are the
-output channels of a channel tile and whose depth is (input channel, tap of the phase):
+The same phase decomposition as ``gather`` (docs/design.md §2.6), written as implicit GEMMs
+with the output channels as the rows: for one output row ``(n, od, oh)`` (so one D and one H
+phase) and one W phase ``rw``, the outputs ``ow = sw*q + rw`` of a run of quotients ``q`` are
 
-    out[n, c, od, s*q + r] = sum over ci, taps (kd, kh, kw) of the phase of
-                             x[n, ci, q + shift + e(tap)] * w[ci, c, kd, kh, kw]
+    out[n, c, od, oh, sw*q + rw] = sum over ci, taps (kd, kh, kw) of the phases of
+                w[ci, c, kd, kh, kw] * x[n, ci, id(kd), ih(kh), q + shift + e(kw)]
 
-M = the tile's quotients, N = 8 * NT channels, K = 8 input channels per step times the taps.
+M = 16 * MT output channels (A: the weights), N = 8 quotients (B: the input), K = 8 input
+channels per step, one ``mma`` per tap. The weights are the same for every row of a phase, so
+the host arranges them in fragment order (``weight_index``): a lane's four A registers of one
+(tap, chunk of 8 input channels, m-tile) are 16 consecutive bytes, one ``load4``, and a warp's
+512 bytes are contiguous (read through L1, where a block's rows find them again). The B
+fragments are the input's rows: lane (g, t) reads input channels t and t + 4 at quotient g of
+the tile, 8 consecutive floats per channel. Both operands come rounded to TF32, so the kernel
+moves their bit patterns straight into the fragments (``mma.f32_bits``): the weights as
+``arrange_weights`` leaves them, the input as ``launch_round_input`` copies it, into rows padded
+with zeros on both sides as far as any tap of any segment reaches (``MmaLaunch.lpad``,
+``padded_w``). So a B load needs no test: its address is the row's plus a constant per (W tap,
+n8-tile), and only D and H taps outside the input (the same for the whole warp) are skipped.
+Input channels past a group's end (a group of fewer than a multiple of 8) read a clamped
+channel and are set to zero (``ragged``).
 
-What a block owns: one sample, one channel tile of NT n8-tiles, one output plane ``od``, a tile
-of TQH x TQW quotients (H x W), and every H and W phase of it, so the outputs of one output row
-are written by one block (a row's phases land in the same 32-byte sectors). A warp owns one
-(H, W) phase and MT m16-tiles of it (WPP warps share a phase when there are fewer than eight
-phases, as far as the output has quotients for them); an m16-tile is 2 quotient rows x 8 quotient columns, so fragment row ``g`` (the lane's
-``lane >> 2``) is column ``g`` of both rows. Its accumulators: MT x NT tiles x 4 float32.
-
-Per D tap and chunk of 8 input channels the block stages the input window its tile reads,
-converted to TF32 once (``mma.cvt_tf32``), ``[ci][row][col]`` with a plane stride of 8 or 24
-modulo 32 words, and every H and W tap's weights by asynchronous 16-byte copies
-(``async_copy``; the host arranged them so, ``weight_index``), ``[tap][ci][channel]`` with a
-channel stride of 8 modulo 32, rounded to TF32 as the fragments are loaded: then the 32 lanes of
-every A- and B-fragment load hit 32 distinct banks (``g`` walks consecutive words, ``lane & 3``
-the strides). Cells outside the input and channels past the group's end are staged as zeros.
-Per tap of its phase a warp loads its B fragments once (2 per n8-tile) and reuses them over its
-MT m-tiles (4 A loads each).
+What a warp owns: one output row, every W phase of it, NQ n8-tiles of quotients per phase (a
+segment of SEG = 8 * NQ * sw consecutive outputs), and 16 * MT channels of one group; its
+accumulators: sw x NQ x MT tiles of 4 float32. A block is ROWS warps on consecutive output
+rows of one (n, od, segment, channel tile). Nothing is staged for the multiply-adds: no
+barrier, and every warp runs on its own.
 
 Epilogue as ``gather``'s (§2.3, §2.4, §2.7): ``acc - mean`` (evaluation: scale folded into the
 weights), ``acc * scale - mean`` (``scaled``: training's Gram path), or with ``train`` the
-centred output plus one centred sum of squares per (n, channel, block), reduced over the warp's
+centred output plus one centred sum of squares per (n, channel, block), reduced over the quad's
 lanes by ``shfl_xor`` in float64 and over the block's warps in a fixed order (deterministic).
-The means come from box_sums, so a launch may run as its programmatic dependent (``griddep``):
-it waits only before the epilogue.
+A C fragment holds 2 consecutive quotients of one phase, so its stores would touch every other
+float of a row: each warp writes its values for 16 channels into a shared tile of the segment
+first and stores each channel's segment as consecutive floats, 32 lanes at a time (whole
+32-byte sectors). The means come from box_sums, so a launch may run as its programmatic
+dependent (``griddep``): it waits only before the epilogue.
 
-Precision: TF32 operands (10 mantissa bits, rounded to nearest, ties away from zero), float32
-accumulation: the precision of PyTorch's convolution under ``allow_tf32``
+Precision: TF32 operands (10 mantissa bits, rounded to nearest, ties away from zero, before the
+launch; the tensor cores ignore the low 13 bits of anything else), float32 accumulation: the
+precision of PyTorch's convolution under ``allow_tf32``
 (docs/design.md §2.9). Float32 only.
 """
 
@@ -49,46 +54,48 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from ..geometry import ConvGeometry
-from .async_copy import copy16, wait_all
-from . import fastdiv
+from . import fastdiv, gather
 from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
 from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
 from .launch import launch as launch_kernel
 from ..simulator import is_simulator
-from .mma import MIN_CC, cvt_tf32, mma_tf32
+from .mma import MIN_CC, f32_bits, mma_tf32, to_tf32
+from .vecload import load4
 from .warp import FULL_MASK, WARP_SIZE
 
 #: Whether ``Pipeline(precision=None)`` takes this kernel where PyTorch's flag allows TF32.
-#: False: the FFMA gather is faster on every row of the benchmark's shape suite (H100,
-#: docs/performance.md), and exact in float32, so a call that only allows TF32 runs it;
+#: False: it is faster than the FFMA gather on most rows of the benchmark's shape suite but not
+#: on all (H200, docs/performance.md), and no planner chooses between them per geometry yet,
+#: so a call that only allows TF32 runs the FFMA gather, exact in float32;
 #: ``precision="tf32"`` asks for this kernel.
 TAKEN_WHEN_ALLOWED = False
 KC = 8                    # input channels per K step (the mma's k)
-WARPS = 8                 # warps a block aims at (more when there are more phases)
-MAX_REGS = 128            # registers per thread: two blocks of 256 threads per SM
-MAX_PHASES = 16           # H x W phases: one warp each, at most 512 threads a block
-MAX_ACC_TILES = 16        # MT * NT: 64 float32 accumulators per thread
-STATIC_SMEM = 48 * 1024   # a block's static shared memory
+ROWS = 4                  # warps (output rows) per block
+MAX_REGS = 128            # registers per thread: four blocks of 128 threads per SM
+MAX_ACC_TILES = 16        # sw * NQ * MT: 64 float32 accumulators per thread
+MAX_SEG = 64              # outputs of a warp's row segment (its shared tile's width)
 MODES = ("eval", "train", "scaled")
 
-_SIZES = ("in_ch", "in_d", "in_h", "in_w", "out_ch", "out_d", "out_h", "out_w", "ipg", "opg",
-          "shift_d", "shift_h", "shift_w", "tiles_h", "tiles_w", "ctiles", "tiles_per_group",
+_SIZES = ("in_ch", "in_d", "in_h", "in_wp", "out_ch", "out_d", "out_h", "out_w", "ipg", "opg",
+          "shift_d", "shift_h", "shift_wp", "row_blocks", "segs", "ctiles", "tiles_per_group",
           "chunks")
-_DIVISORS = ("ctiles", "tiles_w", "tiles_h", "out_d", "tiles_per_group")
+_DIVISORS = ("ctiles", "segs", "row_blocks", "out_d", "tiles_per_group")
 
 
 @dataclass(frozen=True)
 class MmaTiling:
-    """The block's work: NT n8-tiles of channels, a TQH x TQW tile of quotients, WPP warps per
-    (H, W) phase, MT m16-tiles per warp."""
+    """A warp's work: MT m16-tiles of channels, NQ n8-tiles of quotients per W phase; ROWS
+    warps a block."""
 
-    nt: int
     mt: int
-    wpp: int
-    tqh: int
-    tqw: int
+    nq: int
+    rows: int
+
+    def seg(self, sw: int) -> int:
+        """Outputs of a warp's row segment at W stride ``sw``."""
+        return 8 * self.nq * sw
 
 
 def _phase_ranges(taps: tuple, stride: int) -> tuple[tuple, tuple]:
@@ -102,25 +109,16 @@ def _phase_ranges(taps: tuple, stride: int) -> tuple[tuple, tuple]:
     return tuple(first), tuple(count)
 
 
-def _padded(words: int) -> int:
-    """The smallest stride >= ``words`` that is 8 or 24 modulo 32: the four ``lane & 3`` rows of
-    a fragment load then start 8 banks apart, and 8 consecutive words each fill the rest."""
-    while words % 32 not in (8, 24):
-        words += 1
-    return words
+def _tile_stride(seg: int) -> int:
+    """The shared tile's row stride: the segment plus one word, odd, so the C fragments' writes
+    (rows g, columns 2t*sw apart) spread over the banks."""
+    return seg + 1 if seg % 2 == 0 else seg + 2
 
 
-def smem_words(tiling: MmaTiling, hpat: tuple, wpat: tuple) -> tuple[int, int]:
-    """(input window words, weight words) a block stages per step."""
-    xr = tiling.tqh + hpat[2] - 1
-    xc = tiling.tqw + wpat[2] - 1
-    return KC * _padded(xr * xc), len(hpat[1]) * len(wpat[1]) * KC * _padded(8 * tiling.nt)
-
-
-def smem_bytes(tiling: MmaTiling, hpat: tuple, wpat: tuple, train: bool = True) -> int:
-    xw, ww = smem_words(tiling, hpat, wpat)
-    warps = hpat[0] * wpat[0] * tiling.wpp
-    return 4 * (xw + ww) + (8 * warps * 8 * tiling.nt if train else 0)
+def smem_bytes(tiling: MmaTiling, sw: int, train: bool = True) -> int:
+    """A block's static shared memory: the warps' tiles, (train) the per-warp partials."""
+    tile = tiling.rows * 16 * _tile_stride(tiling.seg(sw)) * 4
+    return tile + (8 * tiling.rows * 16 * tiling.mt if train else 0)
 
 
 def device_supports(device) -> bool:
@@ -141,42 +139,20 @@ def unsupported(geom: ConvGeometry, dtype: str) -> str | None:
     """Why this geometry and dtype cannot run on the tensor-core gather, or None."""
     if dtype != "float32":
         return f"{dtype}: the TF32 tensor-core gather takes float32"
-    sh, sw = geom.stride[1], geom.stride[2]
-    if sh * sw > MAX_PHASES:
-        return (f"stride {sh}x{sw} in H and W: {sh * sw} phases, more than the "
-                f"{MAX_PHASES} warps of a block")
-    h_plan, w_plan = axis_plan(geom.axes()[1]), axis_plan(geom.axes()[2])
-    tiling = MmaTiling(1, 1, 1, 2, 8)
-    if smem_bytes(tiling, h_plan.pattern, w_plan.pattern) > STATIC_SMEM:
-        return "the kernel's H and W taps do not fit a block's shared memory"
+    sw = geom.stride[2]
+    if 8 * sw > MAX_SEG:
+        return (f"W stride {sw}: a warp's row segment of 8 quotients per phase is "
+                f"{8 * sw} outputs, more than the {MAX_SEG} of its shared tile")
     return None
 
 
-def choose_tiling(opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_n: int) -> MmaTiling:
-    """The channel tile (a group's channels rounded up to 8, at most 64) and the quotient tile.
-
-    A warp's B fragments serve its MT m-tiles and its A fragments its NT n-tiles, so the tile
-    takes as many of both as 64 accumulators allow, with no more quotient rows than the output
-    has and within a block's shared memory."""
-    wpp = max(1, WARPS // (hpat[0] * wpat[0]))
-    nt = min(-(-opg // 8), 8)
-    while nt > 1 and smem_bytes(MmaTiling(nt, 1, 1, 2, 8), hpat, wpat) > STATIC_SMEM:
-        nt -= 1
-    cb = 2 if qw_n > 8 else 1                 # blocks of 8 quotient columns per tile
-
-    def tiling(mt: int, wpp: int) -> MmaTiling:
-        blocks = mt * wpp                     # m-tiles of one phase per block
-        cols = cb if blocks % cb == 0 else 1
-        return MmaTiling(nt, mt, wpp, 2 * (blocks // cols), 8 * cols)
-
-    mt = max(1, MAX_ACC_TILES // nt)
-    while (mt > 1 or wpp > 1) and (tiling(mt, wpp).tqh > 2 * -(-qh_n // 2) or
-                                   smem_bytes(tiling(mt, wpp), hpat, wpat) > STATIC_SMEM):
-        if mt > 1:
-            mt //= 2
-        else:
-            wpp //= 2
-    return tiling(mt, wpp)
+def choose_tiling(opg: int, sw: int, qw_n: int, out_h: int) -> MmaTiling:
+    """Channels: one m16-tile up to 16 of a group, else two. Quotients: as many n8-tiles per W
+    phase as the accumulators and the segment allow, no more than the output row has; rows: as
+    many as the output has, up to ``ROWS``."""
+    mt = 1 if opg <= 16 or 2 * sw > MAX_ACC_TILES else 2
+    nq = max(1, min(MAX_ACC_TILES // (sw * mt), MAX_SEG // (8 * sw), -(-qw_n // 8)))
+    return MmaTiling(mt, nq, min(ROWS, out_h))
 
 
 @dataclass(frozen=True)
@@ -192,14 +168,19 @@ class MmaLaunch:
     block: int
     slots: int     # blocks per (n, channel tile): partials per (n, c) in training
     wide: bool     # the input or the output has 2**31 elements or more: 64-bit offsets
+    in_w: int      # the input's width,
+    lpad: int      # the zeros before each row of the kernel's input copy,
+    padded_w: int  # and that copy's row length
+    padded_numel: int  # elements of that copy
+    ragged: bool   # a group's input channels are not a whole number of chunks of 8
 
     @property
     def arrangement(self) -> tuple:
         """What the arranged weights depend on besides the geometry."""
-        return ("mma", self.tiling)
+        return ("mma", self.tiling.mt)
 
     def weight_index(self, geom: ConvGeometry) -> np.ndarray:
-        return weight_index(geom, self.tiling)
+        return weight_index(geom, self.tiling.mt)
 
     def run(self, dtype: str, train: bool, x, wmm, mean, out, ss, *, scale=None,
             after_prior: bool = False) -> None:
@@ -208,111 +189,127 @@ class MmaLaunch:
         launch_gather_mma(self, train, x, wmm, mean, out, ss, scale=scale,
                           after_prior=after_prior)
 
+    def round_input(self, x, x_tf32, x_pad) -> None:
+        """``launch_round_input`` for this launch's row padding."""
+        launch_round_input(x, x_tf32, x_pad, self.in_w, self.padded_w, self.lpad)
+
 
 def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> MmaLaunch:
     """Grid, tiling and run-time sizes for one input shape."""
     d_axis, h_axis, w_axis = geom.axes()
     d_plan, h_plan, w_plan = axis_plan(d_axis), axis_plan(h_axis), axis_plan(w_axis)
-    sd, sh, sw = geom.stride
+    sw = geom.stride[2]
     od, oh, ow = out_spatial
-    qh_n, qw_n = -(-oh // sh), -(-ow // sw)
-    tiling = choose_tiling(geom.out_per_group, h_plan.pattern, w_plan.pattern, qh_n, qw_n)
-    tiles_h, tiles_w = -(-qh_n // tiling.tqh), -(-qw_n // tiling.tqw)
-    tiles_per_group = -(-geom.out_per_group // (8 * tiling.nt))
+    tiling = choose_tiling(geom.out_per_group, sw, -(-ow // sw), oh)
+    row_blocks = -(-oh // tiling.rows)
+    segs = -(-ow // tiling.seg(sw))
+    # the columns the B loads reach: quotients 0 .. segs * 8 * NQ - 1, tap offsets 0 .. window - 1
+    in_w = in_spatial[2]
+    lpad = max(0, -w_plan.shift)
+    padded_w = lpad + max(in_w, segs * 8 * tiling.nq - 1 + w_plan.shift + w_plan.window)
+    tiles_per_group = -(-geom.out_per_group // (16 * tiling.mt))
     ctiles = geom.groups * tiles_per_group
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
-                 in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
+                 in_wp=padded_w, out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
                  ipg=geom.in_per_group, opg=geom.out_per_group, shift_d=d_plan.shift,
-                 shift_h=h_plan.shift, shift_w=w_plan.shift, tiles_h=tiles_h, tiles_w=tiles_w,
+                 shift_h=h_plan.shift, shift_wp=w_plan.shift + lpad, row_blocks=row_blocks,
+                 segs=segs,
                  ctiles=ctiles, tiles_per_group=tiles_per_group,
                  chunks=-(-geom.in_per_group // KC))
-    slots = od * tiles_h * tiles_w
+    slots = od * row_blocks * segs
     grid = batch * ctiles * slots
     if grid >= fastdiv.LIMIT:
         raise ValueError(f"tensor-core gather grid of {grid} blocks exceeds the 2**31 - 1 a "
                          "launch allows")
-    block = WARP_SIZE * sh * sw * tiling.wpp
-    wide = max(batch * geom.in_channels * math.prod(in_spatial),
-               batch * geom.out_channels * math.prod(out_spatial)) >= fastdiv.LIMIT
+    padded_numel = batch * geom.in_channels * in_spatial[0] * in_spatial[1] * padded_w
+    wide = max(padded_numel, batch * geom.out_channels * math.prod(out_spatial)) >= fastdiv.LIMIT
     dims = (tuple(int(sizes[k]) for k in _SIZES),
             tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
-    return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern, dims, grid, block,
-                     slots, wide)
+    return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern, dims, grid,
+                     WARP_SIZE * tiling.rows, slots, wide, in_w, lpad, padded_w, padded_numel,
+                     geom.in_per_group % KC != 0)
 
 
-def weight_index(geom: ConvGeometry, tiling: MmaTiling) -> np.ndarray:
+def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
     """Flat index into the (CI, OPG, KD, KH, KW) weight for every slot of the kernel's layout,
-    shape (SD, CTILES, CHUNKS, TDMAX, NHT, NWT, 8, NCTP): per (D phase, channel tile, chunk of
-    8 input channels, D tap of the phase) one block's staging, ``[H tap][W tap][ci][channel]``
-    with the channel stride padded (``_padded``). -1 marks a zero slot (a D tap the phase does
-    not have, an input channel or output channel past the group's end, the padding)."""
+    shape (SD, TDMAX, NHT, CTILES, CHUNKS, NWT, MT, 32, 4): per (D phase, D tap of the phase,
+    H tap, channel tile, chunk of 8 input channels, W tap, m-tile) the A fragments of the 32
+    lanes (a warp's W taps and m-tiles at constant offsets from one base), lane (g, t)
+    holding A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] of the 16 x 8
+    block ``A[c, ci] = w[ci, c, tap]``. -1 marks a zero slot (a D tap the phase does not have, an
+    input or output channel past the group's end)."""
     d_axis, h_axis, w_axis = geom.axes()
     d_taps = d_axis.phase_taps()
     tdmax = max(1, max(len(taps) for taps in d_taps))
     h_taps, w_taps = axis_plan(h_axis).taps, axis_plan(w_axis).taps
     ipg, opg = geom.in_per_group, geom.out_per_group
-    nct = 8 * tiling.nt
+    nct = 16 * mt
     tiles = -(-opg // nct)
     chunks = -(-ipg // KC)
-    _, kh_n, kw_n = geom.kernel_size
-    kd_n = geom.kernel_size[0]
-    index = np.full((len(d_taps), geom.groups * tiles, chunks, tdmax, len(h_taps),
-                     len(w_taps), KC, _padded(nct)), -1, np.int64)
-    ci_l = np.arange(chunks * KC).reshape(chunks, KC, 1)
-    co_l = np.arange(nct).reshape(1, 1, nct)
+    kd_n, kh_n, kw_n = geom.kernel_size
+    lane = np.arange(WARP_SIZE)
+    g, t = lane >> 2, lane & 3
+    # (lane, register) -> (row c, column k) of the 16 x 8 A block
+    row = np.stack([g, g + 8, g, g + 8], axis=1)
+    col = np.stack([t, t, t + 4, t + 4], axis=1)
+    m = np.arange(mt).reshape(mt, 1, 1)
+    chunk = np.arange(chunks).reshape(chunks, 1, 1, 1)
+    ci_l = chunk * KC + col                        # (chunks, 1, 32, 4)
+    index = np.full((len(d_taps), tdmax, len(h_taps), geom.groups * tiles, chunks, len(w_taps),
+                     mt, WARP_SIZE, 4), -1, np.int64)
     for tile in range(tiles):
-        co_g = tile * nct + co_l
-        valid = (ci_l < ipg) & (co_g < opg)
-        for g in range(geom.groups):
-            ci = g * ipg + ci_l
+        co_g = tile * nct + 16 * m + row           # (mt, 32, 4)
+        valid = (ci_l < ipg) & (co_g < opg)        # (chunks, mt, 32, 4)
+        for grp in range(geom.groups):
+            ci = grp * ipg + ci_l
             for rd, taps in enumerate(d_taps):
                 for td, (kd, _) in enumerate(taps):
                     for hi, (_, kh, _) in enumerate(h_taps):
                         for wi, (_, kw, _) in enumerate(w_taps):
                             flat = (((ci * opg + co_g) * kd_n + kd) * kh_n + kh) * kw_n + kw
-                            index[rd, g * tiles + tile, :, td, hi, wi, :, :nct] = \
+                            index[rd, td, hi, grp * tiles + tile, :, wi] = \
                                 np.where(valid, flat, -1)
     return index
 
 
 @kernel_factory
-def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple, hpat: tuple,
-                    wpat: tuple, mode: str, wide: bool):
+def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat: tuple,
+                    mode: str, wide: bool, ragged: bool):
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
     the module docstring says what a block and a warp own. ``wide``: the input or the output
-    has 2**31 elements or more, so offsets are 64-bit (otherwise 32-bit)."""
+    has 2**31 elements or more, so offsets are 64-bit (otherwise 32-bit). ``ragged``: a
+    group's input channels are not a whole number of chunks (the B fragments test them)."""
     idx = int64 if wide else int32
     assert mode in MODES, mode
     train, scaled = mode == "train", mode == "scaled"
     sd, d_counts, d_first, d_step = d_phases(dpat)
     tdmax = max(1, max(d_counts))
-    sh, h_taps, hwin = hpat
-    sw, w_taps, wwin = wpat
+    sh, h_taps, _ = hpat
+    sw, w_taps, _ = wpat
     h_lo, h_cnt = _phase_ranges(h_taps, sh)
     w_lo, w_cnt = _phase_ranges(w_taps, sw)
     h_e = tuple(e for _, e in h_taps) or (0,)
     w_e = tuple(e for _, e in w_taps) or (0,)
-    nwt = max(1, len(w_taps))
-    warps = sh * sw * wpp
-    cb = tqw // 8
-    xr, xc = tqh + hwin - 1, tqw + wwin - 1
-    cells = xr * xc
-    pl = _padded(cells)
-    nct = 8 * nt
-    nctp = _padded(nct)
-    tap_words = KC * nctp
-    xs_words, ws_words = smem_words(MmaTiling(nt, mt, wpp, tqh, tqw), hpat, wpat)
-    n_acc = mt * nt * 4
-    n_ch = 2 * nt                                 # channels of one thread
-    part_shape = (warps, nct) if train else (1, 1)
-
-    block = WARP_SIZE * warps
+    nht, nwt = max(1, len(h_taps)), max(1, len(w_taps))
+    # every W tap of every phase (ordered by phase): its phase, which the kernel unrolls
+    n_wt = len(w_taps)
+    w_rw = tuple(r for r, _ in w_taps) or (0,)
+    nct = 16 * mt
+    frag = WARP_SIZE * 4                          # floats of one (tap, chunk, m-tile) block
+    seg = 8 * nq * sw
+    stride = _tile_stride(seg)
+    passes = -(-seg // WARP_SIZE)
+    n_acc = sw * nq * mt * 4
+    n_a = 4 * mt
+    n_sq = 2 * mt
+    part_shape = (rows, nct) if train else (1, 1)
+    block = WARP_SIZE * rows
 
     # the simulator's jit takes no register cap (and has no registers)
     @cuda.jit(**({} if is_simulator() else {"max_registers": MAX_REGS}))
     def conv_transpose3d_gather_mma(
-        x,      # (N*CI*ID*IH*IW,) float32 input, flattened
-        wmm,    # weights arranged by ``weight_index``
+        x,      # (N*CI*ID*IH*padded_w,) float32: the TF32 input in padded rows, flattened
+        wmm,    # (…,) float32: the TF32 weights arranged by ``weight_index``, 16-byte aligned
         mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled except TRAIN)
         scale,  # (CO,) the per-channel scale (read only in ``scaled`` mode)
         out,    # (N*CO*OD*OH*OW,) float32 output, flattened
@@ -320,162 +317,153 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
         sizes,  # tuple: the run-time sizes named in _SIZES
         divs,   # tuple of fastdiv.divisor triples, one per name in _DIVISORS
     ):
-        xs = cuda.shared.array(xs_words, uint32)
-        ws = cuda.shared.array(ws_words, float32, alignment=16)
+        tile = cuda.shared.array((rows, 16, stride), float32)
         part = cuda.shared.array(part_shape, float64)
-        (in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
-         shift_w, tiles_h, tiles_w, ctiles, tiles_per_group, chunks) = sizes
+        (in_ch, in_d, in_h, in_wp, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
+         shift_wp, row_blocks, segs, ctiles, tiles_per_group, chunks) = sizes
         if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
             allow_dependents()
         # The block's coordinates by multiply-high divisions (``fastdiv``), 32-bit: a 64-bit
         # division is a subroutine, and offsets are 32-bit unless a tensor is ``wide``.
-        ctiles_d, tiles_w_d, tiles_h_d, out_d_d, tiles_per_group_d = divs
+        ctiles_d, segs_d, row_blocks_d, out_d_d, tiles_per_group_d = divs
         t = int32(cuda.threadIdx.x)
         rest, ctile = fast_divmod(uint32(cuda.blockIdx.x), ctiles_d)
-        rest, tw_i = fast_divmod(rest, tiles_w_d)
-        rest, th_i = fast_divmod(rest, tiles_h_d)
+        rest, sg = fast_divmod(rest, segs_d)
+        rest, rb = fast_divmod(rest, row_blocks_d)
         n, od = fast_divmod(rest, out_d_d)
-        grp, c0 = fast_divmod(ctile, tiles_per_group_d)
-        n, od, grp = int32(n), int32(od), int32(grp)
-        c0 = int32(c0 * nct)
+        grp, ct = fast_divmod(ctile, tiles_per_group_d)
+        n, od, grp, ctile = int32(n), int32(od), int32(grp), int32(ctile)
+        c0 = int32(ct * nct)
         qd = int32(od // sd)
         rd = int32(od - qd * sd)
-        qh0 = int32(th_i * tqh)
-        qw0 = int32(tw_i * tqw)
         warp = t // WARP_SIZE
         lane = t % WARP_SIZE
         g = lane >> 2
         tq = lane & 3
-        ph = int32(warp // wpp)
-        sub = int32(warp - ph * wpp)
-        rh = int32(ph // sw)
-        rw = int32(ph - rh * sw)
+        oh = int32(rb * rows + warp)
+        row_ok = oh < out_h                    # the same for every lane of the warp
+        qh = int32(oh // sh)
+        rh = int32(oh - qh * sh)
+        q0 = int32(sg * 8 * nq)                # the segment's first quotient
 
         acc = cuda.local.array(n_acc, float32)
         for k in range(n_acc):
             acc[k] = float32(0)
-        b0 = cuda.local.array(nt, uint32)
-        b1 = cuda.local.array(nt, uint32)
-        plane = idx(in_h * in_w)
+        a = cuda.local.array(n_a, uint32)
+        plane = idx(in_h * in_wp)
         ci_stride = idx(in_d * plane)
-        row0 = qh0 + shift_h   # the window's first input row and column
-        col0 = qw0 + shift_w
-        h_in = int32(in_h)
-        w_in = int32(in_w)
-        for td in range(d_counts[rd]):
-            idd = qd + shift_d + d_first[rd] - td * d_step
-            if idd < 0 or idd >= in_d:   # the whole block: a plane of zeros adds nothing
-                continue
-            for chunk in range(chunks):
-                ci0 = chunk * KC
-                cuda.syncthreads()  # the previous step's fragments are read
-                # ---- stage the weights (asynchronous 16-byte copies, rounded to TF32 where
-                # the fragments are loaded) and the input window (as TF32) ------------------
-                wbase = uint64((((rd * ctiles + ctile) * chunks + chunk) * tdmax + td)
-                               * ws_words)
-                i = uint32(t * 4)
-                while i < uint32(ws_words):
-                    copy16(ws, i, wmm, wbase + uint64(i))
-                    i = uint32(i + block * 4)
-                xbase = idx(((n * in_ch + grp * ipg + ci0) * in_d + idd) * plane)
-                i = int32(t)
-                while i < int32(KC * cells):
-                    ci = i // cells
-                    rem = i - ci * cells
-                    r = rem // xc
-                    c = rem - r * xc
-                    ih = int32(row0 + r)
-                    iw = int32(col0 + c)
-                    v = float32(0)
-                    if ci0 + ci < ipg and 0 <= ih < h_in and 0 <= iw < w_in:
-                        v = x[uint64(idx(xbase + ci * ci_stride + ih * w_in + iw))]
-                    xs[uint32(ci * pl + rem)] = cvt_tf32(v)
-                    i = int32(i + block)
-                wait_all()
-                cuda.syncthreads()
-                # ---- the warp's phase: per tap, B once, then its m-tiles ------------------
-                # (shared-memory indices are unsigned: numba wraps a negative signed index
-                # around the array's length, a test that cost ~8 instructions a load here)
-                for hi in range(h_lo[rh], h_lo[rh] + h_cnt[rh]):
-                    eh = h_e[hi]
-                    for wi in range(w_lo[rw], w_lo[rw] + w_cnt[rw]):
-                        ew = w_e[wi]
-                        wb = (hi * nwt + wi) * tap_words + tq * nctp + g
-                        for j in range(nt):
-                            b0[j] = cvt_tf32(ws[uint32(wb + 8 * j)])
-                            b1[j] = cvt_tf32(ws[uint32(wb + 4 * nctp + 8 * j)])
-                        for m in range(mt):
-                            u = sub * mt + m
-                            rp = u // cb
-                            xa = tq * pl + (2 * rp + eh) * xc + 8 * (u - rp * cb) + g + ew
-                            a0 = xs[uint32(xa)]
-                            a1 = xs[uint32(xa + xc)]
-                            a2 = xs[uint32(xa + 4 * pl)]
-                            a3 = xs[uint32(xa + 4 * pl + xc)]
-                            for j in range(nt):
-                                k = (m * nt + j) * 4
-                                d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b0[j], b1[j], acc[k],
-                                                          acc[k + 1], acc[k + 2], acc[k + 3])
-                                acc[k] = d0
-                                acc[k + 1] = d1
-                                acc[k + 2] = d2
-                                acc[k + 3] = d3
+        wp = int32(in_wp)
+        last_ci = int32(ipg - 1)
+        # the group's first input channel, at this lane's first column (quotient q0 + g)
+        xg = idx(idx((n * in_ch + grp * ipg) * ci_stride) + q0 + g + shift_wp)
+        if row_ok:
+            for chunk_ in range(chunks):
+                chunk = int32(chunk_)
+                ci = int32(chunk * KC + tq)
+                ok0 = ci < ipg
+                ok1 = ci + 4 < ipg
+                x0 = idx(xg + min(ci, last_ci) * ci_stride)
+                x1 = idx(xg + min(ci + 4, last_ci) * ci_stride)
+                for td_ in range(d_counts[rd]):
+                    td = int32(td_)
+                    idd = int32(qd + shift_d + d_first[rd] - td * d_step)
+                    if uint32(idd) >= uint32(in_d):   # the whole warp: a plane of zeros
+                        continue
+                    for hi_ in range(h_lo[rh], h_lo[rh] + h_cnt[rh]):
+                        hi = int32(hi_)
+                        ih = int32(qh + shift_h + h_e[hi])
+                        if uint32(ih) >= uint32(in_h):
+                            continue
+                        row = idx(idd * plane + ih * wp)
+                        # 64-bit element offsets, so that each load's constant part (the tap's
+                        # column offset, the n8-tile's, the W tap's and m-tile's fragments)
+                        # folds into its address
+                        r0 = uint64(idx(x0 + row))
+                        r1 = uint64(idx(x1 + row))
+                        base = uint64(uint32(((((rd * tdmax + td) * nht + hi) * ctiles + ctile)
+                                              * chunks + chunk) * (nwt * mt * frag) + lane * 4))
+                        for wi in range(n_wt):
+                            rw = w_rw[wi]
+                            e = w_e[wi]
+                            for m in range(mt):
+                                f0, f1, f2, f3 = load4(wmm, base + uint64((wi * mt + m) * frag))
+                                a[4 * m] = f32_bits(f0)
+                                a[4 * m + 1] = f32_bits(f1)
+                                a[4 * m + 2] = f32_bits(f2)
+                                a[4 * m + 3] = f32_bits(f3)
+                            for u in range(nq):
+                                b0 = f32_bits(x[r0 + uint64(e + 8 * u)])
+                                b1 = f32_bits(x[r1 + uint64(e + 8 * u)])
+                                if ragged:
+                                    b0 = b0 if ok0 else uint32(0)
+                                    b1 = b1 if ok1 else uint32(0)
+                                for m in range(mt):
+                                    k = ((rw * nq + u) * mt + m) * 4
+                                    d0, d1, d2, d3 = mma_tf32(
+                                        a[4 * m], a[4 * m + 1], a[4 * m + 2], a[4 * m + 3],
+                                        b0, b1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
+                                    acc[k] = d0
+                                    acc[k + 1] = d1
+                                    acc[k + 2] = d2
+                                    acc[k + 3] = d3
 
-        # ---- epilogue: store once, (train) centred squares ----------------------------------
-        # This thread's channels: c0 + 8j + 2*tq + e, e in (0, 1) (the C fragment's columns).
+        # ---- epilogue: centre (and scale), the shared tile, stores of whole segments --------
+        # This lane's channels: c0 + 16m + 8h + g, h in (0, 1) (the C fragment's rows); its
+        # columns: quotients q0 + 8u + 2*tq + e, e in (0, 1), of every W phase.
         wait_prior_grid()   # box_sums (or gram_statistics) wrote the means (and the scale)
-        ms = cuda.local.array(n_ch, float32)
-        sc = cuda.local.array(n_ch, float32)
-        sq = cuda.local.array(n_ch, float64)
-        coff = cuda.local.array(n_ch, idx)       # channel offsets from the thread's base
-        c_ok = cuda.local.array(n_ch, np.bool_)
         co_last = int32(grp * opg + opg - 1)
         oplane = idx(out_h * out_w)
-        for k in range(n_ch):
-            cg = int32(c0 + 8 * (k // 2) + 2 * tq + (k % 2))
-            co = min(int32(grp * opg) + cg, co_last)
-            ms[k] = float32(mean[n, co])
-            sc[k] = scale[co] if scaled else float32(1)
-            sq[k] = float64(0)
-            c_ok[k] = cg < opg
-            coff[k] = idx(idx(co) * out_d * oplane)
-        obase = idx((n * out_ch * out_d + od) * oplane)
-        h_out, w_out = int32(out_h), int32(out_w)
+        w_out = int32(out_w)
+        ow0 = int32(q0 * sw)
+        sq = cuda.local.array(n_sq, float64)
         for m in range(mt):
-            u = sub * mt + m
-            rp = u // cb
-            ow = int32((qw0 + 8 * (u - rp * cb) + g) * sw + rw)
-            for half in range(2):
-                oh = int32((qh0 + 2 * rp + half) * sh + rh)
-                if oh < h_out and ow < w_out:
-                    pos = idx(obase + oh * w_out + ow)
-                    for k in range(n_ch):
-                        if c_ok[k]:
-                            v = acc[(m * nt + k // 2) * 4 + 2 * half + k % 2]
+            for h in range(2):
+                c = int32(c0 + 16 * m + 8 * h + g)
+                co = min(int32(grp * opg) + c, co_last)
+                mu = float32(mean[n, co])
+                sc = scale[co] if scaled else float32(1)
+                s = float64(0)
+                for rw in range(sw):
+                    for u in range(nq):
+                        for e in range(2):
+                            v = acc[((rw * nq + u) * mt + m) * 4 + 2 * h + e]
                             if scaled:
-                                v = v * sc[k] - ms[k]
+                                v = v * sc - mu
                             else:
-                                v = v - ms[k]
-                            out[uint64(idx(pos + coff[k]))] = v
-                            if train:
-                                sq[k] += float64(v) * float64(v)
+                                v = v - mu
+                            wl = int32((8 * u + 2 * tq + e) * sw + rw)
+                            tile[warp, 8 * h + g, wl] = v
+                            if train and ow0 + wl < w_out:
+                                s += float64(v) * float64(v)
+                sq[2 * m + h] = s
+            cuda.syncwarp()
+            if row_ok:
+                for r in range(16):
+                    c = int32(c0 + 16 * m + r)
+                    if c < opg:
+                        orow = idx(((n * out_ch + grp * opg + c) * out_d + od) * oplane
+                                   + oh * w_out + ow0)
+                        for p in range(passes):
+                            wl = int32(p * WARP_SIZE + lane)
+                            if wl < seg and ow0 + wl < w_out:
+                                out[uint64(idx(orow + wl))] = tile[warp, r, wl]
+            cuda.syncwarp()
         if train:
-            # lanes with one ``tq`` hold the same channels: add over g (lane bits 2-4), then
-            # one partial per (warp, channel), then the warps' in a fixed order
-            for k in range(n_ch):
-                s = sq[k]
-                s += cuda.shfl_xor_sync(FULL_MASK, s, 4)
-                s += cuda.shfl_xor_sync(FULL_MASK, s, 8)
-                s += cuda.shfl_xor_sync(FULL_MASK, s, 16)
-                if g == 0:
-                    part[warp, 8 * (k // 2) + 2 * tq + k % 2] = s
+            # the quad's lanes (one g) hold the same channels: add over tq (lane bits 0-1),
+            # then one partial per (warp, channel), then the warps' in a fixed order
+            for k in range(n_sq):
+                s = sq[k] if row_ok else float64(0)
+                s += cuda.shfl_xor_sync(FULL_MASK, s, 1)
+                s += cuda.shfl_xor_sync(FULL_MASK, s, 2)
+                if tq == 0:
+                    part[warp, 8 * k + g] = s
             cuda.syncthreads()
-            slot = (od * tiles_h + th_i) * tiles_w + tw_i
+            slot = (od * row_blocks + rb) * segs + sg
             c = t
             while c < nct:   # (a block of one warp has fewer threads than channels)
                 if c0 + c < opg:
                     total = float64(0)
-                    for w in range(warps):
+                    for w in range(rows):
                         total += part[w, c]
                     ss[n, grp * opg + c0 + c, slot] = total
                 c += block
@@ -486,16 +474,18 @@ def make_mma_kernel(nt: int, mt: int, wpp: int, tqh: int, tqw: int, dpat: tuple,
 def mma_kernel(launch: MmaLaunch, mode: str):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
-    return make_mma_kernel(t.nt, t.mt, t.wpp, t.tqh, t.tqw, launch.dpat, launch.hpat,
-                           launch.wpat, mode, launch.wide)
+    return make_mma_kernel(t.mt, t.nq, t.rows, launch.dpat, launch.hpat, launch.wpat, mode,
+                           launch.wide, launch.ragged)
 
 
 def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, scale=None,
                       after_prior: bool = False) -> None:
     """Launch the tensor-core gather (``x`` and ``out`` flattened, contiguous), as
     ``gather.launch_gather`` launches the FFMA one: ``scale`` selects the scaled epilogue,
-    ``after_prior`` a programmatic dependent launch after the kernel writing the means."""
-    if wmm.data_ptr() % 16:  # the staging's 16-byte copies (arrange_weights' tensors are)
+    ``after_prior`` a programmatic dependent launch after the kernel writing the means.
+    ``x`` and ``wmm`` hold TF32 values: ``launch_round_input`` (into ``padded_numel``
+    elements, zeros where it does not write) and ``arrange_weights`` make them."""
+    if wmm.data_ptr() % 16:  # the fragments' 16-byte loads (arrange_weights' tensors are)
         raise ValueError("gather_mma: the arranged weights must be 16-byte aligned")
     mode = "train" if train else ("scaled" if scale is not None else "eval")
     kernel = mma_kernel(launch, mode)
@@ -503,3 +493,51 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
                   (x, wmm, mean, wmm if scale is None else scale, out, ss, *launch.dims),
                   after_prior=after_prior)
 
+
+def arrange_weights(weight, index, out=None):
+    """``gather.arrange_weights`` rounded to TF32 (in place): the kernel's ``wmm``."""
+    from .mma import launch_round_to_tf32
+
+    arranged = gather.arrange_weights(weight, index, out=out)
+    launch_round_to_tf32(arranged, arranged)
+    return arranged
+
+
+@kernel_factory
+def make_round_input(wide: bool):
+    """``round_input``: ``dst[i]`` and the padded copy's element of ``src[i]`` (1-D float32)
+    = ``src[i]`` rounded to TF32 (``mma.to_tf32``), grid-stride. ``wide``: ``src`` has 2**31
+    elements or more (a 64-bit division per element; otherwise ``fastdiv``'s)."""
+
+    @cuda.jit
+    def round_input(src, dst, padded, width, padded_w, lpad):
+        # width: fastdiv.divisor(the input's width) (its first element the width itself)
+        i = cuda.grid(1)
+        step = cuda.gridsize(1)
+        while i < src.size:
+            v = to_tf32(src[i])
+            dst[i] = v
+            if wide:
+                r = i // width[0]
+                c = i - r * width[0]
+            else:
+                r, c = fast_divmod(uint32(i), width)
+            padded[uint64(r) * uint64(padded_w) + uint64(lpad + c)] = v
+            i += step
+
+    return round_input
+
+
+ROUND_BLOCK = 256
+
+
+def launch_round_input(x, x_tf32, x_pad, in_w: int, padded_w: int, lpad: int) -> None:
+    """``x`` (1-D float32, rows of ``in_w``) rounded to TF32 into ``x_tf32`` (box_sums sums it:
+    the means of this TF32 convolution, docs/design.md §2.9) and into the rows of ``x_pad``
+    (``padded_w`` long, from column ``lpad``; the padding is the caller's zeros)."""
+    from .launch import block_size, grid_for
+
+    wide = x.numel() >= fastdiv.LIMIT
+    block = block_size(ROUND_BLOCK)
+    launch_kernel(make_round_input(wide), grid_for(x.numel(), block), block,
+                  (x, x_tf32, x_pad, fastdiv.divisor(in_w), padded_w, lpad))

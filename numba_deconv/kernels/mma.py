@@ -9,7 +9,9 @@ with the same semantics, so kernels built on them run and are tested on a CPU.
   from zero (``.rna``), returned as the 32-bit register holding it (the low 13 bits zero); inf
   and NaN stay inf and NaN, a value rounding past the largest finite one becomes inf.
   ``to_tf32(x)`` is the same rounding as a float32 value; ``round_to_tf32`` rounds a whole
-  tensor with it (the tensor-core path's input to box_sums).
+  tensor with it (the tensor-core path's weights, which box_sums sums).
+* ``f32_bits(x)``: the bit pattern of ``x`` (float32) as a uint32, no instruction: the fragment
+  of a value already rounded to TF32 (the tensor-core gather's operands are).
 * ``mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)``: one warp computes
   D = A B + C for A 16x8 (row-major), B 8x8 (column-major), C and D 16x8 float32. Every lane of
   the warp calls it at once (``.aligned``) with its fragments; with g = lane >> 2, t = lane % 4
@@ -142,6 +144,10 @@ if is_simulator():
         """``cvt.rna.tf32.f32`` as a float32 value (the simulator's stand-in)."""
         return np.float32(round_tf32(np.float32(x)))
 
+    def f32_bits(x):
+        """The bit pattern of ``x`` (float32) as a uint32 (the simulator's stand-in)."""
+        return np.float32(x).view(np.uint32)
+
     def _where(fragments: dict, names) -> tuple:
         """Row and column index arrays (32 lanes x fragments) of ``names`` in their matrix."""
         at = [[fragments[name][1](lane >> 2, lane & 3) for name in names] for lane in range(32)]
@@ -247,6 +253,17 @@ else:
             fty = ir.FunctionType(ir.IntType(32), [ir.FloatType()])
             asm = ir.InlineAsm(fty, "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
             return builder.bitcast(builder.call(asm, list(args)), ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_bits(typingctx, x):
+        """The bit pattern of ``x`` (float32) as a uint32 register: a TF32 value's fragment,
+        no instruction (LLVM's bitcast)."""
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
 
         return sig, codegen
 
