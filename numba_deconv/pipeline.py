@@ -79,7 +79,7 @@ from torch.autograd.graph import increment_version
 from . import autograd, dtypes, folding, planner, precision as precisions, sync, tiers
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
-from .kernels import (batch_stats, box_sums, epilogue, gather, gather_mma, gather_simple, gram,
+from .kernels import (batch_stats, box_sums, epilogue, gather_mma, gather_simple, gram,
                       mma, scatter, spatial_reduce, sync_stats)
 from .backend import tensor_device
 from .kernels.half import bits_view, kind_of
@@ -138,13 +138,6 @@ GRAM_NOT_SYNCED = "synchronized statistics take the epilogue's variance: varianc
     "cannot be synchronized"
 #: Bytes per element of the Gram path's sums (``gram.SUMS_DTYPE``), which its tiles must fit.
 GRAM_ITEMSIZE = dtypes.ITEMSIZE[gram.SUMS_DTYPE]
-
-
-def _arrange(launch, weight: torch.Tensor, index: torch.Tensor, out=None) -> torch.Tensor:
-    """``weight`` in a gather launch's arrangement: the tensor-core gather's rounded to TF32."""
-    if isinstance(launch, gather_mma.MmaLaunch):
-        return gather_mma.arrange_weights(weight, index, out=out)
-    return gather.arrange_weights(weight, index, out=out)
 
 
 class Pipeline:
@@ -1050,8 +1043,8 @@ class Pipeline:
         """The gather's weights (``conv_weight``, which ``key`` describes) in its arrangement,
         in the plan's buffer."""
         s = plan.scratch
-        return self._derived(s.wph, key, lambda buf: _arrange(
-            plan.gather, conv_weight, s.wph_index, out=buf))
+        return self._derived(s.wph, key, lambda buf: plan.gather.arrange(
+            conv_weight, s.wph_index, out=buf))
 
     def _derived(self, buf: torch.Tensor, key: tuple, fill) -> torch.Tensor:
         """``buf``, one of a plan's buffers, holding what ``fill(buf)`` writes from the
@@ -1292,7 +1285,7 @@ class Pipeline:
             # a tensor of its own per folded weights: a recorded evaluation call keeps the one
             # it read, whatever other calls of its shape (other weights bound, say) read since
             wph = self._cached("gather_wph_eval", key + (launch.arrangement, x.dtype),
-                               lambda: _arrange(launch, conv_weight, plan.scratch.wph_index))
+                               lambda: launch.arrange(conv_weight, plan.scratch.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
         s = plan.scratch

@@ -767,6 +767,10 @@ class GatherLaunch:
     def weight_index(self, geom) -> np.ndarray:
         return phase_weight_index(geom, self.tiling)
 
+    def arrange(self, weight, index, out=None):
+        """``arrange_weights``: the kernel's ``wph``."""
+        return arrange_weights(weight, index, out=out)
+
     def run(self, dtype: str, train: bool, x, wph, mean, out, ss, *, scale=None,
             after_prior: bool = False, store: str = "") -> None:
         """``launch_gather`` with this launch."""

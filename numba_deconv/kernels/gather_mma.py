@@ -59,9 +59,9 @@ from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
 from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
-from .launch import launch as launch_kernel
+from .launch import block_size, grid_for, launch as launch_kernel
 from ..simulator import is_simulator
-from .mma import MIN_CC, f32_bits, mma_tf32, to_tf32
+from .mma import FRAGMENTS, MIN_CC, f32_bits, mma_tf32, to_tf32
 from .vecload import load4
 from .warp import FULL_MASK, WARP_SIZE
 
@@ -182,6 +182,10 @@ class MmaLaunch:
     def weight_index(self, geom: ConvGeometry) -> np.ndarray:
         return weight_index(geom, self.tiling.mt)
 
+    def arrange(self, weight, index, out=None):
+        """``arrange_weights``: the kernel's ``wmm``, rounded to TF32."""
+        return arrange_weights(weight, index, out=out)
+
     def run(self, dtype: str, train: bool, x, wmm, mean, out, ss, *, scale=None,
             after_prior: bool = False) -> None:
         """``launch_gather_mma`` with this launch (``dtype``: float32, the one it takes)."""
@@ -213,8 +217,7 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> MmaLa
                  in_wp=padded_w, out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
                  ipg=geom.in_per_group, opg=geom.out_per_group, shift_d=d_plan.shift,
                  shift_h=h_plan.shift, shift_wp=w_plan.shift + lpad, row_blocks=row_blocks,
-                 segs=segs,
-                 ctiles=ctiles, tiles_per_group=tiles_per_group,
+                 segs=segs, ctiles=ctiles, tiles_per_group=tiles_per_group,
                  chunks=-(-geom.in_per_group // KC))
     slots = od * row_blocks * segs
     grid = batch * ctiles * slots
@@ -247,11 +250,9 @@ def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
     tiles = -(-opg // nct)
     chunks = -(-ipg // KC)
     kd_n, kh_n, kw_n = geom.kernel_size
-    lane = np.arange(WARP_SIZE)
-    g, t = lane >> 2, lane & 3
-    # (lane, register) -> (row c, column k) of the 16 x 8 A block
-    row = np.stack([g, g + 8, g, g + 8], axis=1)
-    col = np.stack([t, t, t + 4, t + 4], axis=1)
+    # (lane, register) -> (row c, column k) of the 16 x 8 A block: mma.FRAGMENTS' a0 .. a3
+    row, col = np.moveaxis(np.array([[FRAGMENTS[f"a{r}"][1](lane >> 2, lane & 3)
+                                      for r in range(4)] for lane in range(WARP_SIZE)]), -1, 0)
     m = np.arange(mt).reshape(mt, 1, 1)
     chunk = np.arange(chunks).reshape(chunks, 1, 1, 1)
     ci_l = chunk * KC + col                        # (chunks, 1, 32, 4)
@@ -535,8 +536,6 @@ def launch_round_input(x, x_tf32, x_pad, in_w: int, padded_w: int, lpad: int) ->
     """``x`` (1-D float32, rows of ``in_w``) rounded to TF32 into ``x_tf32`` (box_sums sums it:
     the means of this TF32 convolution, docs/design.md §2.9) and into the rows of ``x_pad``
     (``padded_w`` long, from column ``lpad``; the padding is the caller's zeros)."""
-    from .launch import block_size, grid_for
-
     wide = x.numel() >= fastdiv.LIMIT
     block = block_size(ROUND_BLOCK)
     launch_kernel(make_round_input(wide), grid_for(x.numel(), block), block,
