@@ -3,10 +3,14 @@
 Answers: how fast is ``precision="tf32"`` (the convolution on ``kernels.gather_mma``) against
 this package's default call and eager PyTorch at its default precision (TF32 convolutions), in
 evaluation and training, back to back and KernelBench-style, how far is each from float64, and
-how does the tensor-core gather's tiling move it?
+how does the tensor-core gather's tiling move it? With ``--sweep``: which of the three
+convolutions that ``precision=None`` may run under PyTorch's TF32 flag (the FFMA gather, the
+tensor-core gather, cuDNN's with this package's finish) is the fastest on a spread of
+geometries, and does the planner pick it?
 
     PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py [--rows default,tiny] [--modes eval,train]
         [--tilings ROWS,ACC_TILES ...]
+    PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py --sweep [--jobs 14]
 
 Per float32 suite row (``bench --suite``'s) and mode: ``Pipeline(precision="tf32")`` on the
 gather (per ``--tilings`` entry: ``gather_mma.ROWS`` warps a block, ``MAX_ACC_TILES``
@@ -14,11 +18,20 @@ accumulator tiles a warp; default: the module's), the package's default call (``
 ``precision=None``) and eager, each called under ``torch.no_grad()``; medians of 100 calls per
 method after 10 untimed (``bench.time_back_to_back``, ``bench.time_kernelbench``), and each
 output's relative error against the float64 model.
+
+``--sweep``: per geometry of :data:`SWEEP` (channels 3 to 128, kernels 1 to 5, strides 1 to 4,
+groups, dilation, batches 1 to 32) and mode, each of the three convolutions forced
+(``conv_impl="gather"`` with ``precision="ieee"`` and ``"tf32"``; ``conv_impl="torch"``) and
+eager, medians of 50 calls per method; the planner's choice under ``precision=None`` beside
+the fastest measured. ``--jobs`` processes compile the kernels into the kernel cache first.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import copy
+import math
+import multiprocessing
 
 import torch
 
@@ -32,13 +45,101 @@ def tf32_provider(base, mode: str):
     return model.train(mode == "train")
 
 
-def time_call(model, x, reference) -> tuple[float, float, float]:
+def time_call(model, x, reference, reps: int = bench.MAIN_REPS) -> tuple[float, float, float]:
     with torch.no_grad():
         out = model(x)
         error = ((out.double() - reference).norm() / reference.norm()).item()
-        b2b = bench.time_back_to_back(lambda: model(x))
-        kb = bench.time_kernelbench(lambda: model(x))
+        b2b = bench.time_back_to_back(lambda: model(x), reps=reps)
+        kb = bench.time_kernelbench(lambda: model(x), reps=reps)
     return b2b.median_ms, kb.median_ms, error
+
+
+def _case(name, cin, cout, k, s, p, batch, spatial, **kw) -> bench.Case:
+    return bench.Case(name, bench._conv(cin, cout, k, s, p, **kw), batch, spatial)
+
+
+#: The sweep's geometries: the float32 suite rows, others around them, and where the three convolutions trade places
+#: (few multiply-adds an output, ragged channel tiles, many taps, many channels).
+SWEEP = [case for case in bench.suite_cases() if case.dtype == "float32"] + [
+    _case("c4 k3s2", 4, 8, 3, 2, 1, 8, (16, 32, 32)),
+    _case("c8 k3s2", 8, 8, 3, 2, 1, 8, (16, 32, 32)),
+    _case("c8to4 k2s2", 8, 4, 2, 2, 0, 8, (16, 32, 32)),
+    _case("c8to16 k2s2", 8, 16, 2, 2, 0, 4, (16, 16, 16)),
+    _case("c16 k1s1", 16, 16, 1, 1, 0, 8, (16, 32, 32)),
+    _case("c16to32 k3s1", 16, 32, 3, 1, 1, 4, (16, 32, 32)),
+    _case("c16 k5s1", 16, 16, 5, 1, 2, 2, (16, 16, 16)),
+    _case("c16 k4s4", 16, 16, 4, 4, 0, 4, (8, 16, 16)),
+    _case("c16to32 b1", 16, 32, 3, 2, 1, 1, (16, 32, 32)),
+    _case("c32to16 k3s2", 32, 16, 3, 2, 1, 16, (16, 32, 32)),
+    _case("c32 g4 k3s2", 32, 32, 3, 2, 1, 8, (16, 32, 32), groups=4),
+    _case("c32 k5s2", 32, 32, 5, 2, 2, 2, (16, 16, 16)),
+    _case("c32to64 b8", 32, 64, 3, 2, 1, 8, (16, 32, 32)),
+    _case("c48 k3s3", 48, 48, 3, 3, 0, 4, (12, 12, 12)),
+    _case("c64to32 k2s2", 64, 32, 2, 2, 0, 4, (16, 16, 16)),
+    _case("c64 k1s1", 64, 64, 1, 1, 0, 8, (16, 16, 16)),
+    _case("c128 k3s2", 128, 128, 3, 2, 1, 2, (16, 16, 16)),
+    _case("c128to64 k4s2", 128, 64, 4, 2, 1, 2, (12, 12, 12)),
+    _case("c128 k3s2 b4", 128, 128, 3, 2, 1, 4, (16, 16, 16)),
+    _case("c12to20 odd", 12, 20, 3, 2, 1, 3, (7, 9, 11)),
+    _case("c3to5 k3s2", 3, 5, 3, 2, 0, 2, (10, 10, 10)),
+    _case("c24 d2 k3s2", 24, 24, 3, 2, 2, 4, (12, 16, 16), dilation=2),
+]
+
+
+def _sweep_models(case: bench.Case, mode: str, base) -> dict:
+    models = {}
+    for name, conv_impl, precision in (("ffma", "gather", "ieee"), ("tf32", "gather", "tf32"),
+                                       ("cudnn", "torch", None)):
+        model = bench.NumbaModel(copy.deepcopy(base).train(mode == "train"), conv_impl)
+        model.pipe.precision = precision
+        models[name] = model.train(mode == "train")
+    return models
+
+
+def _compile(index: int) -> str:
+    """One sweep geometry's kernels into the kernel cache (a worker process)."""
+    case = SWEEP[index]
+    for mode in ("eval", "train"):
+        base, x = case.build("cuda")
+        with torch.no_grad():
+            for model in _sweep_models(case, mode, base).values():
+                model(x)
+    torch.cuda.synchronize()
+    return case.name
+
+
+def sweep(jobs: int) -> None:
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        for name in pool.map(_compile, range(len(SWEEP))):
+            print(f"compiled {name}", flush=True)
+    print("| geometry | mode | outputs | MACs/output | ffma b2b / KB | tf32 b2b / KB | "
+          "cudnn b2b / KB | eager b2b / KB | fastest (b2b) | planner | tf32 error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case in SWEEP:
+        geom = case.geometry()
+        outputs = case.batch * geom.out_channels * math.prod(geom.output_spatial(case.spatial))
+        macs = geom.macs(case.batch, case.spatial) / outputs
+        for mode in ("eval", "train"):
+            base, x = case.build("cuda")
+            reference = bench.float64_reference(base, x, mode)
+            times = {name: time_call(model, x, reference, reps=50)
+                     for name, model in _sweep_models(case, mode, base).items()}
+            times["eager"] = time_call(bench.make_provider("torch_eager", base, mode), x,
+                                       reference, reps=50)
+            fastest = min(("ffma", "tf32", "cudnn"), key=lambda name: times[name][0])
+            chosen = planned(bench.make_provider("numba_deconv", base, mode).pipe, x)
+            cells = " | ".join(f"{times[n][0]:.3f} / {times[n][1]:.3f}"
+                               for n in ("ffma", "tf32", "cudnn", "eager"))
+            print(f"| {case.name} | {mode} | {outputs / 1e6:.2f}M | {macs:.0f} | {cells} | "
+                  f"{fastest} | {chosen} | {times['tf32'][2]:.1e} |", flush=True)
+
+
+def planned(pipe, x) -> str:
+    """The convolution ``pipe`` runs on ``x``: "cudnn", "tf32" or "ffma"."""
+    if pipe.torch_conv(tuple(x.shape), x.dtype, x.device):
+        return "cudnn"
+    return "tf32" if pipe.tensor_cores(x.shape, x.dtype, x.device) else "ffma"
 
 
 def main() -> None:
@@ -47,9 +148,14 @@ def main() -> None:
     parser.add_argument("--modes", default="eval,train")
     parser.add_argument("--tilings", nargs="*", default=[],
                         help="ROWS,ACC_TILES pairs for the tensor-core gather")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the three convolutions and the planner's choice over SWEEP")
+    parser.add_argument("--jobs", type=int, default=8, help="--sweep's compiling processes")
     args = parser.parse_args()
     if not torch.cuda.is_available() or bench.is_simulator():
         raise SystemExit("probe_tf32: needs a GPU")
+    if args.sweep:
+        return sweep(args.jobs)
     cases = bench.select_cases(args.rows.split(",")) if args.rows else bench.suite_cases()
     cases = [case for case in cases if case.dtype == "float32"]
     tilings = [tuple(int(v) for v in spec.split(",")) for spec in args.tilings] or \

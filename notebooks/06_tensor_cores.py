@@ -35,7 +35,7 @@ import torch
 
 import numba_deconv as nd
 from numba import cuda
-from numba_deconv import planner, tensor_device, testing
+from numba_deconv import planner, precision, tensor_device, testing
 from numba_deconv.kernels import gather_mma, mma
 from numba_deconv.simulator import is_simulator
 
@@ -329,11 +329,14 @@ reports = {p: pipes[p].explain(tuple(x.shape)) for p in pipes}
 print(reports["tf32"])
 conv_row = {p: r.row("conv_transpose3d_gather").kernel for p, r in reports.items()}
 assert conv_row["tf32"].startswith("conv_transpose3d_gather_mma[tf32")
-assert conv_row["ieee"].startswith("conv_transpose3d_gather[") and conv_row[None] == conv_row["ieee"]
+assert conv_row["ieee"].startswith("conv_transpose3d_gather[")
+assert conv_row[None] == conv_row[pipes[None].conv_precision(tuple(x.shape), torch.float32, device)]
 assert any("TF32 tensor cores" in note for note in reports["tf32"].notes)
 assert any("CUDA cores (FFMA)" in note for note in reports["ieee"].notes)
-assert pipes["tf32"].tensor_cores(torch.float32, device)
-assert not pipes[None].tensor_cores(torch.float32, device) and not gather_mma.TAKEN_WHEN_ALLOWED
+assert pipes["tf32"].tensor_cores(tuple(x.shape), torch.float32, device)
+# (precision=None: TF32 only where PyTorch's convolution would use it, on a GPU; the last cells)
+assert pipes[None].tensor_cores(tuple(x.shape), torch.float32, device) == \
+    (pipes[None].conv_precision(tuple(x.shape), torch.float32, device) == "tf32")
 for p, name in conv_row.items():
     print(f"precision={p!r:7}: {name}")
 
@@ -466,26 +469,34 @@ print(f"bytes used per sector touched: d0 stored directly {bytes_per_sector(dire
 assert bytes_per_sector(direct) < 12 < 25 < bytes_per_sector(tiled)
 
 # %% [markdown]
-# So `precision="tf32"` asks for this kernel; `precision=None` (the default) still runs the
-# FFMA gather, exact in float32, even where PyTorch's flag allows TF32
-# (`gather_mma.TAKEN_WHEN_ALLOWED`), because the TF32 kernel is not ahead on every row and no
-# planner chooses between the two per geometry yet. At many channels the default planner
-# (`conv_impl="auto"`) runs cuDNN's TF32 convolution with this package's finish instead:
-# cuDNN's rate grows with the channels (about 1 TFLOP/s per channel on an H100) while the FFMA
-# gather stays at 33-39 TFLOP/s. Recorded (docs/performance.md, H100, b2b): at 96 -> 96
-# channels, batch 4, evaluation, the planner's choice ran in 0.750 ms against the gather's
-# 0.870 and eager's 1.039. The planner's cost model (`planner.predict`, calibrated on the H100)
-# draws that line:
+# So `precision="tf32"` asks for this kernel and `precision="ieee"` for the FFMA one. With
+# `precision=None` (the default) the precision follows PyTorch's flag: where PyTorch's own
+# convolution would run in TF32 (on a GPU, its flag allowing it), so may this package's, and
+# the planner (`planner.convolution`) predicts each candidate's time and takes the fastest:
+# the FFMA gather (exact in float32), the TF32 gather, or, with `conv_impl="auto"`, cuDNN's
+# TF32 convolution with this package's finish. Its model (`planner.predict`) counts what each
+# kernel does: the FFMA gather's multiply-adds at its measured rate (lower with fewer taps per
+# output), the TF32 gather's *padded* multiply-adds (channel tiles of 16, chunks of 8 input
+# channels, row segments) at a rate that grows with how often a warp reuses each fragment it
+# loads, launches too small to fill the GPU, and each path's host time, which decides small
+# calls (the TF32 gather adds one launch, cuDNN a dispatch). Calibrated on an H200 sweep of
+# 29 geometries (`benchmarks/probe_tf32.py --sweep`), its choice measured within 25% of the
+# fastest on every one (`tests/test_planner.py`):
 
 # %%
-for channels, batch in ((32, 8), (64, 8), (96, 4), (128, 4)):
-    g_c = nd.ConvGeometry.create(channels, channels, 3, stride=2, padding=1)
-    t_pred = planner.predict(g_c, batch, (16, 32, 32), False, h100)
-    speedup = t_pred["gather"] / t_pred["torch"]
-    takes = speedup >= planner.MARGIN
-    print(f"{channels:3d} -> {channels:3d}, batch {batch}: predicted gather {t_pred['gather']:6.0f} us, "
-          f"cuDNN + finish {t_pred['torch']:6.0f} us -> {'cuDNN' if takes else 'the gather'}")
-    assert takes == (channels >= 96), channels
+cuda = torch.device("cuda")  # (the planner's choice for a GPU; nothing runs here)
+shapes = {"default problem": ((16, 32, 3, 2, 1), (16, 16, 16, 32, 32)),
+          "tiny problem": ((4, 4, 3, 2, 1), (1, 4, 4, 4, 4)),
+          "64 -> 64 channels": ((64, 64, 3, 2, 1), (8, 64, 16, 32, 32)),
+          "256 -> 256 channels": ((256, 256, 3, 2, 1), (2, 256, 16, 32, 32))}
+choices = {}
+for name, (args, shape) in shapes.items():
+    choices[name], why = planner.convolution(nd.ConvGeometry.create(*args), shape, torch.float32,
+                                             cuda, None, False)
+    print(f"{name:20s} -> {choices[name]:10s} ({why.split(': ', 1)[1]})")
+if precision.torch_uses_tf32():  # (PyTorch's default)
+    assert choices == {"default problem": "gather_mma", "tiny problem": "gather",
+                       "64 -> 64 channels": "gather_mma", "256 -> 256 channels": "torch"}
 
 # %% [markdown]
 # ## Result
@@ -496,14 +507,16 @@ for channels, batch in ((32, 8), (64, 8), (96, 4), (128, 4)):
 #   float64 is ~1e-4 to 1e-3 relative, float32's ~1e-7; the package's kernel matches the
 #   fragment-by-fragment computation (exactly under the simulator).
 # * `Pipeline(precision="tf32")` runs the tensor-core gather (`explain` names it) and is within
-#   three times TF32's own error of float64; `precision="ieee"` and the default run the FFMA
-#   gather, within float32's.
+#   three times TF32's own error of float64; `precision="ieee"` runs the FFMA gather, within
+#   float32's; the default follows PyTorch's flag and takes the faster of the two where it
+#   allows TF32.
 # * Recorded on an H200, the TF32 gather is ahead of eager on every suite row and ahead of the
 #   FFMA gather on five of seven (default evaluation: 0.193 against 0.238 ms; 64 -> 64 channels
 #   0.456 against 0.796), behind it on the geometry row; the work around the `mma`s and the
-#   output's bytes bound it, not the tensor cores' rate. The default (`precision=None`) still
-#   runs the FFMA gather, and from ~96 channels the planner runs cuDNN's TF32 convolution with
-#   this package's finish.
+#   output's bytes bound it, not the tensor cores' rate. The default (`precision=None`) takes
+#   it where PyTorch's flag allows TF32 and the planner predicts it the fastest; small calls,
+#   bound by the host, keep the FFMA gather, and at 128 channels and more cuDNN's TF32
+#   convolution with this package's finish wins.
 #
 # **Interpretation.** Tensor cores change the arithmetic floor by 7.4x, but a kernel only reaches
 # it if operands arrive and results leave at the tensor cores' pace: which matrix is which

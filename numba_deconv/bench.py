@@ -79,17 +79,11 @@ def numba_rtol(provider, x: torch.Tensor) -> float:
     """The error a numba provider is held to on input ``x``: under autocast (``Autocast``) the
     half dtype's unit roundoff on top of :data:`TF32_RTOL`; :data:`TF32_RTOL` where its call
     runs a TF32 convolution; :data:`NUMBA_RTOL` elsewhere."""
-    from .precision import resolve
-
-    from .planner import TF32_CC, capability
-
     if isinstance(provider, Autocast):
         return torch.finfo(provider.dtype).eps / 2 + TF32_RTOL
 
     pipe = getattr(provider, "pipe", None)
-    if pipe is not None and x.dtype == torch.float32 and (
-            (pipe.path(x.shape, x.dtype, x.device) == "torch" and resolve(None, x.device) == "tf32"
-             and capability(x.device) >= TF32_CC) or pipe.tensor_cores(x.dtype, x.device)):
+    if pipe is not None and pipe.conv_precision(x.shape, x.dtype, x.device) == "tf32":
         return TF32_RTOL
     return NUMBA_RTOL
 MODES = ("train", "eval")

@@ -283,7 +283,8 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
         else:
             out += box_rows
         launch = gather_launch(geom, batch, in_spatial, out_spatial, dtype, pipe.options,
-                               pipe.tensor_cores(dtype, tensor_device()))
+                               pipe.tensor_cores((batch, geom.in_channels, *in_spatial), dtype,
+                                                 tensor_device()))
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             kernel, blk, smem = _gather_kernel(launch, name, False, True)
             out.append(("conv_transpose3d_gather",
@@ -512,7 +513,7 @@ def _measure(pipe, x, repeats: int, path: str) -> tuple[float, dict[str, float]]
     return total, stages
 
 
-def _precision_note(pipe, dtype: torch.dtype, tensor_cores: bool) -> str:
+def _precision_note(pipe, input_shape, dtype: torch.dtype, tensor_cores: bool) -> str:
     """Which units run the gather's multiply-adds, at which precision, and why."""
     asked = "precision=None follows PyTorch's cuDNN flag" if pipe.precision is None \
         else f"precision={pipe.precision!r}"
@@ -524,11 +525,12 @@ def _precision_note(pipe, dtype: torch.dtype, tensor_cores: bool) -> str:
         why = f"{name_of(dtype)} runs exact on CUDA cores"
     elif precisions.resolve(pipe.precision, tensor_device()) != "tf32":
         why = f"{asked}: strict float32"
-    elif pipe.precision is None and not gather_mma.TAKEN_WHEN_ALLOWED:
-        why = (f"{asked}, which allows TF32; the FFMA gather is the faster at the measured "
-               "shapes and exact in float32 (precision='tf32' takes the tensor cores)")
     elif pipe._mma_unsupported is not None:
         why = f"the tensor-core gather does not take it: {pipe._mma_unsupported}"
+    elif pipe.precision is None:
+        why = f"{asked}: " + planner.convolution(
+            pipe.geometry, input_shape, dtype, tensor_device(), None,
+            folding.uses_batch_statistics(pipe.bn, pipe.training), pipe.library_candidate)[1]
     else:
         why = "this device has no TF32 tensor cores"
     return f"convolution: CUDA cores (FFMA), {why}"
@@ -561,7 +563,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     gpu_name = None if sim else _device_name()
     key, table = device_peaks(device_name or gpu_name)
     path = pipe.path(input_shape, dtype, tensor_device())
-    tensor_cores = path not in STORED_PATHS and pipe.tensor_cores(dtype, tensor_device())
+    tensor_cores = path not in STORED_PATHS and pipe.tensor_cores(input_shape, dtype,
+                                                                  tensor_device())
     cuda_cores_peak = peak_flops or table["fp32" if dtype == torch.float32 else "fp64"]
     # the convolution's: the floor, and its row's
     # (PyTorch's convolution on the "torch" path runs at PyTorch's precision: TF32 where its
@@ -625,7 +628,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         if now:
             report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
     if path not in STORED_PATHS:
-        report.notes.append(_precision_note(pipe, dtype, tensor_cores))
+        report.notes.append(_precision_note(pipe, input_shape, dtype, tensor_cores))
     if batch_stats and path in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()
         if gram_path:

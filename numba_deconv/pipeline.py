@@ -445,7 +445,7 @@ class Pipeline:
         the mode, whether it saves for a backward and, if so, whether it updates the running
         statistics (``forward_saving``), and a half-precision call's output dtype."""
         return (x.shape, x.dtype, x.device, self.training, saving,
-                saving and self._saving_updates, self.tensor_cores(x.dtype, x.device),
+                saving and self._saving_updates, self.tensor_cores(x.shape, x.dtype, x.device),
                 self.torch_conv(x.shape, x.dtype, x.device), half)
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
@@ -554,7 +554,7 @@ class Pipeline:
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
-                bn.eps, bn.momentum, self.poison, self.tensor_cores(x.dtype, x.device),
+                bn.eps, bn.momentum, self.poison, self.tensor_cores(x.shape, x.dtype, x.device),
                 # (the "torch" path's convolution at PyTorch's precision, which its flag sets)
                 precisions.torch_uses_tf32())
 
@@ -722,7 +722,7 @@ class Pipeline:
     def _plan_key(self, x: torch.Tensor) -> tuple:
         return (tuple(x.shape), x.dtype, x.device, self.path(x.shape, x.dtype, x.device),
                 folding.uses_batch_statistics(self.bn, self.training), self.options,
-                self.tensor_cores(x.dtype, x.device))
+                self.tensor_cores(x.shape, x.dtype, x.device))
 
     @property
     def precision(self) -> str | None:
@@ -738,39 +738,70 @@ class Pipeline:
                              f"precision (its TF32 flag): precision must be None, got {value!r}")
         self._precision = value
 
-    def tensor_cores(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a call on an input of ``dtype`` on ``device`` runs its convolution on tensor
-        cores (``kernels.gather_mma``): float32 at TF32 precision, a device that has them, a
-        geometry the kernel takes (``explain`` says why not). ``precision="tf32"`` asks for
-        them; with ``precision=None`` PyTorch's flag may allow TF32, and the tensor-core gather
-        is then taken only where it is the faster (``gather_mma.TAKEN_WHEN_ALLOWED``)."""
+    def tensor_cores(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a call on an input of ``shape``, ``dtype`` and ``device`` runs its
+        convolution on tensor cores (``kernels.gather_mma``): float32 at TF32 precision, a
+        device that has them, a geometry the kernel takes (``explain`` says why not).
+        ``precision="tf32"`` asks for them; with ``precision=None`` they run where PyTorch's
+        flag allows TF32 and the planner predicts them the fastest (``convolution``)."""
         if dtype != torch.float32 or self._mma_unsupported is not None \
                 or self.precision == "ieee":
             return False
-        if self.precision is None and not gather_mma.TAKEN_WHEN_ALLOWED:
-            return False  # TF32 only allowed: the faster gather, the exact one, runs
-        return precisions.resolve(self.precision, device) == "tf32" \
-            and gather_mma.device_supports(device)
+        if self.precision == "tf32":
+            return gather_mma.device_supports(device)
+        return self.convolution(shape, dtype, device) == "gather_mma"
+
+    def conv_precision(self, shape, dtype: torch.dtype, device: torch.device) -> str:
+        """The precision a call on an input of ``shape``, ``dtype`` and ``device`` runs its
+        float32 convolution at: ``"tf32"`` on the tensor-core gather (``tensor_cores``) or on
+        PyTorch's convolution under its TF32 flag on a GPU with TF32 tensor cores, else
+        ``"ieee"`` (float32 throughout; float64 calls are exact). A half-precision input
+        (``half_call``) computes in float32: its convolution's precision is asked with
+        ``torch.float32``."""
+        if dtype != torch.float32:
+            return "ieee"
+        if self.tensor_cores(shape, dtype, device):
+            return "tf32"
+        if self.path(shape, dtype, device) == "torch" and device.type == "cuda" \
+                and precisions.resolve(None, device) == "tf32" \
+                and planner.capability(device) >= planner.TF32_CC:
+            return "tf32"
+        return "ieee"
 
     def torch_conv(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on an input of ``shape``, ``dtype`` and ``device`` runs PyTorch's
         convolution (the ``"torch"`` path): always with ``conv_impl="torch"``; with
-        ``conv_impl="auto"`` where ``planner.torch_conv`` predicts cuDNN's TF32 convolution
-        and this package's finish faster than the gather (float32, ``precision=None`` under
-        PyTorch's TF32 flag, large calls); never synchronized (``process_group``) nor with
-        ``variance="gram"`` (the gather's Gram path, asked for)."""
+        ``conv_impl="auto"`` where the planner predicts cuDNN's TF32 convolution and this
+        package's finish faster than either gather (``convolution``)."""
         if self.conv_impl != "auto":
             return self.conv_impl == "torch"
+        return self.convolution(shape, dtype, device) == "torch"
+
+    def convolution(self, shape, dtype: torch.dtype, device: torch.device) -> str:
+        """The planner's choice for a call on an input of ``shape``, ``dtype`` and ``device``
+        (``planner.convolution``): ``"gather"``, ``"gather_mma"`` or ``"torch"``. Only
+        ``precision=None`` leaves the choice to it, on float32 CUDA inputs; PyTorch's
+        convolution is a candidate with ``conv_impl="auto"``, never synchronized
+        (``process_group``) nor with ``variance="gram"`` (the gather's Gram path, asked for).
+        ``conv_impl="torch"`` and ``"scatter"`` run no gather: ``"gather"`` for them."""
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
-                or self.process_group is not None or self.variance == "gram" or len(shape) != 5:
-            return False
+                or len(shape) != 5 or self.conv_impl not in ("auto", "gather"):
+            return "gather"
         shape = tuple(shape)
         # (the mode and batch norm's settings decide whether batch statistics are used)
+        batch_stats = folding.uses_batch_statistics(self.bn, self.training)
+        library = self.library_candidate
         return self._flag_keyed(
-            (shape, device, self.training, self.bn.track_running_stats),
-            lambda: planner.torch_conv(
-                self.geometry, shape, dtype, device, None,
-                folding.uses_batch_statistics(self.bn, self.training))[0])
+            (shape, device, batch_stats, library),
+            lambda: planner.convolution(self.geometry, shape, dtype, device, None, batch_stats,
+                                        library)[0])
+
+    @property
+    def library_candidate(self) -> bool:
+        """Whether the planner may choose PyTorch's convolution: ``conv_impl="auto"``, not
+        synchronized, not ``variance="gram"``."""
+        return self.conv_impl == "auto" and self.process_group is None \
+            and self.variance != "gram"
 
     def torch_input_grad(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the backward of a call on an input of ``shape``, ``dtype`` and ``device``

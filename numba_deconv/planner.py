@@ -1,34 +1,43 @@
-"""Which convolution a call runs: this package's gather, or PyTorch's (cuDNN) with this package's finish.
+"""Which convolution a call runs: this package's gather on CUDA cores or on tensor cores, or PyTorch's (cuDNN) with this package's finish.
 
-With ``conv_impl="auto"`` (the default) a float32 call whose convolution PyTorch would run on
-TF32 tensor cores (``precision=None`` and PyTorch's flag allowing TF32, on a GPU of compute
-capability 8.0 or later) takes
-PyTorch's own convolution where that is predicted faster by ``MARGIN``: the ``"torch"`` path,
-cuDNN's convolution stored, then this package's finish (its spatial moments, the statistics,
-one pass that centres and scales in place). Elsewhere it runs the gather (``gather`` on CUDA
-cores, or ``gather_mma`` where ``Pipeline.tensor_cores`` says so).
+With ``precision=None`` (the default) a float32 call whose convolution PyTorch would run on
+TF32 tensor cores (PyTorch's flag allowing TF32, cuDNN on, a GPU of compute capability 8.0 or
+later) may run at TF32 too, and ``convolution`` picks the fastest predicted of three: the FFMA
+gather (``gather``, exact in float32), the tensor-core gather (``gather_mma``, TF32) and, with
+``conv_impl="auto"``, PyTorch's convolution stored, then this package's finish (its spatial
+moments, the statistics, one pass that centres and scales in place: the ``"torch"`` path).
+Elsewhere the FFMA gather runs (``precision="tf32"`` asks for the tensor-core gather, and
+``"ieee"`` for the FFMA one, whatever is faster).
 
-The cost model, per output element (``predict``), calibrated on an H100 against the
-measurements in docs/performance.md ("Known limits") and scaled to other devices by their
-peaks (``DEVICE_PEAKS``):
+The cost model, per call (``predict``), calibrated against measurements (an H100's for the
+FFMA gather and cuDNN, docs/performance.md "Known limits"; an H200's sweep of 29 geometries,
+``benchmarks/probe_tf32.py --sweep``, for the tensor-core gather and the FFMA gather's
+factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
 
-* the FFMA gather: ``2 K / (FFMA_EFFICIENCY x FP32 peak)``, ``K`` the multiply-adds per output
-  (``ConvGeometry.macs`` over the outputs), measured at 33-39 TFLOP/s from 32 to 256 channels,
-  and its output's write (training: a read and a write more, the scale pass);
+* the FFMA gather: ``2 K / (FFMA_EFFICIENCY x FP32 peak)``, ``K`` the multiply-adds
+  (``ConvGeometry.macs``), measured at 33-39 TFLOP/s from 32 to 256 channels at k3 s2, less
+  with fewer taps per output or more than 3 taps an axis (``_ffma_taps_factor``), and its
+  output's write (training: a read and a write more, the scale pass);
+* the tensor-core gather: its padded multiply-adds (channel tiles of 16, chunks of 8 input
+  channels, row segments) at ``MMA_EFFICIENCY`` of the TF32 peak per unit of its fragment reuse,
+  the same writes, and the input's rounding (a read and two writes);
+* both gathers: a launch of fewer threads than the SMs hold (``RESIDENT_THREADS``) runs at that
+  fraction of the rate, and a partial last wave costs a whole one (``_waves``);
 * PyTorch's TF32 convolution: ``2 K / rate`` with a rate that grows with the channels a
   multiply-add's row and column span (``c``, the geometric mean of a group's input and output
   channels): ``CUDNN_PER_CHANNEL x c`` of the TF32 peak, at most ``CUDNN_CAP`` of it
   (measured: about 1 TFLOP/s per channel from 32 to 256 channels), and its output's write;
   plus the finish (the moments, then centring and scaling in place; training's centred
-  squares too), measured at ``FINISH_PASSES`` times the output's bytes at the bandwidth.
+  squares too), measured at ``FINISH_PASSES`` times the output's bytes at the bandwidth;
+* no call takes less than its host time (``HOST_US``): the tensor-core gather's adds its
+  input's rounding launch (``MMA_HOST_US``), PyTorch's convolution its dispatch
+  (``TORCH_HOST_US``), which decides small calls.
 
-A call is taken by PyTorch's convolution only when it also has at least ``MIN_OUTPUTS``
-outputs: PyTorch's convolution costs the host a dispatch at every call (a recorded call's
-replay runs it, then replays this package's finish), time that a small call's GPU time would
-not hide. Synchronized statistics and ``variance="gram"`` keep the gather
-(``Pipeline.torch_conv``). The choice depends
-only on the geometry, the input's shape, dtype and device and PyTorch's flag, so it is the
-same for every call of a kind.
+PyTorch's convolution is taken only where predicted ``MARGIN`` faster than the faster gather
+and with at least ``MIN_OUTPUTS`` outputs. Synchronized statistics and ``variance="gram"`` keep
+the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
+input's shape, dtype and device, the mode and PyTorch's flags, so it is the same for every call
+of a kind.
 
 The backward's input gradient (``torch_input_grad``) is chosen the same way, on the same
 conditions: ``dL/dx`` is the convolution of ``dy`` with the same weights (the adjoint of the
@@ -62,21 +71,46 @@ import torch
 
 from . import precision as precisions
 from .geometry import ConvGeometry
+from .kernels import gather, gather_mma
 from .simulator import is_simulator
 
 #: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores,
-#: dense TF32 FLOP/s on tensor cores and DRAM bandwidth in bytes/s. Vendor datasheets.
+#: dense TF32 FLOP/s on tensor cores, DRAM bandwidth in bytes/s and streaming multiprocessors.
+#: Vendor datasheets.
 DEVICE_PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 4.8e12},
-    "H100 PCIe": {"fp32": 51e12, "fp64": 26e12, "tf32": 378e12, "bandwidth": 2.0e12},
-    "H100 NVL": {"fp32": 60e12, "fp64": 30e12, "tf32": 418e12, "bandwidth": 3.9e12},
-    "H100": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 3.35e12},
+    "H200": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 4.8e12, "sms": 132},
+    "H100 PCIe": {"fp32": 51e12, "fp64": 26e12, "tf32": 378e12, "bandwidth": 2.0e12,
+                  "sms": 114},
+    "H100 NVL": {"fp32": 60e12, "fp64": 30e12, "tf32": 418e12, "bandwidth": 3.9e12, "sms": 132},
+    "H100": {"fp32": 67e12, "fp64": 34e12, "tf32": 495e12, "bandwidth": 3.35e12, "sms": 132},
 }
 #: Used when the device is unknown (or under the simulator): an H100 SXM.
 DEFAULT_DEVICE = "H100"
 
-#: The FFMA gather's multiply-add rate, a fraction of the FP32 peak (H100: 33-39 TFLOP/s).
+#: The FFMA gather's multiply-add rate, a fraction of the FP32 peak (H100: 33-39 TFLOP/s) at a
+#: kernel of 3 taps an axis and stride 2; ``_ffma_taps_factor`` of it elsewhere.
 FFMA_EFFICIENCY = 0.55
+#: The taps an input channel has per output at that calibration (k3 s2: 1.5 per axis).
+FFMA_TAPS = 3.375
+#: How the FFMA gather's rate falls with fewer taps per output (its window loads feed fewer
+#: multiply-adds): ``(taps / FFMA_TAPS) ** FFMA_TAPS_EXPONENT`` (H200: 15-16 TFLOP/s at one tap
+#: an axis, against 37 at k3 s2).
+FFMA_TAPS_EXPONENT = 0.7
+#: The tensor-core gather's rate: this fraction of the TF32 peak per unit of a warp's fragment
+#: reuse, ``MT * NQ / (MT + NQ)`` mma per fragment loaded (H200: 67-74 TFLOP/s at MT = 2,
+#: NQ = 4; 34-47 at MT = 1 or NQ = 2), on the multiply-adds of its padded tiles.
+MMA_EFFICIENCY = 0.1
+#: Threads an SM holds of either gather (128 registers a thread): a launch of fewer than the
+#: device's SMs times this runs at that fraction of the rate, and a partial last wave as a
+#: whole one.
+RESIDENT_THREADS = 512
+#: A call's host time on the prepared path, µs (evaluation / training; H200 host: the
+#: smallest calls' back-to-back time): a call of less GPU time waits on the host ...
+HOST_US = {False: 40.0, True: 60.0}
+#: ... which the tensor-core gather's call lengthens by its input's rounding launch ...
+MMA_HOST_US = 10.0
+#: ... and PyTorch's convolution by its dispatch (H200: 40-50 µs on the smallest calls).
+TORCH_HOST_US = 45.0
 #: cuDNN's TF32 transposed convolution: a fraction of the TF32 peak per channel ``c`` ...
 CUDNN_PER_CHANNEL = 0.002
 #: ... and at most this fraction.
@@ -156,8 +190,9 @@ def peaks_of(device: torch.device) -> dict[str, float]:
 def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
             peaks: dict[str, float]) -> dict[str, float]:
     """Predicted GPU microseconds of the convolution and what follows it, per candidate:
-    ``{"gather": ..., "torch": ...}`` (the FFMA gather; PyTorch's TF32 convolution and this
-    package's finish). Both include the output's compulsory write."""
+    ``{"gather": ..., "gather_mma": ..., "torch": ...}`` (the FFMA gather; the tensor-core
+    gather, absent where it does not take the geometry; PyTorch's TF32 convolution and this
+    package's finish). Each includes the output's compulsory write."""
     out_spatial = geom.output_spatial(in_spatial)
     outputs = batch * geom.out_channels * math.prod(out_spatial)
     if outputs == 0:
@@ -165,30 +200,115 @@ def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
     flops = 2.0 * geom.macs(batch, in_spatial)
     bandwidth = peaks["bandwidth"] * BANDWIDTH_EFFICIENCY
     out_bytes = 4.0 * outputs
-    gather = flops / (FFMA_EFFICIENCY * peaks["fp32"]) + (3 if training else 1) * out_bytes / bandwidth
+    writes = (3 if training else 1) * out_bytes / bandwidth
+    in_spatial, out_spatial = tuple(in_spatial), tuple(out_spatial)
+    try:
+        ffma_threads = _ffma_threads(geom, batch, in_spatial, out_spatial)
+    except ValueError:  # a grid past the launch limit: the pipeline's own check says so
+        ffma_threads = peaks["sms"] * RESIDENT_THREADS
+    gather_rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
+    times = {"gather": flops / gather_rate * _waves(ffma_threads, peaks) + writes}
+    mma = _mma_work(geom, batch, in_spatial, out_spatial)
+    if mma is not None:
+        padded, reuse, threads = mma
+        in_bytes = 4.0 * batch * geom.in_channels * math.prod(in_spatial)
+        times["gather_mma"] = (flops * padded / (MMA_EFFICIENCY * reuse * peaks["tf32"])
+                               * _waves(threads, peaks) + writes + 3 * in_bytes / bandwidth)
     c = math.sqrt(geom.in_per_group * geom.out_per_group)
     rate = min(CUDNN_PER_CHANNEL * c, CUDNN_CAP) * peaks["tf32"]
-    library = flops / rate + (1 + FINISH_PASSES[training]) * out_bytes / bandwidth
-    return {"gather": gather * 1e6, "torch": library * 1e6}
+    times["torch"] = flops / rate + (1 + FINISH_PASSES[training]) * out_bytes / bandwidth
+    return {name: t * 1e6 for name, t in times.items()}
+
+
+def _ffma_threads(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> int:
+    launch = gather.gather_launch(geom, batch, in_spatial, out_spatial, "float32")
+    return launch.grid * launch.tiling.block
+
+
+def _ffma_taps_factor(geom: ConvGeometry, flops: float, outputs: int) -> float:
+    """The FFMA gather's rate against its calibration's: fewer taps per output and input channel
+    than ``FFMA_TAPS`` feed fewer multiply-adds per load; more than 3 taps an axis run at
+    ``_taps_factor``. (No tap inside the output at all: no multiply-add to rate, 1.)"""
+    taps = flops / 2 / outputs / geom.in_per_group
+    if taps == 0:
+        return 1.0
+    return min(1.0, (taps / FFMA_TAPS) ** FFMA_TAPS_EXPONENT) * _taps_factor(geom)
+
+
+def _mma_work(geom: ConvGeometry, batch: int, in_spatial, out_spatial):
+    """``(padding, reuse, threads)`` of the tensor-core gather's launch: its multiply-adds over
+    the useful ones (channel tiles of 16, chunks of 8 input channels, row segments), the
+    fragment reuse of its tiling and its threads; None where it does not take the geometry."""
+    if gather_mma.unsupported(geom, "float32") is not None:
+        return None
+    try:
+        launch = gather_mma.mma_launch(geom, batch, in_spatial, out_spatial)
+    except ValueError:
+        return None
+    t = launch.tiling
+    opg, ipg, ow = geom.out_per_group, geom.in_per_group, out_spatial[2]
+    seg = t.seg(geom.stride[2])
+    padding = (-(-opg // (16 * t.mt)) * 16 * t.mt / opg) * (-(-ipg // gather_mma.KC)
+                                                            * gather_mma.KC / ipg) \
+        * (-(-ow // seg) * seg / ow)
+    return padding, t.mt * t.nq / (t.mt + t.nq), launch.grid * launch.block
+
+
+def _waves(threads: float, peaks: dict[str, float]) -> float:
+    """What a launch of ``threads`` takes against one that fills every SM's resident threads
+    evenly: a fraction of a wave runs at that fraction of the rate, a partial last wave as a
+    whole one."""
+    capacity = peaks["sms"] * RESIDENT_THREADS
+    waves = threads / capacity
+    return 1.0 / waves if waves < 1 else math.ceil(waves) / waves
+
+
+CANDIDATES = {"gather": "the gather (FFMA)", "gather_mma": "the gather on tensor cores (TF32)",
+              "torch": "PyTorch's convolution (cuDNN, TF32) and this package's finish"}
+SHORT = {"gather": "the FFMA gather", "gather_mma": "tensor cores"}
+
+
+def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.device,
+                precision, training: bool, library: bool = True) -> tuple[str, str]:
+    """``(choice, why)``: which convolution a call with an input of ``shape`` runs where its
+    pipeline leaves the choice to the planner (``precision=None``): ``"gather"`` (the FFMA
+    gather, exact in float32), ``"gather_mma"`` (TF32 tensor cores) or ``"torch"`` (PyTorch's
+    convolution and this package's finish; only with ``library``). Where PyTorch's convolution
+    would run in TF32 the fastest predicted wins, each taking at least its host time
+    (``HOST_US`` and what its path adds); PyTorch's only with ``MIN_OUTPUTS`` outputs and
+    ``MARGIN`` faster. Elsewhere the FFMA gather."""
+    refused = _tf32_refusal(dtype, device, precision)
+    if refused:
+        return "gather", f"{CANDIDATES['gather']}: {refused}"
+    t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
+    host = HOST_US[bool(training)]
+    cost = {"gather": max(host, t["gather"])}
+    if "gather_mma" in t:
+        cost["gather_mma"] = max(host + MMA_HOST_US, t["gather_mma"])
+    choice = min(cost, key=cost.get)
+    outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
+    torch_cost = max(host + TORCH_HOST_US, t["torch"])
+    costs = "predicted " + ", ".join(f"{cost[name]:.0f} us on {SHORT[name]}" for name in cost) \
+        + f", {torch_cost:.0f} us on cuDNN"
+    if library and outputs >= MIN_OUTPUTS and cost[choice] >= MARGIN * torch_cost:
+        return "torch", f"{CANDIDATES['torch']}: {costs}"
+    if not library:
+        reason = "PyTorch's convolution not a candidate here"
+    elif outputs < MIN_OUTPUTS:
+        reason = (f"{outputs} outputs, fewer than the {MIN_OUTPUTS} for which PyTorch's "
+                  "convolution's host time is hidden")
+    else:
+        reason = f"cuDNN taken from {MARGIN}x"
+    return choice, f"{CANDIDATES[choice]}: {costs} ({reason})"
 
 
 def torch_conv(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.device,
                precision, training: bool) -> tuple[bool, str]:
     """``(takes_torch, why)``: whether a ``conv_impl="auto"`` call with an input of ``shape``
-    runs PyTorch's convolution (the ``"torch"`` path), and the reason in words."""
-    refused = _tf32_refusal(dtype, device, precision)
-    if refused:
-        return False, f"the gather: {refused}"
-    outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
-    if outputs < MIN_OUTPUTS:
-        return False, (f"the gather: {outputs} outputs, fewer than the {MIN_OUTPUTS} for which "
-                       "PyTorch's convolution's host time is hidden")
-    t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
-    ratio = t["gather"] / t["torch"] if t["torch"] else 0.0
-    costs = f"predicted {t['gather']:.0f} us on the gather, {t['torch']:.0f} us on cuDNN"
-    if ratio >= MARGIN:
-        return True, f"PyTorch's convolution (cuDNN, TF32) and this package's finish: {costs}"
-    return False, f"the gather: {costs} (cuDNN taken from {MARGIN}x)"
+    runs PyTorch's convolution (the ``"torch"`` path), and the reason in words
+    (``convolution``'s)."""
+    choice, why = convolution(geom, shape, dtype, device, precision, training)
+    return choice == "torch", why
 
 
 def predict_input_grad(geom: ConvGeometry, batch: int, in_spatial,
@@ -276,6 +396,7 @@ def torch_flags() -> tuple:
     return precisions.torch_uses_tf32(), torch.backends.cudnn.enabled
 
 
-__all__ = ["DEVICE_PEAKS", "DEFAULT_DEVICE", "device_peaks", "peaks_of", "predict",
+__all__ = ["CANDIDATES", "DEVICE_PEAKS", "DEFAULT_DEVICE", "convolution", "device_peaks",
+           "peaks_of", "predict",
            "predict_input_grad", "predict_weight_grad", "torch_conv", "torch_flags",
            "torch_input_grad", "torch_weight_grad"]

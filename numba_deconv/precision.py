@@ -3,8 +3,9 @@
 ``Pipeline(precision=...)``:
 
 * ``None`` (the default): TF32 allowed where ``torch.nn.functional.conv_transpose3d`` would use
-  it on the same input now, and the planner then runs the faster of the two gathers
-  (``Pipeline.tensor_cores``; at every measured shape the FFMA one, exact in float32). On a
+  it on the same input now, and the planner then runs the convolution it predicts fastest
+  (``planner.convolution``: the FFMA gather, exact in float32, the tensor-core gather or
+  cuDNN's; ``Pipeline.tensor_cores`` says whether a call takes the tensor cores). On a
   CUDA tensor PyTorch's cuDNN convolution uses TF32 tensor cores when its flag
   allows it: ``torch.backends.cudnn.conv.fp32_precision == "tf32"`` where the installed torch
   has that flag (2.9 and later; its getter answers with what the convolution inherits, and
@@ -13,7 +14,7 @@
   only where the new one is missing). PyTorch's CPU convolution, which the simulator's tensors
   would take, computes in float32: ``"ieee"`` there.
 * ``"tf32"``: TF32 operands (10 mantissa bits), float32 accumulation, on every device.
-* ``"ieee"``: float32 throughout (the CUDA-core gather).
+* ``"ieee"``: float32 throughout (the FFMA gather on CUDA cores).
 
 float64 convolutions are exact whatever the setting; TF32 applies to float32 only.
 """

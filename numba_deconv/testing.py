@@ -394,7 +394,7 @@ def stats_atol(case: Case) -> float:
 
 def check_case(case: Case, make: Callable, device: torch.device | str | None = None,
                rtol: float | None = None, x: torch.Tensor | None = None,
-               precision: str = "ieee") -> None:
+               precision: str = "auto") -> None:
     """Run ``make(conv, bn)(x)`` against the float64 reference on the same parameters.
 
     ``make`` receives modules in ``case.dtype`` (float32 for a half-precision case, whose input
@@ -403,7 +403,10 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
     modified, and the running statistics (mean, var, batches seen), each within ``tolerance``
     (or ``rtol`` where given), against the float64 reference on the input's own values
     (rounded to the half dtype for a half-precision case: where the output passes the dtype's
-    range, eager's overflows too).
+    range, eager's overflows too). ``precision``: the convolution's, which the tolerance
+    allows for (``tolerance``); ``"auto"``: the candidate's own for this input
+    (``Pipeline.conv_precision``: TF32 where the planner runs the convolution on tensor cores
+    under PyTorch's flag), strict float32 for a candidate that is not a pipeline.
     """
     if device is None:
         from .backend import tensor_device
@@ -413,10 +416,13 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
     conv, bn = (copy.deepcopy(m).to(compute_dtype(case.dtype)) for m in (conv64, bn64))
     if x is None:
         x = make_input(case, device).to(case.dtype)
-    tol = tolerance(case, conv64, bn64, x, precision) if rtol is None \
-        else Tolerance(rtol, rtol, rtol)
     x_before = x.clone()
     candidate = make(conv, bn)
+    if precision == "auto":
+        precision = candidate.conv_precision(x.shape, compute_dtype(x.dtype), x.device) \
+            if hasattr(candidate, "conv_precision") else "ieee"
+    tol = tolerance(case, conv64, bn64, x, precision) if rtol is None \
+        else Tolerance(rtol, rtol, rtol)
     with torch.no_grad():  # a forward check: the parameters' gradients are not asked for
         out = candidate(x)
     expected = reference(conv64, bn64, x.to(torch.float64))

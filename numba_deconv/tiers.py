@@ -98,7 +98,7 @@ def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offse
             "gather" if pipe.conv_impl == "auto" else pipe.conv_impl, pipe.options,
             pipe._synced(), bn.affine,
             folding.tracks_running_stats(bn), bn.momentum is None, pipe.conv.bias is None,
-            pipe.tensor_cores(dtype, device), half)
+            pipe.tensor_cores(shape, dtype, device), half)
 
 
 def kind_name(key: tuple) -> str:
@@ -230,7 +230,7 @@ def spec(pipe, x: torch.Tensor, saving: bool, name: str,
                "affine": bn.affine, "track_running_stats": bn.track_running_stats},
         "pipeline": {"conv_impl": pipe.conv_impl, "variance": pipe.variance,
                      "options": dataclasses.asdict(pipe.options),
-                     "precision": "tf32" if pipe.tensor_cores(x.dtype, x.device) else "ieee"},
+                     "precision": "tf32" if pipe.tensor_cores(x.shape, x.dtype, x.device) else "ieee"},
         "dtype": str(x.dtype).replace("torch.", ""), "shape": list(x.shape),
         "offset_bytes": x.data_ptr() % 16, "training": pipe.training, "saving": saving,
         "half": None if half is None else str(half).replace("torch.", ""),

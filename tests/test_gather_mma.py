@@ -212,7 +212,7 @@ def test_pipeline_in_tf32(device, train, variance):
                                                                model.batch_norm)), x.double())
         pipe = Pipeline.from_torch(copy.deepcopy(model), precision="tf32", specialize=True,
                                    variance=variance)
-        assert pipe.tensor_cores(torch.float32, x.device)
+        assert pipe.tensor_cores(tuple(x.shape), torch.float32, x.device)
         with torch.no_grad():
             got = pipe(x)
         err, own = relative_error(got, want), _tf32_operator_error(model, x)
@@ -251,7 +251,7 @@ def test_strict_and_default_precision_run_the_exact_gather(device):
                                                            model.batch_norm)), x.double())
     for setting in ("ieee", None):
         pipe = Pipeline.from_torch(copy.deepcopy(model), precision=setting, specialize=True)
-        assert not pipe.tensor_cores(torch.float32, x.device)
+        assert not pipe.tensor_cores(tuple(x.shape), torch.float32, x.device)
         with torch.no_grad():
             assert relative_error(pipe(x), want) < 1e-5
         assert any("CUDA cores" in note for note in pipe.explain(tuple(x.shape)).notes)
@@ -259,7 +259,7 @@ def test_strict_and_default_precision_run_the_exact_gather(device):
 
 def test_float64_is_exact_whatever_the_precision(device):
     pipe = Pipeline.from_torch(_modules(device, False, torch.float64), precision="tf32")
-    assert not pipe.tensor_cores(torch.float64, torch.device(device))
+    assert not pipe.tensor_cores((2, 5, 3, 4, 5), torch.float64, torch.device(device))
 
 
 def test_precision_is_checked():

@@ -18,7 +18,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from numba_deconv import Pipeline, precision, testing
+from numba_deconv import Pipeline, testing
 from numba_deconv.gram_plan import gram_fits
 from numba_deconv.plan import Options
 from numba_deconv.pipeline import GRAM_ITEMSIZE
@@ -32,12 +32,6 @@ IMPLS = ["gather", "torch", "scatter"]
 def _pipeline(impl, variance="auto", specialize=True):
     return lambda conv, bn: Pipeline.from_modules(conv, bn, conv_impl=impl, variance=variance,
                                                   specialize=specialize, poison=True)
-
-
-def _precision(impl, device) -> str:
-    """The tolerance's precision (``testing.tolerance``): PyTorch's convolution runs at its own
-    precision, TF32 on a GPU where its flag allows it."""
-    return precision.resolve(None, torch.device(device)) if impl == "torch" else "ieee"
 
 
 def _check_tiers(case, variance="auto", device=None, **kwargs):
@@ -67,8 +61,7 @@ def test_matches_pytorch_any_geometry(impl, variance, data, limits, device):
     if impl == "gather":
         _check_tiers(case, variance, device)
     else:
-        testing.check_case(case, _pipeline(impl, variance), device,
-                           precision=_precision(impl, device))
+        testing.check_case(case, _pipeline(impl, variance), device)
 
 
 # (2 examples under the simulator: the half-precision call is the float32 call between two
@@ -143,7 +136,7 @@ def test_default_like_problem(impl, training, device):
     """The default problem's geometry (kernel 3, stride 2, padding 1) on a small volume."""
     geom = testing.ConvGeometry.create(4, 8, 3, 2, 1)
     case = testing.Case(geom, testing.BatchNormSettings(), 2, (3, 5, 4), training, seed=7)
-    testing.check_case(case, _pipeline(impl), device, precision=_precision(impl, device))
+    testing.check_case(case, _pipeline(impl), device)
 
 
 @pytest.mark.parametrize("variance", ["epilogue", "gram"])
@@ -180,8 +173,7 @@ def test_few_voxels_with_a_tiny_batch_variance(impl, variance, device):
                         1, (7, 1, 5), True, seed=1)
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(case.input_shape, generator=gen, dtype=torch.float64) * 2 + 0.5)
-    testing.check_case(case, _pipeline(impl, variance), device, x=x.float().to(device),
-                       precision=_precision(impl, device))
+    testing.check_case(case, _pipeline(impl, variance), device, x=x.float().to(device))
 
 
 # (the Gram path's, ~35 s under the simulator, on the GPU profile only: it runs only on
@@ -197,7 +189,7 @@ def test_offsets_a_thousand_times_the_spread(impl, variance, device):
     case = testing.Case(geom, testing.BatchNormSettings(eps=1e-3, momentum=None, affine=False),
                         1, (5, 5, 5), True, seed=1904,
                         inputs=testing.InputStyle(scale=1.0, offset=1e3))
-    testing.check_case(case, _pipeline(impl, variance), device, precision=_precision(impl, device))
+    testing.check_case(case, _pipeline(impl, variance), device)
 
 
 @pytest.mark.parametrize("specialize,variance", [(True, "gram"), (True, "auto"), (False, "auto")])

@@ -3,13 +3,15 @@ the measurements it was calibrated on."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from numba_deconv import Pipeline, bench, planner, precision
+from numba_deconv import Pipeline, bench, planner, precision, testing
 from numba_deconv.backend import tensor_device
 from numba_deconv.geometry import ConvGeometry
 
@@ -46,15 +48,154 @@ def tf32_allowed(monkeypatch):
 
 @pytest.mark.parametrize("case", bench.suite_cases(), ids=lambda c: c.name)
 @pytest.mark.parametrize("training", [False, True])
-def test_the_suite_keeps_the_gather(case, training, tf32_allowed):
-    """Every row of the shape suite runs the gather (faster there, measured)."""
+def test_the_suite_keeps_the_gathers(case, training, tf32_allowed):
+    """Every row of the shape suite runs one of this package's gathers (faster there,
+    measured)."""
     takes, why = planner.torch_conv(case.geometry(), case.input_shape(), case.torch_dtype(),
                                     CUDA, None, training)
     assert not takes and why.startswith("the gather")
 
 
+# H200, ms back to back (benchmarks/probe_tf32.py --sweep; docs/performance.md, "TF32 on tensor
+# cores"): (row, (in, out, kernel, stride, padding, other arguments), batch, input, evaluation's
+# and training's (FFMA gather, tensor-core gather, cuDNN and this package's finish))
+SWEEP = [
+    ("default", (16, 32, 3, 2, 1, {}), 16, (16, 32, 32), (0.238, 0.192, 0.845), (0.380, 0.357, 0.949)),
+    ("b32_32to64", (32, 64, 3, 2, 1, {}), 32, (16, 32, 32), (1.544, 1.004, 2.599), (2.087, 1.645, 2.950)),
+    ("b8_64to64", (64, 64, 3, 2, 1, {}), 8, (16, 32, 32), (0.798, 0.455, 0.768), (0.943, 0.621, 0.874)),
+    ("decoder_k2s2", (96, 48, 2, 2, 0, {}), 2, (20, 20, 20), (0.083, 0.063, 0.114), (0.101, 0.088, 0.138)),
+    ("k4s2p1", (24, 24, 4, 2, 1, {}), 4, (16, 24, 24), (0.134, 0.076, 0.190), (0.149, 0.098, 0.220)),
+    ("geometry", (16, 32, (3, 2, 4), 3, (1, 0, 1), dict(groups=2, dilation=2)), 8, (8, 16, 16), (0.045, 0.069, 0.256), (0.083, 0.118, 0.301)),
+    ("tiny", (4, 4, 3, 2, 1, {}), 1, (4, 4, 4), (0.039, 0.051, 0.089), (0.060, 0.072, 0.100)),
+    ("c4 k3s2", (4, 8, 3, 2, 1, {}), 8, (16, 32, 32), (0.043, 0.055, 0.303), (0.066, 0.082, 0.347)),
+    ("c8 k3s2", (8, 8, 3, 2, 1, {}), 8, (16, 32, 32), (0.044, 0.056, 0.293), (0.069, 0.082, 0.338)),
+    ("c8to4 k2s2", (8, 4, 2, 2, 0, {}), 8, (16, 32, 32), (0.052, 0.059, 0.124), (0.069, 0.080, 0.167)),
+    ("c8to16 k2s2", (8, 16, 2, 2, 0, {}), 4, (16, 16, 16), (0.044, 0.051, 0.082), (0.068, 0.073, 0.087)),
+    ("c16 k1s1", (16, 16, 1, 1, 0, {}), 8, (16, 32, 32), (0.075, 0.071, 0.079), (0.062, 0.076, 0.085)),
+    ("c16to32 k3s1", (16, 32, 3, 1, 1, {}), 4, (16, 32, 32), (0.122, 0.056, 0.098), (0.136, 0.082, 0.113)),
+    ("c16 k5s1", (16, 16, 5, 1, 2, {}), 2, (16, 16, 16), (0.212, 0.059, 0.106), (0.219, 0.080, 0.104)),
+    ("c16 k4s4", (16, 16, 4, 4, 0, {}), 4, (8, 16, 16), (0.044, 0.056, 0.196), (0.071, 0.086, 0.238)),
+    ("c16to32 b1", (16, 32, 3, 2, 1, {}), 1, (16, 32, 32), (0.045, 0.057, 0.111), (0.069, 0.081, 0.156)),
+    ("c32to16 k3s2", (32, 16, 3, 2, 1, {}), 16, (16, 32, 32), (0.233, 0.232, 0.573), (0.307, 0.318, 0.654)),
+    ("c32 g4 k3s2", (32, 32, 3, 2, 1, dict(groups=4)), 8, (16, 32, 32), (0.091, 0.169, 1.441), (0.166, 0.261, 1.518)),
+    ("c32 k5s2", (32, 32, 5, 2, 2, {}), 2, (16, 16, 16), (0.240, 0.078, 0.315), (0.247, 0.092, 0.324)),
+    ("c32to64 b8", (32, 64, 3, 2, 1, {}), 8, (16, 32, 32), (0.403, 0.271, 0.716), (0.541, 0.433, 0.822)),
+    ("c48 k3s3", (48, 48, 3, 3, 0, {}), 4, (12, 12, 12), (0.063, 0.059, 0.349), (0.093, 0.091, 0.372)),
+    ("c64to32 k2s2", (64, 32, 2, 2, 0, {}), 4, (16, 16, 16), (0.047, 0.054, 0.095), (0.066, 0.081, 0.104)),
+    ("c64 k1s1", (64, 64, 1, 1, 0, {}), 8, (16, 16, 16), (0.061, 0.055, 0.075), (0.071, 0.081, 0.084)),
+    ("c128 k3s2", (128, 128, 3, 2, 1, {}), 2, (16, 16, 16), (0.277, 0.167, 0.122), (0.298, 0.202, 0.138)),
+    ("c128to64 k4s2", (128, 64, 4, 2, 1, {}), 2, (12, 12, 12), (0.289, 0.116, 0.138), (0.292, 0.131, 0.108)),
+    ("c128 k3s2 b4", (128, 128, 3, 2, 1, {}), 4, (16, 16, 16), (0.476, 0.300, 0.198), (0.517, 0.355, 0.235)),
+    ("c12to20 odd", (12, 20, 3, 2, 1, {}), 3, (7, 9, 11), (0.042, 0.050, 0.093), (0.060, 0.071, 0.103)),
+    ("c3to5 k3s2", (3, 5, 3, 2, 0, {}), 2, (10, 10, 10), (0.039, 0.049, 0.099), (0.060, 0.074, 0.110)),
+    ("c24 d2 k3s2", (24, 24, 3, 2, 2, dict(dilation=2)), 4, (12, 16, 16), (0.046, 0.056, 0.128), (0.068, 0.083, 0.137)),
+]
+SUITE_ROWS = {case.name for case in bench.suite_cases()}
+# the rows the tensor-core gather's rate was fitted on: 4M+ outputs, at most 3 taps an axis
+MMA_FITTED = {"default", "b32_32to64", "b8_64to64", "c32to64 b8", "c128 k3s2 b4"}
+
+
+@pytest.fixture
+def on_h200(monkeypatch, tf32_allowed):
+    monkeypatch.setattr(planner, "peaks_of", lambda device: planner.DEVICE_PEAKS["H200"])
+
+
+def _sweep_geometry(conv):
+    cin, cout, k, s, p, kw = conv
+    return ConvGeometry.create(cin, cout, k, s, p, **kw)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("row", SWEEP, ids=[row[0] for row in SWEEP])
+def test_the_choice_against_the_sweep(row, training, on_h200):
+    """Where PyTorch's flag allows TF32, the planner's choice measured within 25% of the fastest
+    of the three on every geometry of the sweep, and the fastest on the suite's rows (within
+    the 2% that separates a tie)."""
+    name, conv, batch, spatial, evaluation, train = row
+    geom = _sweep_geometry(conv)
+    shape = (batch, geom.in_channels, *spatial)
+    choice, why = planner.convolution(geom, shape, torch.float32, CUDA, None, training)
+    measured = dict(zip(("gather", "gather_mma", "torch"), train if training else evaluation))
+    fastest = min(measured.values())
+    assert measured[choice] <= (1.02 if name in SUITE_ROWS else 1.25) * fastest, (choice, why)
+    assert why.startswith(planner.CANDIDATES[choice])
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("row", [row for row in SWEEP if row[0] in MMA_FITTED],
+                         ids=lambda row: row[0])
+def test_the_tensor_core_model_against_its_measurements(row, training):
+    name, conv, batch, spatial, evaluation, train = row
+    predicted = planner.predict(_sweep_geometry(conv), batch, spatial, training,
+                                planner.DEVICE_PEAKS["H200"])["gather_mma"]
+    measured = (train if training else evaluation)[1]
+    assert abs(predicted / 1e3 / measured - 1) < 0.25, (predicted, measured)
+
+
+# (the fixture's patches hold for every example alike)
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_planner_answers_any_geometry(data, limits, on_h200):
+    """Every drawn case, both modes, half-precision inputs included: a choice among the three,
+    and a prediction per candidate that is finite and not negative."""
+    case = data.draw(testing.cases(limits))
+    for training in (False, True):
+        choice, why = planner.convolution(case.geometry, case.input_shape, torch.float32, CUDA,
+                                          None, training)
+        assert choice in planner.CANDIDATES and why.startswith(planner.CANDIDATES[choice])
+        for t in planner.predict(case.geometry, case.batch, case.input_spatial, training,
+                                 planner.DEVICE_PEAKS["H200"]).values():
+            assert math.isfinite(t) and t >= 0
+
+
+def test_a_call_without_multiply_adds(on_h200):
+    """Every tap outside the output (no multiply-add, only the bias): the FFMA gather."""
+    geom = ConvGeometry.create(1, 1, 1, (1, 1, 2), (0, 0, 1), bias=False)
+    assert geom.macs(2, (1, 1, 2)) == 0
+    for training in (False, True):
+        assert planner.convolution(geom, (2, 1, 1, 1, 2), torch.float32, CUDA, None,
+                                   training)[0] == "gather"
+
+
+def test_the_pipeline_follows_the_choice(on_h200, monkeypatch):
+    """``tensor_cores`` and ``torch_conv`` follow ``planner.convolution`` where
+    ``precision=None`` leaves it the choice, per shape and mode and following PyTorch's flag;
+    ``precision`` set, a flag against TF32 or a geometry the kernel does not take keep the
+    choice out of its hands."""
+    flag = [True]
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag[0])
+    default = bench.default_case()
+    geom = default.geometry()
+    conv, bn = nn.ConvTranspose3d(16, 32, 3, 2, 1), nn.BatchNorm3d(32)
+    shape = default.input_shape()
+    tiny = (1, 16, 2, 2, 2)
+    for impl in ("auto", "gather"):
+        pipe = Pipeline(conv, bn, conv_impl=impl)
+        for training in (False, True):
+            pipe.train(training)
+            assert pipe.convolution(shape, torch.float32, CUDA) == planner.convolution(
+                geom, shape, torch.float32, CUDA, None, training, impl == "auto")[0] \
+                == "gather_mma"
+            assert pipe.tensor_cores(shape, torch.float32, CUDA)
+            assert not pipe.torch_conv(shape, torch.float32, CUDA)
+            assert not pipe.tensor_cores(tiny, torch.float32, CUDA)  # bound by the host
+        flag[0] = False
+        assert not pipe.tensor_cores(shape, torch.float32, CUDA)
+        flag[0] = True
+        assert pipe.tensor_cores(shape, torch.float32, CUDA)
+        assert not pipe.tensor_cores(shape, torch.float64, CUDA)
+        assert not pipe.tensor_cores(shape, torch.float32, torch.device("cpu"))
+    assert not Pipeline(conv, bn, precision="ieee").tensor_cores(shape, torch.float32, CUDA)
+    assert Pipeline(conv, bn, precision="tf32").tensor_cores(tiny, torch.float32, CUDA)
+    assert not Pipeline(conv, bn, conv_impl="torch").tensor_cores(shape, torch.float32, CUDA)
+    wide = Pipeline(nn.ConvTranspose3d(16, 32, 3, stride=(2, 2, 9)), nn.BatchNorm3d(32))
+    assert not wide.tensor_cores((16, 16, 16, 32, 32), torch.float32, CUDA)
+
+
 @pytest.mark.parametrize("channels", [128, 256])
-def test_many_channels_take_pytorchs_convolution(channels, tf32_allowed):
+def test_many_channels_take_pytorchs_convolution(channels, on_h200):
+    """(On an H200, where the sweep measured cuDNN 1.5x ahead of the tensor-core gather at 128
+    channels.)"""
     geom = ConvGeometry.create(channels, channels, 3, 2, 1)
     takes, why = planner.torch_conv(geom, (4, channels, 16, 32, 32), torch.float32, CUDA, None,
                                     False)
@@ -75,7 +216,7 @@ def test_the_gather_elsewhere(dtype, device, asked, shape, flag, monkeypatch):
     assert not planner.torch_conv(geom, shape, dtype, device, asked, False)[0]
 
 
-def test_the_pipeline_follows_the_planner(monkeypatch):
+def test_the_pipeline_follows_the_planner(on_h200, monkeypatch):
     """``conv_impl="auto"`` takes the ``"torch"`` path where the planner says so, per shape,
     following PyTorch's flag as it changes; ``"gather"`` never, ``"torch"`` always."""
     flag = [True]
@@ -106,7 +247,7 @@ def test_gram_is_refused_with_pytorchs_convolution():
                  variance="gram")
 
 
-def test_a_gpu_without_tf32_keeps_the_gather(tf32_allowed, monkeypatch):
+def test_a_gpu_without_tf32_keeps_the_gather(on_h200, monkeypatch):
     """Before compute capability 8.0 PyTorch's convolution has no TF32 tensor cores to run on:
     the planner keeps the gather there (the capability forced, the lent GPUs being Hopper)."""
     geom = ConvGeometry.create(128, 128, 3, 2, 1)
@@ -301,7 +442,7 @@ def test_the_default_problem_keeps_the_exact_gradients(which, tf32_allowed):
     assert not takes and why.startswith(f"the {which}-gradient kernel")
 
 
-def test_cudnn_off_keeps_the_kernels(tf32_allowed, monkeypatch):
+def test_cudnn_off_keeps_the_kernels(on_h200, monkeypatch):
     """With cuDNN off PyTorch's own 3-D convolution runs, slower: no choice takes it, and the
     cached choices are keyed by the switch (``planner.torch_flags``)."""
     geom = ConvGeometry.create(128, 128, 3, 2, 1)

@@ -65,12 +65,6 @@ from .mma import FRAGMENTS, MIN_CC, f32_bits, mma_tf32, to_tf32
 from .vecload import load4
 from .warp import FULL_MASK, WARP_SIZE
 
-#: Whether ``Pipeline(precision=None)`` takes this kernel where PyTorch's flag allows TF32.
-#: False: it is faster than the FFMA gather on most rows of the benchmark's shape suite but not
-#: on all (H200, docs/performance.md), and no planner chooses between them per geometry yet,
-#: so a call that only allows TF32 runs the FFMA gather, exact in float32;
-#: ``precision="tf32"`` asks for this kernel.
-TAKEN_WHEN_ALLOWED = False
 KC = 8                    # input channels per K step (the mma's k)
 ROWS = 4                  # warps (output rows) per block
 MAX_REGS = 128            # registers per thread: four blocks of 128 threads per SM

@@ -1,0 +1,61 @@
+"""Calls for compute-sanitizer: every kernel of a forward and a backward, in each precision and mode.
+
+Answers: do the kernels (the gathers on CUDA and tensor cores, box sums, the statistics, the
+backward's gradients) read or write out of bounds, and do their shared-memory accesses race?
+
+    CS=/usr/local/cuda/bin/compute-sanitizer
+    PYTHONPATH=$PWD $CS --tool memcheck python3 benchmarks/sanitize_calls.py
+    PYTHONPATH=$PWD $CS --tool racecheck --racecheck-report hazard python3 benchmarks/sanitize_calls.py
+
+Per geometry of :data:`GEOMETRIES` (ragged channel tiles, a W stride of 5, groups with dilation;
+small, as the sanitizer slows kernels by 10-100x), ``precision="ieee"`` and ``"tf32"``
+(the FFMA and the tensor-core gather), evaluation, and training with an input that requires grad
+and a backward: one ``Pipeline`` call on the specialised kernels, each output checked against
+float64. Exits non-zero where a call's error is too large; the sanitizer's report is its own.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+
+from numba_deconv import bench
+from numba_deconv.pipeline import Pipeline
+
+GEOMETRIES = [
+    bench.Case("ragged", bench._conv(12, 20, 3, 2, 1), 2, (5, 7, 9)),
+    bench.Case("w stride 5", bench._conv(8, 24, (2, 3, 5), (1, 2, 5), 0), 1, (3, 4, 5)),
+    bench.Case("groups, dilation", bench._conv(16, 32, (3, 2, 4), 3, (1, 0, 1), groups=2,
+                                               dilation=2), 2, (4, 5, 6)),
+]
+#: relative error against float64 above which a call counts as wrong
+TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3}
+
+
+def main() -> int:
+    if not torch.cuda.is_available() or bench.is_simulator():
+        raise SystemExit("sanitize_calls: needs a GPU")
+    failed = 0
+    for case in GEOMETRIES:
+        for precision in ("ieee", "tf32"):
+            for mode in ("eval", "train"):
+                base, x = case.build("cuda")
+                reference = bench.float64_reference(base, x, mode)
+                model = copy.deepcopy(base).train(mode == "train")
+                pipe = Pipeline.from_torch(model, precision=precision, specialize=True)
+                x = x.clone().requires_grad_(mode == "train")
+                out = pipe(x)
+                if mode == "train":
+                    out.backward(torch.randn_like(out))
+                torch.cuda.synchronize()
+                error = ((out.detach().double() - reference).norm() / reference.norm()).item()
+                ok = error <= TOLERANCE[precision]
+                failed += not ok
+                print(f"{case.name:18s} {precision:5s} {mode:5s} error {error:.1e} "
+                      f"{'ok' if ok else 'TOO LARGE'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
