@@ -310,8 +310,8 @@ class Pipeline:
 
     def _half_direct(self, x: torch.Tensor, half: torch.dtype) -> torch.Tensor:
         """A half-precision call (``_writes_half``) on its float32 input ``x``: on the paths
-        whose last kernel writes every output value (``_forward_body``: not the Gram path, the
-        tensor-core gather nor an empty batch) that kernel stores it rounded to ``half``
+        whose last kernel writes every output value (``_forward_body``: not the Gram path nor an
+        empty batch) that kernel stores it rounded to ``half``
         (``kernels.half``), bit for bit the float32 output cast by torch (a NaN as some NaN),
         without the float32 output and the pass that casts it; elsewhere the float32 output is
         cast."""
@@ -1013,13 +1013,10 @@ class Pipeline:
 
     def _writes_half_on(self, plan: CallPlan) -> bool:
         """Whether a call on ``plan`` can write a half-precision output in its last kernel:
-        the gather's evaluation epilogue, or ``scale_centered`` after the epilogue path and the
-        stored paths. Not the Gram path and the tensor-core gather (their epilogues, which
-        write the output last in evaluation, have no half store; the tensor-core gather's
-        training, which could end in ``scale_centered`` as well, casts too) nor a synchronized
-        call."""
-        return plan.path in HALF_STORE_PATHS and plan.scratch.x_tf32 is None \
-            and not self._synced()
+        either gather's evaluation epilogue, or ``scale_centered`` after the epilogue path and
+        the stored paths. Not the Gram path (its epilogue, which writes the output last, has
+        no half store) nor a synchronized call."""
+        return plan.path in HALF_STORE_PATHS and not self._synced()
 
     def _save(self, save: dict, x: torch.Tensor, batch_stats: bool, plan: CallPlan | None,
               conv_out: torch.Tensor | None) -> None:
@@ -1077,6 +1074,23 @@ class Pipeline:
         return self._derived(s.wph, key, lambda buf: plan.gather.arrange(
             conv_weight, s.wph_index, out=buf))
 
+    def _tf32_weights(self, plan: CallPlan, flat_w: torch.Tensor, key: tuple,
+                      batch_stats: bool) -> torch.Tensor:
+        """box_sums' weights (``flat_w``, which ``key`` describes) rounded to TF32, for the
+        tensor-core gather's means: with batch statistics in the plan's buffer, written again
+        where the weight changed (``_refresh_derived``); in evaluation a tensor of its own per
+        folded weights, as the arranged ones (``_gather``). Not a launch of every call."""
+        def fill(buf):
+            mma.launch_round_to_tf32(flat_w.reshape(-1), buf)
+            return buf
+
+        if batch_stats:
+            return self._derived(plan.scratch.w_tf32, key, fill)
+        # (a tensor of its own, not a view: the replay of a recorded call takes views of pinned
+        # tensors only, and ``_cached`` pins what it keeps)
+        return self._cached("gather_w_tf32_eval", key, lambda: fill(torch.empty(
+            flat_w.numel(), dtype=flat_w.dtype, device=flat_w.device)))
+
     def _derived(self, buf: torch.Tensor, key: tuple, fill) -> torch.Tensor:
         """``buf``, one of a plan's buffers, holding what ``fill(buf)`` writes from the
         parameters ``key`` describes: written again only when ``key`` changed, so the buffer's
@@ -1095,7 +1109,11 @@ class Pipeline:
         self._bias64(plan)
         if plan.scratch.wph is not None:
             weight = self.conv.weight
-            self._arranged(plan, weight.detach(), (self._version(weight),))
+            key = (self._version(weight),)
+            self._arranged(plan, weight.detach(), key)
+            if plan.scratch.w_tf32 is not None:
+                flat_w = weight.detach().view(*weight.shape[:2], -1)
+                self._tf32_weights(plan, flat_w, key, True)
 
     # ---- synchronized batch statistics (``sync``) ---------------------------------------------
     def synchronize(self, process_group) -> "Pipeline":
@@ -1325,8 +1343,8 @@ class Pipeline:
             # are taken of the same ones, so its output is centred as a TF32 convolution's
             # would be (design.md §2.9)
             launch.round_input(x.reshape(-1), s.x_tf32, s.x_pad)
-            mma.launch_round_to_tf32(flat_w.reshape(-1), s.w_tf32)
-            box_inputs = (s.x_tf32.view(x.shape), s.w_tf32.view(flat_w.shape))
+            w_tf32 = self._tf32_weights(plan, flat_w, key, batch_stats)
+            box_inputs = (s.x_tf32.view(x.shape), w_tf32.view(flat_w.shape))
             conv_in = s.x_pad
         else:
             box_inputs = (x, flat_w)
@@ -1336,7 +1354,7 @@ class Pipeline:
             return
         self._box_sums(*box_inputs, plan, record)
         # box_sums was the previous kernel unless a trace recorded (copied) its results since;
-        # a half-precision output (the FFMA gather's evaluation only) is stored through its bits
+        # a half-precision output (either gather's evaluation only) is stored through its bits
         store = kind_of(conv_out.dtype)
         launch.run(dtype, batch_stats, conv_in, wph, plan.scratch.means,
                    bits_view(conv_out).view(-1), plan.scratch.ss,

@@ -244,6 +244,30 @@ def test_recorded_calls_in_tf32(device, train):
             opt.step()
 
 
+def test_a_recorded_tf32_call_replays_three_launches_and_sees_weight_changes(device):
+    """Evaluation calls of one shape (forward only): from the third they replay the round of
+    the input, box_sums and the gather, and nothing else; box_sums' TF32-rounded weights are
+    derived, as the arranged ones, only where the weights changed, which the next call sees."""
+    model = _modules(device, False).requires_grad_(False)
+    pipe = Pipeline.from_torch(model, precision="tf32", specialize=True)
+    x = torch.randn(1, 5, 1, 2, 3, device=device) + 1
+    launches = []
+    with torch.no_grad():
+        for step in range(4):
+            if step == 3:  # an optimizer-like step, in place
+                model.conv_transpose.weight.mul_(-1.5)
+            prepared = pipe._prepared.get(pipe._call_key(x))
+            replay = prepared is not None and prepared.replay is not None
+            if replay:
+                launches.append(len(prepared.replay._steps))
+            want = reference(*(copy.deepcopy(m).double() for m in (model.conv_transpose,
+                                                                   model.batch_norm)),
+                             x.double())
+            err, own = relative_error(pipe(x), want), _tf32_operator_error(model, x)
+            assert err <= 3 * own, (step, err, own)
+    assert launches and set(launches) == {3}  # (the recordings of the third call on)
+
+
 def test_strict_and_default_precision_run_the_exact_gather(device):
     model = _modules(device, False)
     x = torch.randn(2, 5, 3, 4, 5, device=device)
