@@ -69,9 +69,11 @@ def _models(device, training: bool):
     ({"conv_impl": "torch"}, False, torch.float16),
     pytest.param({"conv_impl": "torch"}, True, torch.bfloat16, marks=pytest.mark.gpu),
     pytest.param({"conv_impl": "scatter"}, True, torch.bfloat16, marks=pytest.mark.gpu),
-    pytest.param({"specialize": False}, False, torch.float16, marks=pytest.mark.gpu)],
+    pytest.param({"specialize": False}, False, torch.float16, marks=pytest.mark.gpu),
+    ({"precision": "tf32"}, False, torch.float16),
+    pytest.param({"precision": "tf32"}, True, torch.bfloat16, marks=pytest.mark.gpu)],
     ids=["gather-eval", "epilogue-train", "torch-eval", "torch-train", "scatter-train",
-         "generic-eval"])
+         "generic-eval", "tf32-eval", "tf32-train"])
 def test_half_output_is_the_float32_output_rounded(device, settings, training, half):
     """Calls planned, recorded and replayed on inputs with large per-channel offsets, each
     followed by the float32 call on the same values: the half output equal bit for bit to the

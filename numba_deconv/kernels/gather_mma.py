@@ -59,6 +59,7 @@ from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
 from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
+from .half import KINDS, store_bits
 from .launch import block_size, grid_for, launch as launch_kernel
 from ..simulator import is_simulator
 from .mma import FRAGMENTS, MIN_CC, f32_bits, mma_tf32, to_tf32
@@ -181,11 +182,11 @@ class MmaLaunch:
         return arrange_weights(weight, index, out=out)
 
     def run(self, dtype: str, train: bool, x, wmm, mean, out, ss, *, scale=None,
-            after_prior: bool = False) -> None:
+            after_prior: bool = False, store: str = "") -> None:
         """``launch_gather_mma`` with this launch (``dtype``: float32, the one it takes)."""
         assert dtype == "float32", dtype
         launch_gather_mma(self, train, x, wmm, mean, out, ss, scale=scale,
-                          after_prior=after_prior)
+                          after_prior=after_prior, store=store)
 
     def round_input(self, x, x_tf32, x_pad) -> None:
         """``launch_round_input`` for this launch's row padding."""
@@ -269,14 +270,20 @@ def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
 
 @kernel_factory
 def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat: tuple,
-                    mode: str, wide: bool, ragged: bool):
+                    mode: str, wide: bool, ragged: bool, store: str = ""):
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
     the module docstring says what a block and a warp own. ``wide``: the input or the output
     has 2**31 elements or more, so offsets are 64-bit (otherwise 32-bit). ``ragged``: a
-    group's input channels are not a whole number of chunks (the B fragments test them)."""
+    group's input channels are not a whole number of chunks (the B fragments test them).
+    ``store``: "" writes float32; "bfloat16" or "float16" writes each value rounded to that
+    dtype into a ``uint16`` view of a half-precision output (evaluation only: a half-precision
+    call's, whose output this epilogue writes last), as the FFMA gather's does."""
     idx = int64 if wide else int32
     assert mode in MODES, mode
     train, scaled = mode == "train", mode == "scaled"
+    half = store != ""
+    assert not (half and (train or scaled)), "a half store is the output's last write"
+    to_bits = store_bits(store or KINDS[1])
     sd, d_counts, d_first, d_step = d_phases(dpat)
     tdmax = max(1, max(d_counts))
     sh, h_taps, _ = hpat
@@ -441,7 +448,10 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                         for p in range(passes):
                             wl = int32(p * WARP_SIZE + lane)
                             if wl < seg and ow0 + wl < w_out:
-                                out[uint64(idx(orow + wl))] = tile[warp, r, wl]
+                                if half:
+                                    out[uint64(idx(orow + wl))] = to_bits(tile[warp, r, wl])
+                                else:
+                                    out[uint64(idx(orow + wl))] = tile[warp, r, wl]
             cuda.syncwarp()
         if train:
             # the quad's lanes (one g) hold the same channels: add over tq (lane bits 0-1),
@@ -466,24 +476,26 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     return conv_transpose3d_gather_mma
 
 
-def mma_kernel(launch: MmaLaunch, mode: str):
+def mma_kernel(launch: MmaLaunch, mode: str, store: str = ""):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_mma_kernel(t.mt, t.nq, t.rows, launch.dpat, launch.hpat, launch.wpat, mode,
-                           launch.wide, launch.ragged)
+                           launch.wide, launch.ragged, store)
 
 
 def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, scale=None,
-                      after_prior: bool = False) -> None:
+                      after_prior: bool = False, store: str = "") -> None:
     """Launch the tensor-core gather (``x`` and ``out`` flattened, contiguous), as
     ``gather.launch_gather`` launches the FFMA one: ``scale`` selects the scaled epilogue,
-    ``after_prior`` a programmatic dependent launch after the kernel writing the means.
-    ``x`` and ``wmm`` hold TF32 values: ``launch_round_input`` (into ``padded_numel``
-    elements, zeros where it does not write) and ``arrange_weights`` make them."""
+    ``after_prior`` a programmatic dependent launch after the kernel writing the means,
+    ``store`` a half-precision output's dtype name (``out`` is then its ``uint16`` view,
+    ``half.bits_view``). ``x`` and ``wmm`` hold TF32 values: ``launch_round_input`` (into
+    ``padded_numel`` elements, zeros where it does not write) and ``arrange_weights`` make
+    them."""
     if wmm.data_ptr() % 16:  # the fragments' 16-byte loads (arrange_weights' tensors are)
         raise ValueError("gather_mma: the arranged weights must be 16-byte aligned")
     mode = "train" if train else ("scaled" if scale is not None else "eval")
-    kernel = mma_kernel(launch, mode)
+    kernel = mma_kernel(launch, mode, store)
     launch_kernel(kernel, launch.grid, launch.block,
                   (x, wmm, mean, wmm if scale is None else scale, out, ss, *launch.dims),
                   after_prior=after_prior)
