@@ -234,13 +234,15 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
     rows = rows.contiguous()
     scratch, part_size = kept if kept is not None else (None, None)
     if scratch is None:
-        # dy = k1 (g - gm) - k2 (yc - off + m - mu): a = k1, e = -k2 and the per-(n, c)
-        # constants b, worked out in one launch; the per-(n, c) sums gsum and gy
-        coef = torch.empty(2 * channels + 3 * r, **f64)
+        # dy = k1 (g - gm) - k2 (yc - centre + m - mu): a = k1, e = -k2 and the per-(n, c)
+        # constants b, worked out in one launch; the per-(n, c) sums gsum and gy and the rows'
+        # exact means centre (grad_rows)
+        coef = torch.empty(2 * channels + 4 * r, **f64)
         scratch = dict(a=coef[:channels], e=coef[channels:2 * channels],
                        b=coef[2 * channels:2 * channels + r],
                        gsum=coef[2 * channels + r:2 * channels + 2 * r],
-                       gy=coef[2 * channels + 2 * r:])
+                       gy=coef[2 * channels + 2 * r:2 * channels + 3 * r],
+                       centre=coef[2 * channels + 3 * r:])
     yc = yc.contiguous()
     dy = yc.view(g.shape) if yc_spent else torch.empty_like(g, dtype=yc.dtype)
     t = dict(g=bits_view(g).view(r, volume), yc=yc.view(r, volume), off=rows[0], means=rows[1],
@@ -265,7 +267,7 @@ def _keep(key: tuple, t: dict) -> None:
     few kB) and the size of its weight-gradient partials for the later calls of its kind on
     its stream (``key``: the kind and the stream). They share the scratch: on one stream each
     call's launches end before the next call's begin. The newest ``REPLAYS`` are kept."""
-    _KEPT[key] = ({name: t[name] for name in ("a", "e", "b", "gsum", "gy")},
+    _KEPT[key] = ({name: t[name] for name in ("a", "e", "b", "gsum", "gy", "centre")},
                   t["part"].numel() if "part" in t else None)
     if len(_KEPT) > REPLAYS:
         _KEPT.popitem(last=False)
@@ -279,12 +281,14 @@ def _batch_stats_launches(conv, t: dict, affine: bool, group, half: str = "") ->
     batch, channels = t["off"].shape
     volume = t["g"].shape[1]
     gsum, gy = t["gsum"], t["gy"]
-    grad_rows.launch_grad_row_sums(t["g"], gsum, t["yc"], t["off"].view(-1), gy, half=half)
+    grad_rows.launch_grad_row_sums(t["g"], gsum, t["yc"], t["off"].view(-1), gy, t["centre"],
+                                   half=half)
     totals = None
     if group is not None:  # the group's count and A_c
         totals = sync.all_sums(batch * volume, gy.view(batch, channels).sum(dim=0), group)
     grad_rows.launch_grad_coefficients(
-        gsum.view(batch, channels), gy.view(batch, channels), t["off"], t["means"], t["stats"],
+        gsum.view(batch, channels), gy.view(batch, channels),
+        t["centre"].view(batch, channels), t["means"], t["stats"],
         t.get("gamma"), volume, batch * volume, t["a"], t["e"], t["b"].view(batch, channels),
         t["dgamma"] if affine else None, totals)
     dy = t["dy"]

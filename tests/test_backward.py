@@ -34,6 +34,22 @@ def test_gradients_match_pytorch(data, limits, device):
             conv, bn, specialize=specialize, poison=True), device)
 
 
+@pytest.mark.parametrize("specialize", [True, False], ids=["specialised", "generic"])
+def test_an_input_gradient_that_cancels(specialize, device):
+    """hypothesis's example: one channel, one sample, two output voxels per channel, batch
+    statistics. The normalised output is +-1 whatever the input, so ``dL/dy`` is the small
+    remainder of two terms that cancel (1 part in ~2000 here): the rows' exact means
+    (``grad_rows``' centre) keep the float32 rounding of the kept convolution out of it."""
+    geom = testing.ConvGeometry.create(1, 1, (1, 2, 1), 1, (1, 0, 0), dilation=(2, 1, 1),
+                                       bias=False)
+    case = testing.Case(geom, testing.BatchNormSettings(eps=1e-05, momentum=None, affine=False,
+                                                        track_running_stats=False),
+                        1, (3, 1, 1), False, dtype=torch.float32, seed=0,
+                        inputs=testing.InputStyle(scale=2.0, offset=0.25, flat_channels=False))
+    testing.check_gradients(case, lambda conv, bn: Pipeline.from_modules(
+        conv, bn, specialize=specialize, poison=True), device)
+
+
 @pytest.mark.parametrize("conv_impl,variance,training", [
     ("gather", "auto", False), ("gather", "auto", True), ("gather", "gram", True),
     ("torch", "auto", False), ("torch", "auto", True),

@@ -1,4 +1,5 @@
-"""``kernels.grad_rows.grad_coefficients`` against the torch algebra it replaces (float64)."""
+"""``kernels.grad_rows``: the row sums and ``grad_coefficients`` against the torch algebra they
+replace (float64)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from numba_deconv.kernels import grad_rows
 @given(st.integers(1, 9), st.integers(1, 6), st.integers(1, 50), st.booleans(), st.booleans(),
        st.integers(0, 2**31 - 1))
 def test_grad_coefficients_are_the_torch_algebra(batch, channels, volume, affine, pooled, seed):
-    """a = k1, e = -k2, b = -k1 gsum / S + k2 (off - m + mu) and dgamma = A_c(local) / sigma,
+    """a = k1, e = -k2, b = -k1 gsum / S + k2 (centre - m + mu) and dgamma = A_c(local) / sigma,
     with A_c and the count this batch's, or the group's (``totals``)."""
     device = tensor_device()
     gen = torch.Generator().manual_seed(seed)
@@ -49,3 +50,25 @@ def test_grad_coefficients_are_the_torch_algebra(batch, channels, volume, affine
     torch.testing.assert_close(b.cpu(), b_ref, **close)
     if affine:
         torch.testing.assert_close(dgamma.cpu(), (local / sigma).float(), rtol=1e-6, atol=1e-6)
+
+
+@given(st.integers(1, 6), st.integers(1, 70), st.floats(-1e3, 1e3), st.integers(0, 2**31 - 1))
+def test_row_sums_centre_each_row_exactly(rows, volume, offset, seed):
+    """gsum = sum g; centre = off + mean(yc - off), the row's exact mean whatever ``off`` misses
+    it by (the forward's mean, or zero); gy = sum g (yc - centre): all in float64, from float32
+    ``g`` and ``yc`` whose rows sit ``offset`` away from ``off``."""
+    device = tensor_device()
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(rows, volume, generator=gen) * 5
+    off = torch.randn(rows, generator=gen, dtype=torch.float64)
+    yc = (off[:, None] + offset + torch.randn(rows, volume, generator=gen, dtype=torch.float64)
+          ).float()
+    gsum, gy, centre = (torch.full((rows,), float("nan"), dtype=torch.float64).to(device)
+                        for _ in range(3))
+    grad_rows.launch_grad_row_sums(g.to(device), gsum, yc.to(device), off.to(device), gy, centre)
+    g64, y64 = g.double(), yc.double()
+    want_centre = y64.mean(dim=1)
+    close = dict(rtol=1e-12, atol=1e-12 * (1 + abs(offset)) * volume)
+    torch.testing.assert_close(gsum.cpu(), g64.sum(dim=1), **close)
+    torch.testing.assert_close(centre.cpu(), want_centre, **close)
+    torch.testing.assert_close(gy.cpu(), (g64 * (y64 - want_centre[:, None])).sum(dim=1), **close)
