@@ -39,9 +39,11 @@ from numba_deconv import bench
 from numba_deconv.kernels import gather_mma
 
 
-def tf32_provider(base, mode: str):
-    model = bench.NumbaModel(copy.deepcopy(base).train(mode == "train"), "gather")
-    model.pipe.precision = "tf32"
+def provider(base, mode: str, conv_impl: str = "gather", precision: str | None = "tf32"):
+    """A pipeline over a copy of ``base`` in ``mode``, its convolution forced by ``conv_impl``
+    and ``precision`` (default: the tensor-core gather)."""
+    model = bench.NumbaModel(copy.deepcopy(base).train(mode == "train"), conv_impl)
+    model.pipe.precision = precision
     return model.train(mode == "train")
 
 
@@ -87,13 +89,10 @@ SWEEP = [case for case in bench.suite_cases() if case.dtype == "float32"] + [
 
 
 def _sweep_models(case: bench.Case, mode: str, base) -> dict:
-    models = {}
-    for name, conv_impl, precision in (("ffma", "gather", "ieee"), ("tf32", "gather", "tf32"),
-                                       ("cudnn", "torch", None)):
-        model = bench.NumbaModel(copy.deepcopy(base).train(mode == "train"), conv_impl)
-        model.pipe.precision = precision
-        models[name] = model.train(mode == "train")
-    return models
+    return {name: provider(base, mode, conv_impl, precision)
+            for name, conv_impl, precision in (("ffma", "gather", "ieee"),
+                                               ("tf32", "gather", "tf32"),
+                                               ("cudnn", "torch", None))}
 
 
 def _compile(index: int) -> str:
@@ -174,7 +173,7 @@ def main() -> None:
             for rows_per_block, acc_tiles in tilings:
                 gather_mma.ROWS, gather_mma.MAX_ACC_TILES = rows_per_block, acc_tiles
                 rows.append((f"tf32 rows={rows_per_block} acc={acc_tiles}",
-                             time_call(tf32_provider(base, mode), x, reference)))
+                             time_call(provider(base, mode), x, reference)))
             for name, (b2b, kb, error) in rows:
                 print(f"| {case.name} | {mode} | {name} | {b2b:.3f} / {kb:.3f} | "
                       f"{eager[0] / b2b:.2f}x / {eager[1] / kb:.2f}x | {error:.1e} |", flush=True)

@@ -443,10 +443,13 @@ class Pipeline:
                   half: torch.dtype | None = None) -> tuple:
         """The kind of a call, which prepared calls are kept by: input shape, dtype, device,
         the mode, whether it saves for a backward and, if so, whether it updates the running
-        statistics (``forward_saving``), and a half-precision call's output dtype."""
+        statistics (``forward_saving``), the convolution it runs, and a half-precision call's
+        output dtype. The convolution as ``precision``, ``conv_impl`` and the planner's choice
+        (``convolution``), which decide ``tensor_cores`` and ``torch_conv`` with the shape,
+        dtype and device: one cached lookup at every call, not one for each."""
         return (x.shape, x.dtype, x.device, self.training, saving,
-                saving and self._saving_updates, self.tensor_cores(x.shape, x.dtype, x.device),
-                self.torch_conv(x.shape, x.dtype, x.device), half)
+                saving and self._saving_updates, self.precision, self.conv_impl,
+                self.convolution(x.shape, x.dtype, x.device), half)
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
