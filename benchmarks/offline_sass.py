@@ -2,12 +2,12 @@
 
 Answers: does a kernel change keep the register cap without spilling, and what does it do to
 the instruction mix? Covers the default problem's gather kernel (``eval``, ``train``: the
-centred-square epilogue, ``scaled``: the Gram path's scaled epilogue), ``gram_sums`` (``gram``,
-the default problem's or a small one's with four teams per slot) and ``box_sums`` (``box``, the
-default problem's).
+centred-square epilogue, ``scaled``: the Gram path's scaled epilogue), the tensor-core
+gather's (``mma``, ``mma-train``), ``gram_sums`` (``gram``, the default problem's or a small
+one's with four teams per slot) and ``box_sums`` (``box``, the default problem's).
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
-    python benchmarks/offline_sass.py [eval|train|scaled] [--out PREFIX]
+    python benchmarks/offline_sass.py [eval|train|scaled|mma|mma-train] [--out PREFIX]
     python benchmarks/offline_sass.py gram [--case default|small] [--dtype float32|float64]
         [--out PREFIX]
     python benchmarks/offline_sass.py box [--dtype float32|float64] [--out PREFIX]
@@ -98,6 +98,28 @@ def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
     return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, tiling.max_regs)
 
 
+def compile_gather_mma(mode: str, prefix: str) -> tuple[str, str]:
+    """PTX, ptxas' report and the SASS of the default problem's tensor-core gather in ``mode``
+    (``eval``, ``train``), at its GPU tiling."""
+    stand_in_device()
+    import numba
+    from numba import cuda, float32, float64
+
+    from numba_deconv import bench
+    from numba_deconv.kernels import gather_mma
+
+    case = bench.default_case()
+    geom = case.geometry()
+    out_spatial = tuple(a.output_size(n) for a, n in zip(geom.axes(), case.spatial))
+    launch = gather_mma.mma_launch(geom, case.batch, case.spatial, out_spatial)
+    kernel = gather_mma.mma_kernel(launch, mode)
+    sizes, divs = launch.dims
+    sig = (float32[::1], float32[::1], float64[:, ::1], float32[::1], float32[::1],
+           float64[:, :, ::1], numba.typeof(sizes), numba.typeof(divs))
+    return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix,
+                    gather_mma.MAX_REGS)
+
+
 # gram_sums' cases: the default problem's (one team per slot) and a small one (four teams)
 GRAM_CASES = {"default": ((16, 32, 3, 2, 1), (16, 32, 32), 16),
               "small": ((5, 7, 3, 2, 1), (5, 9, 11), 2)}
@@ -181,7 +203,7 @@ def summary(sass: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", nargs="?", default="eval",
-                        choices=("eval", "train", "scaled", "gram", "box"))
+                        choices=("eval", "train", "scaled", "mma", "mma-train", "gram", "box"))
     parser.add_argument("--case", default="default", choices=tuple(GRAM_CASES),
                         help="gram: which problem's gram_sums")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
@@ -193,6 +215,9 @@ def main() -> None:
         report, sass = compile_gram_sums(args.case, args.dtype, args.out)
     elif args.mode == "box":
         report, sass = compile_box_sums(args.dtype, args.out)
+    elif args.mode.startswith("mma"):
+        report, sass = compile_gather_mma("train" if args.mode == "mma-train" else "eval",
+                                          args.out)
     else:
         report, sass = compile_gather(args.mode, args.out)
     print("\n".join(line.strip() for line in report.splitlines()

@@ -170,10 +170,12 @@ def main() -> None:
             rows = [("eager (TF32)", eager),
                     ("numba_deconv", time_call(bench.make_provider("numba_deconv", base, mode),
                                                x, reference))]
+            default = gather_mma.ROWS, gather_mma.MAX_ACC_TILES
             for rows_per_block, acc_tiles in tilings:
                 gather_mma.ROWS, gather_mma.MAX_ACC_TILES = rows_per_block, acc_tiles
                 rows.append((f"tf32 rows={rows_per_block} acc={acc_tiles}",
                              time_call(provider(base, mode), x, reference)))
+            gather_mma.ROWS, gather_mma.MAX_ACC_TILES = default  # the next row's default call
             for name, (b2b, kb, error) in rows:
                 print(f"| {case.name} | {mode} | {name} | {b2b:.3f} / {kb:.3f} | "
                       f"{eager[0] / b2b:.2f}x / {eager[1] / kb:.2f}x | {error:.1e} |", flush=True)
