@@ -415,6 +415,7 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         wait_prior_grid()   # box_sums (or gram_statistics) wrote the means (and the scale)
         co_last = int32(grp * opg + opg - 1)
         oplane = idx(out_h * out_w)
+        cplane = idx(out_d * oplane)            # from one output channel to the next
         w_out = int32(out_w)
         ow0 = int32(q0 * sw)
         sq = cuda.local.array(n_sq, float64)
@@ -440,18 +441,24 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                 sq[2 * m + h] = s
             cuda.syncwarp()
             if row_ok:
-                for r in range(16):
-                    c = int32(c0 + 16 * m + r)
-                    if c < opg:
-                        orow = idx(((n * out_ch + grp * opg + c) * out_d + od) * oplane
-                                   + oh * w_out + ow0)
-                        for p in range(passes):
-                            wl = int32(p * WARP_SIZE + lane)
-                            if wl < seg and ow0 + wl < w_out:
+                # the m-tile's first channel row at the segment's start, one channel plane
+                # apart from row to row; its channels in the group (the last tile's may end
+                # early). One store a row and pass, its offset 32-bit unless ``wide`` (numba
+                # widens integer arithmetic to 64 bits: hence the casts)
+                orow = idx(((n * out_ch + grp * opg + c0 + 16 * m) * out_d + od) * oplane
+                           + oh * w_out + ow0)
+                crows = int32(opg - (c0 + 16 * m))
+                for p in range(passes):
+                    wl = int32(p * WARP_SIZE + lane)
+                    if wl < seg and ow0 + wl < w_out:
+                        o = idx(orow + wl)
+                        for r in range(16):
+                            if int32(r) < crows:
                                 if half:
-                                    out[uint64(idx(orow + wl))] = to_bits(tile[warp, r, wl])
+                                    out[uint64(o)] = to_bits(tile[warp, r, wl])
                                 else:
-                                    out[uint64(idx(orow + wl))] = tile[warp, r, wl]
+                                    out[uint64(o)] = tile[warp, r, wl]
+                            o = idx(o + cplane)
             cuda.syncwarp()
         if train:
             # the quad's lanes (one g) hold the same channels: add over tq (lane bits 0-1),
