@@ -10,8 +10,10 @@ backward's gradients) read or write out of bounds, and do their shared-memory ac
 Per geometry of :data:`GEOMETRIES` (ragged channel tiles, a W stride of 5, groups with dilation;
 small, as the sanitizer slows kernels by 10-100x), ``precision="ieee"`` and ``"tf32"``
 (the FFMA and the tensor-core gather), evaluation, and training with an input that requires grad
-and a backward: one ``Pipeline`` call on the specialised kernels, each output checked against
-float64. Exits non-zero where a call's error is too large; the sanitizer's report is its own.
+and a backward (and, on tensor cores, a training forward whose output a second pass of the
+convolution writes: ``Options(second_pass=True)``): one ``Pipeline`` call on the specialised
+kernels, each output checked against float64. Exits non-zero where a call's error is too large;
+the sanitizer's report is its own.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 
 from numba_deconv import bench
 from numba_deconv.pipeline import Pipeline
+from numba_deconv.plan import Options
 
 GEOMETRIES = [
     bench.Case("ragged", bench._conv(12, 20, 3, 2, 1), 2, (5, 7, 9)),
@@ -39,11 +42,13 @@ def main() -> int:
     failed = 0
     for case in GEOMETRIES:
         for precision in ("ieee", "tf32"):
-            for mode in ("eval", "train"):
+            for mode in ("eval", "train") + (("second",) if precision == "tf32" else ()):
+                train = mode != "eval"
                 base, x = case.build("cuda")
-                reference = bench.float64_reference(base, x, mode)
-                model = copy.deepcopy(base).train(mode == "train")
-                pipe = Pipeline.from_torch(model, precision=precision, specialize=True)
+                reference = bench.float64_reference(base, x, "train" if train else "eval")
+                model = copy.deepcopy(base).train(train)
+                pipe = Pipeline.from_torch(model, precision=precision, specialize=True,
+                                           options=Options(second_pass=mode == "second"))
                 x = x.clone().requires_grad_(mode == "train")
                 out = pipe(x)
                 if mode == "train":

@@ -214,10 +214,11 @@ def _gather_label(launch, variant: str) -> str:
     return f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},edges={rows}x{cols}{variant}]"
 
 
-def _gather_kernel(launch, name: str, train: bool, scaled: bool = False):
-    """(kernel, block, dynamic shared memory bytes) of a gather launch."""
+def _gather_kernel(launch, name: str, train: bool, scaled: bool = False, mode: str = ""):
+    """(kernel, block, dynamic shared memory bytes) of a gather launch (``mode``: the
+    tensor-core gather's, where not the one ``train`` and ``scaled`` name)."""
     if isinstance(launch, gather_mma.MmaLaunch):
-        mode = "train" if train else ("scaled" if scaled else "eval")
+        mode = mode or ("train" if train else ("scaled" if scaled else "eval"))
         return gather_mma.mma_kernel(launch, mode), launch.block, 0
     return gather.gather_kernel(launch, name, train, scaled), launch.tiling.block, launch.smem
 
@@ -237,6 +238,7 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
     macs = geom.macs(batch, in_spatial)
     out = []
     stored = path in STORED_PATHS  # the convolution stored, then its moments
+    second = False
     if path == "generic":
         blk = block_size(gather_simple.BLOCK)
         out.append(("conv_transpose3d_gather_simple", "gather_simple_kernel",
@@ -292,13 +294,19 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
                         2 * macs, x_bytes + w_bytes + rows_nc * 8 + n_out * e, smem))
             out.append(("scale", FUSED_SCALE, None, None, None, 0, 0))
             return out, macs, x_bytes + w_bytes + n_out * e
-        kernel, blk, smem = _gather_kernel(launch, name, batch_stats)
+        # the output written by a second pass (``Pipeline.second_pass``): the first one stores
+        # nothing, the second one stores the final output (the "scale" stage)
+        second = batch_stats and isinstance(launch, gather_mma.MmaLaunch) \
+            and pipe.second_pass((batch, geom.in_channels, *in_spatial), tensor_device())[0]
+        kernel, blk, smem = _gather_kernel(launch, name, batch_stats,
+                                           mode="sums" if second else "")
         flops = 2 * macs + (3 * n_out if batch_stats else 0)
-        nbytes = x_bytes + w_bytes + rows_nc * 8 + n_out * e
+        nbytes = x_bytes + w_bytes + rows_nc * 8 + (0 if second else n_out * e)
         if batch_stats:
             nbytes += rows_nc * launch.slots * 8
         out.append(("conv_transpose3d_gather",
-                    _gather_label(launch, ",train" if batch_stats else ""),
+                    _gather_label(launch, ",sums" if second else
+                                  ",train" if batch_stats else ""),
                     kernel, (launch.grid,), blk, flops, nbytes, smem))
     if batch_stats:
         slots = 1 if stored else launch.slots
@@ -306,7 +314,11 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
                     (batch_stats_kernels.grid_size(geom.out_channels),),
                     block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
                     rows_nc * (slots + 1) * 8 + geom.out_channels * 6 * 8))
-    if not stored and batch_stats:  # the output is centred already
+    if second:
+        kernel, blk, smem = _gather_kernel(launch, name, False, mode="rescaled")
+        out.append(("scale", _gather_label(launch, ",rescaled"), kernel, (launch.grid,), blk,
+                    2 * macs + 2 * n_out, x_bytes + w_bytes + rows_nc * 8 + n_out * e, smem))
+    elif not stored and batch_stats:  # the output is centred already
         blk = block_size(epilogue.BLOCK)
         out.append(("scale", "scale_rows (per channel, in place)", epilogue.make_scale_rows(name),
                     epilogue.scale_rows_grid(rows_nc, vol, blk), blk, n_out, 2 * n_out * e))
@@ -426,6 +438,7 @@ def _saved_bn_state(bn):
 _LAUNCHERS = {
     "gather": ((box_sums, "launch_box_sums", "box_sums"),
                (gather, "launch_gather", "conv_transpose3d_gather"),
+               (gather_mma, "launch_gather_mma", "conv_transpose3d_gather"),
                (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
                (epilogue, "launch_scale_rows", "scale"),
                (gram, "launch_gram_sums", "gram_sums"),
@@ -465,7 +478,9 @@ def _timed_launchers(kind: str, samples: dict[str, list]):
             start.record()
             fn(*args, **kwargs)
             end.record()
-            samples.setdefault(stage, []).append((start, end))
+            # the tensor-core gather's second pass writes the scaled output: the scale stage
+            samples.setdefault("scale" if kwargs.get("mode") == "rescaled" else stage,
+                               []).append((start, end))
         return timed
 
     try:
@@ -634,6 +649,11 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         if gram_path:
             report.notes.append(f"training's variance: from the input's Gram sums before the "
                                 f"convolution ({why})")
+        elif tensor_cores and pipe.second_pass(input_shape, tensor_device())[0]:
+            second_why = pipe.second_pass(input_shape, tensor_device())[1]
+            report.notes.append(f"training's variance: from the gather's epilogue, which "
+                                f"stores nothing; a second pass of the convolution writes the "
+                                f"scaled output ({why}; {second_why})")
         else:
             report.notes.append(f"training's variance: from the gather's epilogue, then a "
                                 f"second pass over the output ({why})")

@@ -754,6 +754,17 @@ class Pipeline:
             return gather_mma.device_supports(device)
         return self.convolution(shape, dtype, device) == "gather_mma"
 
+    def second_pass(self, shape, device: torch.device) -> tuple[bool, str]:
+        """``(second, why)``: whether a training call on the tensor-core gather with an input
+        of ``shape`` writes its output in a second pass of the convolution, the first storing
+        nothing (``Options.second_pass``; ``"auto"`` asks ``planner.second_pass``). Where the
+        call runs the epilogue path on tensor cores and keeps nothing for a backward; the
+        output is the same, bit for bit, either way."""
+        option = self.options.second_pass
+        if option != "auto":
+            return option, f"Options(second_pass={option!r})"
+        return planner.second_pass(self.geometry, tuple(shape), device)
+
     def conv_precision(self, shape, dtype: torch.dtype, device: torch.device) -> str:
         """The precision a call on an input of ``shape``, ``dtype`` and ``device`` runs its
         float32 convolution at: ``"tf32"`` on the tensor-core gather (``tensor_cores``) or on
@@ -999,17 +1010,22 @@ class Pipeline:
         if self.poison:  # anything a kernel forgets to write stays NaN and fails the comparison
             for t in (out, *plan.poisonable()):
                 t.fill_(float("nan"))
+        # training on the tensor-core gather may write the output by a second pass of the
+        # convolution (``second_pass``): not in a trace (its stages are the epilogue path's)
+        # nor in a call that keeps the convolution
+        second = (plan.path == "epilogue" and batch_stats and not saves_conv and record is None
+                  and plan.scratch.x_tf32 is not None and self.second_pass(x.shape, x.device)[0])
         # with batch statistics a saving call keeps the unscaled convolution (``forward_saving``);
         # a half output's convolution is float32 unless the gather's epilogue writes it last
         conv_out = out
-        if saves_conv or (half is not None and plan.path != "eval"):
+        if saves_conv or (half is not None and plan.path != "eval" and not second):
             conv_out = torch.empty_like(out, dtype=x.dtype)
             if half is not None and temps is not None:
                 temps["yc"] = conv_out
         if plan.path in STORED_PATHS:
             self._stored(x, out, plan, batch_stats, record, conv_out)
         else:
-            self._gather(x, out, plan, batch_stats, record, conv_out)
+            self._gather(x, out, plan, batch_stats, record, conv_out, second)
         if save is not None:
             self._save(save, x, batch_stats, plan, conv_out)
         return out
@@ -1318,7 +1334,7 @@ class Pipeline:
         epilogue.launch_scale_centered(rows, means, scale, final)
 
     def _gather(self, x, out, plan: CallPlan, batch_stats: bool, record,
-                conv_out: torch.Tensor) -> None:
+                conv_out: torch.Tensor, second: bool = False) -> None:
         geom, conv = self.geometry, self.conv
         launch = plan.gather
         weight = conv.weight.detach()
@@ -1356,6 +1372,9 @@ class Pipeline:
             self._gram_train(conv_in, out, plan, wph, box_inputs, dtype, record)
             return
         self._box_sums(*box_inputs, plan, record)
+        if second:
+            self._second_pass(conv_in, out, plan, wph, dtype)
+            return
         # box_sums was the previous kernel unless a trace recorded (copied) its results since;
         # a half-precision output (either gather's evaluation only) is stored through its bits
         store = kind_of(conv_out.dtype)
@@ -1380,6 +1399,24 @@ class Pipeline:
             epilogue.launch_scale_centered(conv_out.view(rows, plan.volume),
                                            plan.scratch.zero_rows, scale,
                                            out.view(rows, plan.volume))
+
+    def _second_pass(self, conv_in, out, plan: CallPlan, wph, dtype: str) -> None:
+        """Training on the tensor-core gather, the output written by a second pass
+        (``second_pass``): the first pass sums the centred squares and stores nothing, the
+        statistics give the scale, the second pass stores ``(acc - mean) * scale``: the values
+        the epilogue path stores centred and then scales in place, in the same float32
+        operations, without the output's extra read and write (a half-precision output
+        rounded once, in that store)."""
+        s = plan.scratch
+        bits = bits_view(out).view(-1)
+        plan.gather.run(dtype, True, conv_in, wph, s.means, bits, s.ss, mode="sums",
+                        after_prior=True)
+        scale = self._finish_batch_stats(plan, s.means, s.ss, None)
+        # the scale's kernel is the previous one unless the statistics were exchanged
+        store = kind_of(out.dtype)
+        plan.gather.run(dtype, False, conv_in, wph, s.means, bits, s.ss, scale=scale,
+                        mode="rescaled", after_prior=not self._synced(),
+                        **({"store": store} if store else {}))
 
     def _box_sums(self, x, flat_w, plan: CallPlan, record, after_prior: bool = False,
                   block: int | None = None) -> None:

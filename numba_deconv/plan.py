@@ -50,6 +50,16 @@ class Options:
     #: gather: the last sample's blocks take the D phases with more taps first
     #: (``gather.tail_order``), so the grid ends on its shortest blocks
     tail_heavy_first: bool = True
+    #: training on the tensor-core gather (epilogue path, nothing kept for a backward): the
+    #: output written by a second pass of the convolution, the first storing nothing
+    #: (``planner.second_pass``), rather than stored centred and scaled in place; ``"auto"``
+    #: where predicted faster, or always (True) or never (False)
+    second_pass: bool | str = "auto"
+
+    def __post_init__(self):
+        if self.second_pass not in (True, False, "auto"):
+            raise ValueError(f"second_pass must be True, False or 'auto', got "
+                             f"{self.second_pass!r}")
 
 
 def stages(path: str, batch_statistics: bool, options: Options) -> tuple[str, ...]:

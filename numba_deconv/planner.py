@@ -33,6 +33,9 @@ factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
   input's rounding launch (``MMA_HOST_US``), PyTorch's convolution its dispatch
   (``TORCH_HOST_US``), which decides small calls.
 
+A training call on the tensor-core gather writes its output in a second pass of the convolution
+where that is predicted faster than scaling the stored output in place (``second_pass``).
+
 PyTorch's convolution is taken only where predicted ``MARGIN`` faster than the faster gather
 and with at least ``MIN_OUTPUTS`` outputs. Synchronized statistics and ``variance="gram"`` keep
 the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
@@ -302,6 +305,31 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     return choice, f"{CANDIDATES[choice]}: {costs} ({reason})"
 
 
+def second_pass(geom: ConvGeometry, shape: tuple, device: torch.device) -> tuple[bool, str]:
+    """``(second, why)``: whether a training call on the tensor-core gather (epilogue path,
+    nothing kept for a backward) writes its output in a second pass of the convolution, the
+    first one storing nothing and summing only the centred squares, rather than storing the
+    centred output and scaling it in place (one more read and write of it). Predicted: the
+    tensor-core gather's multiply-adds (``predict``'s model, without its writes) against that
+    read and write at the bandwidth. Both give the same output, bit for bit."""
+    in_spatial = tuple(shape[2:])
+    out_spatial = geom.output_spatial(in_spatial)
+    mma = _mma_work(geom, shape[0], in_spatial, tuple(out_spatial))
+    if mma is None:
+        return False, "the tensor-core gather does not take this geometry"
+    peaks = peaks_of(device)
+    padded, reuse, threads = mma
+    flops = 2.0 * geom.macs(shape[0], in_spatial)
+    again = flops * padded / (MMA_EFFICIENCY * reuse * peaks["tf32"]) * _waves(threads, peaks)
+    outputs = shape[0] * geom.out_channels * math.prod(out_spatial)
+    rescale = 2 * 4.0 * outputs / (peaks["bandwidth"] * BANDWIDTH_EFFICIENCY)
+    costs = (f"predicted {again * 1e6:.0f} us for the convolution again against "
+             f"{rescale * 1e6:.0f} us to scale its output in place")
+    if again < rescale:
+        return True, f"the output written by a second pass of the convolution: {costs}"
+    return False, f"the output scaled in place: {costs}"
+
+
 def torch_conv(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.device,
                precision, training: bool) -> tuple[bool, str]:
     """``(takes_torch, why)``: whether a ``conv_impl="auto"`` call with an input of ``shape``
@@ -398,5 +426,5 @@ def torch_flags() -> tuple:
 
 __all__ = ["CANDIDATES", "DEVICE_PEAKS", "DEFAULT_DEVICE", "convolution", "device_peaks",
            "peaks_of", "predict",
-           "predict_input_grad", "predict_weight_grad", "torch_conv", "torch_flags",
+           "predict_input_grad", "predict_weight_grad", "second_pass", "torch_conv", "torch_flags",
            "torch_input_grad", "torch_weight_grad"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -174,3 +175,26 @@ def test_parameters_off_the_kernels_device_give_the_plan_and_say_why():
     assert any("parameters are on cpu" in note and "measure=True ignored" in note
                for note in report.notes)
     assert report.rows and all(row.regs is None and row.measured_us is None for row in report.rows)
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_the_second_pass_in_the_plan(second):
+    """Training on the tensor-core gather: with the output written by a second pass of the
+    convolution, the gather's first pass stores nothing and the scale stage is the second
+    pass; otherwise the gather stores the centred output and scale_rows scales it in place."""
+    from numba_deconv.plan import Options
+
+    conv = nn.ConvTranspose3d(3, 4, 3, stride=2, padding=1).to(tensor_device())
+    bn = nn.BatchNorm3d(4).to(tensor_device())
+    pipe = nd.Pipeline.from_modules(conv, bn, precision="tf32", specialize=True,
+                                    options=Options(second_pass=second)).train(True)
+    report = pipe.explain(SHAPE)
+    gather, scale = report.row("conv_transpose3d_gather"), report.row("scale")
+    out_bytes = 4 * math.prod(report.output_shape)
+    if second:
+        assert gather.kernel.endswith(",sums]") and scale.kernel.endswith(",rescaled]")
+        assert scale.bytes > out_bytes > 0
+        assert any("second pass of the convolution" in note for note in report.notes)
+    else:
+        assert gather.kernel.endswith(",train]") and scale.kernel.startswith("scale_rows")
+        assert scale.bytes == 2 * out_bytes

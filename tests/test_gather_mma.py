@@ -17,6 +17,7 @@ import torch
 from numba_deconv import Pipeline, precision
 from numba_deconv.geometry import ConvGeometry
 from numba_deconv.kernels import gather_mma, mma
+from numba_deconv.plan import Options
 from numba_deconv.reference import Model
 from numba_deconv.testing import reference, relative_error
 
@@ -74,23 +75,36 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False):
     _pad_with_zeros(launch, x_pad)
     launch.round_input(x.view(-1), x_tf32, x_pad)
     assert torch.equal(x_tf32, _tf32(x).view(-1))
-    launch.run("float32", mode == "train", x_pad, wmm, mean, out.view(-1), ss,
-               scale=scale if mode == "scaled" else None)
-    a = scale.double().view(1, -1, 1, 1, 1) if mode == "scaled" else 1.0
-    want = y * a - mean.view(batch, co, 1, 1, 1)
+    launch.run("float32", mode in ("train", "sums"), x_pad, wmm, mean, out.view(-1), ss,
+               scale=scale if mode in ("scaled", "rescaled") else None, mode=mode)
+    a = scale.double().view(1, -1, 1, 1, 1) if mode in ("scaled", "rescaled") else 1.0
+    mu = mean.view(batch, co, 1, 1, 1)
     # float32 accumulation of exact TF32 products, the mean rounded to float32
-    bound = 2.0**-20 * (bound_y * a + mean.abs().view(batch, co, 1, 1, 1))
+    if mode == "rescaled":
+        want, bound = (y - mu) * a, 2.0**-20 * (bound_y + mu.abs()) * a
+    else:
+        want, bound = y * a - mu, 2.0**-20 * (bound_y * a + mu.abs())
     return out, ss, want, bound
 
 
-@pytest.mark.parametrize("mode", gather_mma.MODES)
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:2])))
+# the second pass's modes (``sums``, ``rescaled``: the epilogues' other arithmetic) on the
+# default problem's pattern, the odd strides with dilation and groups, and ragged channel tiles
+SECOND_PASS_CASES = [KERNEL_CASES[0], KERNEL_CASES[1], KERNEL_CASES[6]]
+
+
+@pytest.mark.parametrize("case, mode", [
+    *((case, mode) for case in KERNEL_CASES for mode in ("eval", "train", "scaled")),
+    *((case, mode) for case in SECOND_PASS_CASES for mode in ("sums", "rescaled"))],
+    ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c[:2])))
 def test_kernel_against_the_tf32_convolution(device, case, mode):
     out, ss, want, bound = _kernel_run(device, case, mode)
-    assert not torch.isnan(out).any(), "an output was not written"
-    err = (out.double() - want).abs()
-    assert (err <= bound).all(), float((err - bound).max())
-    if mode == "train":
+    if mode == "sums":  # the partials alone: the output is not written
+        assert torch.isnan(out).all()
+    else:
+        assert not torch.isnan(out).any(), "an output was not written"
+        err = (out.double() - want).abs()
+        assert (err <= bound).all(), float((err - bound).max())
+    if mode in ("train", "sums"):
         # one partial per (n, channel, block); their sum is the centred sum of squares
         got, exp = ss.sum(-1), (want**2).sum((2, 3, 4))
         assert torch.allclose(got, exp, rtol=1e-5, atol=1e-9)
@@ -242,6 +256,47 @@ def test_recorded_calls_in_tf32(device, train):
             opt.zero_grad()
             got.square().mean().backward()
             opt.step()
+
+
+@pytest.mark.parametrize("calls, dtype", [
+    pytest.param(1, torch.float32, id="one"),
+    pytest.param(1, torch.bfloat16, id="one-bfloat16"),
+    pytest.param(3, torch.float32, marks=pytest.mark.gpu, id="replays"),
+    pytest.param(3, torch.float16, marks=pytest.mark.gpu, id="replays-float16")])
+def test_the_second_pass_gives_the_in_place_scales_output(device, calls, dtype):
+    """Training on the tensor-core gather, the output written by a second pass of the
+    convolution (``Options.second_pass``): the same output, bit for bit, and the same running
+    statistics as the centred output scaled in place, call after call (from the third a
+    replay), with a large per-channel offset; a half-precision input's output (float32
+    parameters) rounded once by the second pass's store."""
+    model = _modules(device, True)
+    results = []
+    for second in (False, True):
+        pipe = Pipeline.from_torch(copy.deepcopy(model), precision="tf32", specialize=True,
+                                   options=Options(second_pass=second))
+        x = torch.randn(1, 5, 1, 2, 3, generator=torch.Generator().manual_seed(5)).to(device)
+        assert pipe.second_pass(tuple(x.shape), x.device)[0] == second
+        ran, inner = [], pipe._second_pass
+        pipe._second_pass = lambda *args: ran.append(args) or inner(*args)
+        with torch.no_grad():
+            outs = [pipe((x + 100.0 * step).to(dtype)) for step in range(1, calls + 1)]
+        assert all(out.dtype == dtype for out in outs) and bool(ran) == second
+        results.append((outs, pipe.bn.running_mean, pipe.bn.running_var))
+    (base, mean, var), (second, mean2, var2) = results
+    assert all(torch.equal(a, b) for a, b in zip(base, second))
+    assert torch.equal(mean, mean2) and torch.equal(var, var2)
+    # (the first call, against float64 at TF32's own error and the output's rounding)
+    x = (x + 100.0).to(dtype).float()
+    want = reference(*(copy.deepcopy(m).double() for m in (model.conv_transpose,
+                                                           model.batch_norm)), x.double())
+    rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    assert relative_error(second[0], want) <= 3 * _tf32_operator_error(model, x) + rounding
+
+
+def test_second_pass_options():
+    assert Options().second_pass == "auto"
+    with pytest.raises(ValueError, match="second_pass"):
+        Options(second_pass="yes")
 
 
 def test_a_recorded_tf32_call_replays_three_launches_and_sees_weight_changes(device):

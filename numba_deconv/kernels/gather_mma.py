@@ -32,6 +32,8 @@ Epilogue as ``gather``'s (§2.3, §2.4, §2.7): ``acc - mean`` (evaluation: scal
 weights), ``acc * scale - mean`` (``scaled``: training's Gram path), or with ``train`` the
 centred output plus one centred sum of squares per (n, channel, block), reduced over the quad's
 lanes by ``shfl_xor`` in float64 and over the block's warps in a fixed order (deterministic).
+A training call may write its output in a second pass instead (``Pipeline.second_pass``):
+``sums`` is ``train`` storing nothing, ``rescaled`` stores ``(acc - mean) * scale``.
 A C fragment holds 2 consecutive quotients of one phase, so its stores would touch every other
 float of a row: each warp writes its values for 16 channels into a shared tile of the segment
 first and stores each channel's segment as consecutive floats, 32 lanes at a time (whole
@@ -71,7 +73,7 @@ ROWS = 4                  # warps (output rows) per block
 MAX_REGS = 128            # registers per thread: four blocks of 128 threads per SM
 MAX_ACC_TILES = 16        # sw * NQ * MT: 64 float32 accumulators per thread
 MAX_SEG = 64              # outputs of a warp's row segment (its shared tile's width)
-MODES = ("eval", "train", "scaled")
+MODES = ("eval", "train", "scaled", "sums", "rescaled")
 
 _SIZES = ("in_ch", "in_d", "in_h", "in_wp", "out_ch", "out_d", "out_h", "out_w", "ipg", "opg",
           "shift_d", "shift_h", "shift_wp", "row_blocks", "segs", "ctiles", "tiles_per_group",
@@ -182,11 +184,11 @@ class MmaLaunch:
         return arrange_weights(weight, index, out=out)
 
     def run(self, dtype: str, train: bool, x, wmm, mean, out, ss, *, scale=None,
-            after_prior: bool = False, store: str = "") -> None:
+            after_prior: bool = False, store: str = "", mode: str | None = None) -> None:
         """``launch_gather_mma`` with this launch (``dtype``: float32, the one it takes)."""
         assert dtype == "float32", dtype
         launch_gather_mma(self, train, x, wmm, mean, out, ss, scale=scale,
-                          after_prior=after_prior, store=store)
+                          after_prior=after_prior, store=store, mode=mode)
 
     def round_input(self, x, x_tf32, x_pad) -> None:
         """``launch_round_input`` for this launch's row padding."""
@@ -280,9 +282,12 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     call's, whose output this epilogue writes last), as the FFMA gather's does."""
     idx = int64 if wide else int32
     assert mode in MODES, mode
-    train, scaled = mode == "train", mode == "scaled"
+    # ``sums``: train's partials and no output; ``rescaled``: (acc - mean) * scale
+    train, scaled, rescaled = mode in ("train", "sums"), mode == "scaled", mode == "rescaled"
+    stores = mode != "sums"
     half = store != ""
     assert not (half and (train or scaled)), "a half store is the output's last write"
+    # (``rescaled`` writes the output last: a training call's second pass)
     to_bits = store_bits(store or KINDS[1])
     sd, d_counts, d_first, d_step = d_phases(dpat)
     tdmax = max(1, max(d_counts))
@@ -424,7 +429,7 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                 c = int32(c0 + 16 * m + 8 * h + g)
                 co = min(int32(grp * opg) + c, co_last)
                 mu = float32(mean[n, co])
-                sc = scale[co] if scaled else float32(1)
+                sc = scale[co] if scaled or rescaled else float32(1)
                 s = float64(0)
                 for rw in range(sw):
                     for u in range(nq):
@@ -432,15 +437,19 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                             v = acc[((rw * nq + u) * mt + m) * 4 + 2 * h + e]
                             if scaled:
                                 v = v * sc - mu
+                            elif rescaled:
+                                v = (v - mu) * sc
                             else:
                                 v = v - mu
                             wl = int32((8 * u + 2 * tq + e) * sw + rw)
-                            tile[warp, 8 * h + g, wl] = v
+                            if stores:
+                                tile[warp, 8 * h + g, wl] = v
                             if train and ow0 + wl < w_out:
                                 s += float64(v) * float64(v)
                 sq[2 * m + h] = s
-            cuda.syncwarp()
-            if row_ok:
+            if stores:
+                cuda.syncwarp()
+            if stores and row_ok:
                 # the m-tile's first channel row at the segment's start, one channel plane
                 # apart from row to row; its channels in the group (the last tile's may end
                 # early). One store a row and pass, its offset 32-bit unless ``wide`` (numba
@@ -459,7 +468,8 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                                 else:
                                     out[uint64(o)] = tile[warp, r, wl]
                             o = idx(o + cplane)
-            cuda.syncwarp()
+            if stores:
+                cuda.syncwarp()
         if train:
             # the quad's lanes (one g) hold the same channels: add over tq (lane bits 0-1),
             # then one partial per (warp, channel), then the warps' in a fixed order
@@ -491,7 +501,7 @@ def mma_kernel(launch: MmaLaunch, mode: str, store: str = ""):
 
 
 def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, scale=None,
-                      after_prior: bool = False, store: str = "") -> None:
+                      after_prior: bool = False, store: str = "", mode: str | None = None) -> None:
     """Launch the tensor-core gather (``x`` and ``out`` flattened, contiguous), as
     ``gather.launch_gather`` launches the FFMA one: ``scale`` selects the scaled epilogue,
     ``after_prior`` a programmatic dependent launch after the kernel writing the means,
@@ -501,7 +511,8 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
     them."""
     if wmm.data_ptr() % 16:  # the fragments' 16-byte loads (arrange_weights' tensors are)
         raise ValueError("gather_mma: the arranged weights must be 16-byte aligned")
-    mode = "train" if train else ("scaled" if scale is not None else "eval")
+    if mode is None:
+        mode = "train" if train else ("scaled" if scale is not None else "eval")
     kernel = mma_kernel(launch, mode, store)
     launch_kernel(kernel, launch.grid, launch.block,
                   (x, wmm, mean, wmm if scale is None else scale, out, ss, *launch.dims),
