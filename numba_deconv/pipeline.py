@@ -18,7 +18,10 @@ launch configurations (cached per input shape), and hands the small per-channel 
     ``"epilogue"`` (what ``"auto"``, the default, takes): the gather's epilogue writes
     ``y - mean`` and per-block centred sums of squares; ``batch_statistics`` turns those into the
     variance, the scale and the running-statistics update, and one in-place per-channel multiply
-    (``epilogue.scale_rows``) scales the output: a second pass over the output.
+    (``epilogue.scale_rows``) scales the output: a second pass over the output. On the
+    tensor-core gather, where its multiply-adds cost less than that pass, the gather runs twice
+    instead (``second_pass``): storing nothing, then, after ``batch_statistics``, storing the
+    scaled output (the same values, bit for bit).
     ``"gram"`` (on request): the batch variance is known before the convolution too
     (``gram_plan``): the input's Gram sums in float64 (``gram_sums``, with box_sums in its tail,
     then ``gram_reduce``, which also contracts them with the weights), then ``gram_statistics``
