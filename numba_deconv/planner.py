@@ -282,7 +282,10 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     ``MARGIN`` faster. Elsewhere the FFMA gather."""
     refused = _tf32_refusal(dtype, device, precision)
     if refused:
-        return "gather", f"{CANDIDATES['gather']}: {refused}"
+        # (with ``precision`` set the pipeline picks its gather itself: the FFMA one for
+        # "ieee", the tensor-core one for "tf32" where the kernel takes the geometry)
+        label = CANDIDATES["gather"] if precision is None else "this package's gather"
+        return "gather", f"{label}: {refused}"
     t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
     host = HOST_US[bool(training)]
     cost = {"gather": max(host, t["gather"])}
