@@ -459,9 +459,17 @@ def main(argv: list[str] | None = None) -> int:
             if not gram_fits(problem.geometry, GRAM_ITEMSIZE):  # the sums are float64
                 command.error("--variance gram: this geometry's Gram tiles do not fit shared "
                               "memory (too many input channels for its offsets)")
-        return explain(problem, args.mode, measure=args.measure, variance=args.variance,
-                       specialize=not args.generic)
-    return run(args.reps, problem)
+    # a problem the kernels' launches or the device's memory cannot hold (a grid past the
+    # launch limit, say) is the caller's to change: a usage error, not a traceback
+    import torch
+
+    try:
+        if explaining:
+            return explain(problem, args.mode, measure=args.measure, variance=args.variance,
+                           specialize=not args.generic)
+        return run(args.reps, problem)
+    except (ValueError, torch.OutOfMemoryError) as err:
+        command.error(f"this problem cannot run here: {err}")
 
 
 # ---- run --------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Bad input gets a clear exception naming the problem, and the input is never modified."""
+"""Bad input gets a clear exception naming the problem, and neither the input nor the module's
+parameters and buffers (running statistics, ``num_batches_tracked``) are modified."""
 
 from __future__ import annotations
 
@@ -11,10 +12,22 @@ from numba_deconv import Pipeline
 from numba_deconv.reference import Model
 
 
+def _state(module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _untouched(module, before: dict) -> bool:
+    return all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
 @pytest.fixture
 def pipe(device):
-    model = Model(4, 6, 3, 2, 1).to(device)
-    return Pipeline.from_torch(model)
+    """A pipeline in training (a call would update the running statistics); after the test,
+    its modules' state as it was."""
+    model = Model(4, 6, 3, 2, 1).to(device).train()
+    before = _state(model)
+    yield Pipeline.from_torch(model)
+    assert _untouched(model, before)
 
 
 def _x(device, *shape, dtype=torch.float32):
@@ -60,10 +73,12 @@ def test_numpy_integer_rejected(pipe):
 
 def test_wrong_device(device):
     model = Model(4, 6, 3, 2, 1).to(device)
+    before = _state(model)
     pipe = Pipeline.from_torch(model)
     other = torch.device("meta")
     with pytest.raises(ValueError, match="on meta"):
         pipe(torch.empty(2, 4, 3, 4, 5, device=other))
+    assert _untouched(model, before)
 
 
 @pytest.mark.gpu
@@ -96,9 +111,12 @@ def test_wrong_module_types():
 
 def test_output_too_small(device):
     conv = nn.ConvTranspose3d(2, 2, 1, stride=1, padding=1).to(device)
-    pipe = Pipeline(conv, nn.BatchNorm3d(2).to(device))
+    bn = nn.BatchNorm3d(2).to(device)
+    before = _state(bn)
+    pipe = Pipeline(conv, bn)
     with pytest.raises(ValueError, match="output"):
         pipe(_x(device, 1, 2, 1, 1, 1))
+    assert _untouched(bn, before)
 
 
 @pytest.mark.parametrize("track", [True, False])
@@ -106,8 +124,10 @@ def test_one_value_per_channel_in_training(device, track):
     conv = nn.ConvTranspose3d(2, 3, 1).to(device)
     bn = nn.BatchNorm3d(3, track_running_stats=track).to(device)
     pipe = Pipeline(conv, bn).train()
+    before = _state(bn)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         pipe(_x(device, 1, 2, 1, 1, 1))
+    assert _untouched(bn, before)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         bn(conv(_x(device, 1, 2, 1, 1, 1)))  # PyTorch agrees
 

@@ -497,3 +497,19 @@ def test_numba_providers_match_float64_in_both_modes(name):
         with torch.no_grad():
             out = bench.make_provider(name, base, mode)(x)
         assert bench.relative_error(out, expected) < bench.NUMBA_RTOL, mode
+
+
+def test_a_problem_too_large_to_launch_is_a_usage_error(capsys):
+    """``explain`` of a geometry whose gather grid passes the launch limit: the planner's
+    refusal as a usage error (exit status 2), not a traceback."""
+    err = _usage_error(["explain", "--input", "2000"], capsys)
+    assert "cannot run here" in err and "2**31" in err
+
+
+def test_out_of_memory_is_a_usage_error(capsys, monkeypatch):
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4 TiB")
+
+    monkeypatch.setattr(cli, "run", exhausted)
+    err = _usage_error(["run", "--in-channels", "100000", "--input", "1000"], capsys)
+    assert "cannot run here" in err and "out of memory" in err

@@ -9,9 +9,9 @@ empty batch, evaluation or training        empty output of the right shape; trai
                                            output, the finite ones within tolerance; no warnings
 subnormal values (float32)                 within the tolerance of ``testing.tolerance``
 very large values (1e15)                   within that tolerance
-very large values (1e19, float32)          *deliberate difference*: PyTorch's float32 batch
-                                           variance overflows (inf, then a zero scale); ours sums in
-                                           float64 and matches the float64 reference
+very large values (1e19 to 1e30, float32)  *deliberate difference*: PyTorch's float32 batch
+                                           variance overflows (inf, then a zero scale); ours sums
+                                           the squares in float64 and matches the float64 reference
 input or parameters that require grad      an output that requires grad, its backward recorded
 (grad mode)                                (tests/test_backward.py); under ``torch.no_grad()``
                                            nothing is recorded
@@ -143,12 +143,14 @@ def test_extreme_magnitudes(device, impl, variance, training, scale):
     testing.assert_close(got, expected, tol.output)
 
 
+@pytest.mark.parametrize("magnitude", [1e19, 1e30])
 @pytest.mark.parametrize("training", [False, True])
-def test_values_that_overflow_pytorchs_float32_variance(device, training):
-    """The deliberate difference: at 1e19 PyTorch's float32 batch variance overflows; ours
-    accumulates in float64 and stays with the float64 reference."""
+def test_values_that_overflow_pytorchs_float32_variance(device, training, magnitude):
+    """The deliberate difference: from 1e19 PyTorch's float32 batch variance overflows; ours
+    squares and accumulates in float64 (a float32 square overflows past ~1.8e19) and stays with
+    the float64 reference."""
     ref, ours = _models(device, training)
-    x = (torch.randn(SHAPE, dtype=torch.float64) * 1e19).float().to(device)
+    x = (torch.randn(SHAPE, dtype=torch.float64) * magnitude).float().to(device)
     with torch.no_grad():
         got = Pipeline.from_torch(ours, poison=True)(x)
         expected = ref(x.double())

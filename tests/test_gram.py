@@ -129,7 +129,7 @@ def test_auto_takes_the_epilogue_path_and_gram_fits_in_float64(device):
     assert not pipe.uses_gram
     x = torch.randn((1, 8, 3, 3, 3), dtype=torch.float64, device=device)
     ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
-    with torch.no_grad():  # forward only: the parameters get no gradient through the pipeline
+    with torch.no_grad():  # forward only: no backward recorded
         got = pipe(x)
     testing.assert_close(got, testing.reference(ref_conv, ref_bn, x), 1e-10)
 

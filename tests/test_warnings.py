@@ -30,8 +30,8 @@ def _pipeline(training: bool):
 
 
 def _call(pipe, x):
-    """``pipe(x)`` forward-only (as documented: parameters get no gradient), recording every
-    warning it emits."""
+    """``pipe(x)`` forward-only (under ``torch.no_grad()``: no backward recorded), recording
+    every warning it emits."""
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         out = pipe(x.to(tensor_device()))

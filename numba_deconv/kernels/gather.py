@@ -574,9 +574,10 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
             col_ok[k] = k < cols_in or int32(k) < w_left
         obase = idx(((n * out_ch + g * opg + c0) * out_d + od) * out_plane
                     + qh0 * sh * out_w + qw0 * sw)
-        sq = cuda.local.array(nc, acc_t)
+        # (float64: a square of a float32 value past ~1.8e19 overflows float32)
+        sq = cuda.local.array(nc, float64)
         for c in range(nc):
-            sq[c] = 0
+            sq[c] = 0.0
         # The means come from box_sums, which may still be running: this kernel is launched as
         # its programmatic dependent (``griddep``), and nothing above reads what it writes, so
         # the first blocks stage their weights and run their multiply-adds beside box_sums.
@@ -616,14 +617,14 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
                                             else:
                                                 out[uint64(rb + (q * sw + rw))] = v
                                             if train:
-                                                sq[c] += v * v
+                                                sq[c] += float64(v) * float64(v)
         if train:
             # All NC sums in one block reduction: shuffles within each warp, one partial per
             # (warp, channel) in shared memory, one barrier, then thread c adds the warps' partials.
             lane = t % WARP_SIZE
             warp = t // WARP_SIZE
             for c in range(nc):
-                total_c = warp_sum(float64(sq[c]))
+                total_c = warp_sum(sq[c])
                 if lane == 0:
                     partial[warp, c] = total_c
             cuda.syncthreads()  # every warp's partials are in shared memory
