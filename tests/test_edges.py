@@ -7,7 +7,17 @@ empty batch, evaluation or training        empty output of the right shape; trai
                                            batch in ``num_batches_tracked``, running statistics kept
 +inf / -inf / NaN in the input             the same NaN, +inf and -inf elements as PyTorch's float64
                                            output, the finite ones within tolerance; no warnings
-subnormal values (float32)                 within the tolerance of ``testing.tolerance``
++inf / -inf in the input, the gradients    ``dL/dx`` and batch norm's: the same finite elements as
+                                           PyTorch's; *deliberate differences*: ``dL/dW`` is
+                                           finite where PyTorch multiplies the infinite input by
+                                           the zero gradient of an output its padding crops (NaN),
+                                           non-finite only where PyTorch's is (NaN or an infinity
+                                           of the same sign); the conv bias's
+                                           gradient is exactly zero (the algebra), PyTorch's NaN
+                                           in training
+subnormal values (float32)                 within the tolerance of ``testing.tolerance`` (PyTorch's
+                                           own error there is far above 1; ours at most 1: the
+                                           output may underflow to zeros, never blow up)
 very large values (1e15)                   within that tolerance
 very large values (1e19 to 1e30, float32)  *deliberate difference*: PyTorch's float32 batch
                                            variance overflows (inf, then a zero scale); ours sums
@@ -141,6 +151,42 @@ def test_extreme_magnitudes(device, impl, variance, training, scale):
         got = Pipeline.from_torch(ours, conv_impl=impl, variance=variance, poison=True)(x)
         expected = ref(x.double())
     testing.assert_close(got, expected, tol.output)
+    # PyTorch's own error on subnormal inputs is far above 1 (its bound, above, too): ours
+    # may lose the answer's digits to float32's underflow, never return more than the answer
+    assert testing.relative_error(got, expected) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_non_finite_input_gradients(device, training):
+    """The backward of an input with +inf and -inf (float64, so every finite gradient is held
+    to 1e-10): the deliberate differences of the table above, and PyTorch's pattern elsewhere."""
+    ref, ours = _models(device, training, torch.float64)
+    x = torch.randn(SHAPE, dtype=torch.float64, device=device)
+    x[0, 1, 1, 2, 0], x[1, 0, 0, 0, 2] = float("inf"), -float("inf")
+    g = torch.randn(SHAPE[0], 4, *ref.conv_transpose(x).shape[2:], dtype=torch.float64,
+                    device=device)
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(xr).backward(g)
+    Pipeline.from_torch(ours)(xo).backward(g)
+    pairs = {"x": (xr.grad, xo.grad),
+             "weight": (ref.conv_transpose.weight.grad, ours.conv_transpose.weight.grad),
+             "gamma": (ref.batch_norm.weight.grad, ours.batch_norm.weight.grad),
+             "beta": (ref.batch_norm.bias.grad, ours.batch_norm.bias.grad)}
+    for name, (theirs, mine) in pairs.items():
+        finite = torch.isfinite(theirs)
+        if name == "weight":  # non-finite only where PyTorch's is
+            assert not (~torch.isfinite(mine) & finite).any()
+            assert torch.isfinite(mine).sum() >= finite.sum()
+        else:
+            assert torch.equal(torch.isfinite(mine), finite), name
+        both = finite & torch.isfinite(mine)
+        assert torch.allclose(mine[both], theirs[both], rtol=1e-10, atol=1e-10), name
+        # never an infinity of the other sign (NaN against an infinity: a product PyTorch
+        # forms with a cropped output, or a sum of both infinities, that ours does not)
+        assert not (torch.isposinf(mine) & torch.isneginf(theirs)).any(), name
+        assert not (torch.isneginf(mine) & torch.isposinf(theirs)).any(), name
+    assert torch.equal(ours.conv_transpose.bias.grad,
+                       torch.zeros_like(ours.conv_transpose.bias.grad))
 
 
 @pytest.mark.parametrize("magnitude", [1e19, 1e30])

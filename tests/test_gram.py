@@ -18,6 +18,7 @@ from numba_deconv.gram_plan import (gram_fits, gram_plan, quad_stride, sum_of_sq
                                     term_sums_reference)
 from numba_deconv.kernels import gram
 from numba_deconv.kernels.launch import block_size
+from numba_deconv.reference import Model
 
 
 @given(case=testing.cases(), offset=st.floats(-3, 3), data=st.data())
@@ -247,3 +248,21 @@ def test_cost_is_a_fraction_of_the_convolution():
     plan = gram_plan(geom, 16, (16, 32, 32), 4)
     assert plan.fma == 16 * math.prod((16, 32, 32)) * 4608
     assert plan.fma < 0.4 * geom.macs(16, (16, 32, 32))
+
+
+@pytest.mark.gpu  # (the GPU is where blocks finish in a different order every run)
+def test_the_gram_path_is_deterministic(device):
+    """Two pipelines on the Gram path, the same training call: the same output and running
+    statistics, bit for bit (every reduction in a fixed order, no float atomics)."""
+    torch.manual_seed(5)
+    model = Model(8, 12, 3, 2, 1).to(device).train()
+    x = torch.randn(4, 8, 6, 9, 11, device=device) * 3 + 50
+    results = []
+    for _ in range(2):
+        mine = copy.deepcopy(model)
+        pipe = Pipeline.from_torch(mine, variance="gram", specialize=True)
+        with torch.no_grad():
+            out = pipe(x)
+        results.append((out, mine.batch_norm.running_mean, mine.batch_norm.running_var))
+    (a, ma, va), (b, mb, vb) = results
+    assert torch.equal(a, b) and torch.equal(ma, mb) and torch.equal(va, vb)
