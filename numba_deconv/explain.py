@@ -649,11 +649,10 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         if gram_path:
             report.notes.append(f"training's variance: from the input's Gram sums before the "
                                 f"convolution ({why})")
-        elif tensor_cores and pipe.second_pass(input_shape, tensor_device())[0]:
-            second_why = pipe.second_pass(input_shape, tensor_device())[1]
+        elif tensor_cores and (second := pipe.second_pass(input_shape, tensor_device()))[0]:
             report.notes.append(f"training's variance: from the gather's epilogue, which "
                                 f"stores nothing; a second pass of the convolution writes the "
-                                f"scaled output ({why}; {second_why})")
+                                f"scaled output ({why}; {second[1]})")
         else:
             report.notes.append(f"training's variance: from the gather's epilogue, then a "
                                 f"second pass over the output ({why})")

@@ -762,11 +762,13 @@ class Pipeline:
         of ``shape`` writes its output in a second pass of the convolution, the first storing
         nothing (``Options.second_pass``; ``"auto"`` asks ``planner.second_pass``). Where the
         call runs the epilogue path on tensor cores and keeps nothing for a backward; the
-        output is the same, bit for bit, either way."""
+        output is the same, bit for bit, either way. Decided once per shape and device."""
         option = self.options.second_pass
         if option != "auto":
             return option, f"Options(second_pass={option!r})"
-        return planner.second_pass(self.geometry, tuple(shape), device)
+        shape = tuple(shape)
+        return self._flag_keyed(("second_pass", shape, device),
+                                lambda: planner.second_pass(self.geometry, shape, device))
 
     def conv_precision(self, shape, dtype: torch.dtype, device: torch.device) -> str:
         """The precision a call on an input of ``shape``, ``dtype`` and ``device`` runs its

@@ -211,12 +211,10 @@ def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
         ffma_threads = peaks["sms"] * RESIDENT_THREADS
     gather_rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
     times = {"gather": flops / gather_rate * _waves(ffma_threads, peaks) + writes}
-    mma = _mma_work(geom, batch, in_spatial, out_spatial)
+    mma = _mma_seconds(geom, batch, in_spatial, out_spatial, peaks)
     if mma is not None:
-        padded, reuse, threads = mma
         in_bytes = 4.0 * batch * geom.in_channels * math.prod(in_spatial)
-        times["gather_mma"] = (flops * padded / (MMA_EFFICIENCY * reuse * peaks["tf32"])
-                               * _waves(threads, peaks) + writes + 3 * in_bytes / bandwidth)
+        times["gather_mma"] = mma + writes + 3 * in_bytes / bandwidth
     c = math.sqrt(geom.in_per_group * geom.out_per_group)
     rate = min(CUDNN_PER_CHANNEL * c, CUDNN_CAP) * peaks["tf32"]
     times["torch"] = flops / rate + (1 + FINISH_PASSES[training]) * out_bytes / bandwidth
@@ -255,6 +253,19 @@ def _mma_work(geom: ConvGeometry, batch: int, in_spatial, out_spatial):
                                                             * gather_mma.KC / ipg) \
         * (-(-ow // seg) * seg / ow)
     return padding, t.mt * t.nq / (t.mt + t.nq), launch.grid * launch.block
+
+
+def _mma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial: tuple,
+                 peaks: dict[str, float]) -> float | None:
+    """Seconds of the tensor-core gather's multiply-adds: its padded work (``_mma_work``) at
+    ``MMA_EFFICIENCY`` of the TF32 peak per unit of fragment reuse, over its waves; None where
+    it does not take the geometry."""
+    mma = _mma_work(geom, batch, in_spatial, out_spatial)
+    if mma is None:
+        return None
+    padded, reuse, threads = mma
+    flops = 2.0 * geom.macs(batch, in_spatial)
+    return flops * padded / (MMA_EFFICIENCY * reuse * peaks["tf32"]) * _waves(threads, peaks)
 
 
 def _waves(threads: float, peaks: dict[str, float]) -> float:
@@ -317,13 +328,10 @@ def second_pass(geom: ConvGeometry, shape: tuple, device: torch.device) -> tuple
     read and write at the bandwidth. Both give the same output, bit for bit."""
     in_spatial = tuple(shape[2:])
     out_spatial = geom.output_spatial(in_spatial)
-    mma = _mma_work(geom, shape[0], in_spatial, tuple(out_spatial))
-    if mma is None:
-        return False, "the tensor-core gather does not take this geometry"
     peaks = peaks_of(device)
-    padded, reuse, threads = mma
-    flops = 2.0 * geom.macs(shape[0], in_spatial)
-    again = flops * padded / (MMA_EFFICIENCY * reuse * peaks["tf32"]) * _waves(threads, peaks)
+    again = _mma_seconds(geom, shape[0], in_spatial, tuple(out_spatial), peaks)
+    if again is None:
+        return False, "the tensor-core gather does not take this geometry"
     outputs = shape[0] * geom.out_channels * math.prod(out_spatial)
     rescale = 2 * 4.0 * outputs / (peaks["bandwidth"] * BANDWIDTH_EFFICIENCY)
     costs = (f"predicted {again * 1e6:.0f} us for the convolution again against "
