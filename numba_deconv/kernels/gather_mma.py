@@ -449,26 +449,25 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                 sq[2 * m + h] = s
             if stores:
                 cuda.syncwarp()
-            if stores and row_ok:
-                # the m-tile's first channel row at the segment's start, one channel plane
-                # apart from row to row; its channels in the group (the last tile's may end
-                # early). One store a row and pass, its offset 32-bit unless ``wide`` (numba
-                # widens integer arithmetic to 64 bits: hence the casts)
-                orow = idx(((n * out_ch + grp * opg + c0 + 16 * m) * out_d + od) * oplane
-                           + oh * w_out + ow0)
-                crows = int32(opg - (c0 + 16 * m))
-                for p in range(passes):
-                    wl = int32(p * WARP_SIZE + lane)
-                    if wl < seg and ow0 + wl < w_out:
-                        o = idx(orow + wl)
-                        for r in range(16):
-                            if int32(r) < crows:
-                                if half:
-                                    out[uint64(o)] = to_bits(tile[warp, r, wl])
-                                else:
-                                    out[uint64(o)] = tile[warp, r, wl]
-                            o = idx(o + cplane)
-            if stores:
+                if row_ok:
+                    # the m-tile's first channel row at the segment's start, one channel plane
+                    # apart from row to row; its channels in the group (the last tile's may end
+                    # early). One store a row and pass, its offset 32-bit unless ``wide`` (numba
+                    # widens integer arithmetic to 64 bits: hence the casts)
+                    orow = idx(((n * out_ch + grp * opg + c0 + 16 * m) * out_d + od) * oplane
+                               + oh * w_out + ow0)
+                    crows = int32(opg - (c0 + 16 * m))
+                    for p in range(passes):
+                        wl = int32(p * WARP_SIZE + lane)
+                        if wl < seg and ow0 + wl < w_out:
+                            o = idx(orow + wl)
+                            for r in range(16):
+                                if int32(r) < crows:
+                                    if half:
+                                        out[uint64(o)] = to_bits(tile[warp, r, wl])
+                                    else:
+                                        out[uint64(o)] = tile[warp, r, wl]
+                                o = idx(o + cplane)
                 cuda.syncwarp()
         if train:
             # the quad's lanes (one g) hold the same channels: add over tq (lane bits 0-1),
