@@ -60,9 +60,10 @@ def tool(name: str) -> str:
 
 def stand_in_device() -> None:
     """Make numba and the package compile for compute capability CC without a device."""
-    from numba_deconv.kernels import ptx as ptx_mod
+    from numba_deconv.kernels import async_copy, ptx as ptx_mod
 
-    ptx_mod.device_at_least = lambda cc: tuple(cc) <= CC
+    # (async_copy holds its own reference: its copies are cp.async only where it says so)
+    ptx_mod.device_at_least = async_copy.device_at_least = lambda cc: tuple(cc) <= CC
     import numba.cuda.dispatcher as dispatcher
 
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CC)
