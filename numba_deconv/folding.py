@@ -62,8 +62,9 @@ def check_batch_size(batch: int, volume: int, channels: int) -> None:
 
 
 def tracks_running_stats(bn: nn.BatchNorm3d) -> bool:
-    """Whether ``bn`` keeps running statistics (and so uses them in eval, updates them in train)."""
-    return bn.track_running_stats and bn.running_mean is not None
+    """Whether ``bn`` keeps running statistics (and so uses them in eval, updates them in train).
+    (Its buffer dict read directly: ``nn.Module.__getattr__`` costs a call's host time.)"""
+    return bn.track_running_stats and bn._buffers.get("running_mean") is not None
 
 
 def uses_batch_statistics(bn: nn.BatchNorm3d, training: bool) -> bool:

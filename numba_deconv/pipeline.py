@@ -91,6 +91,36 @@ from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages a
 from .simulator import is_simulator
 
 
+def _parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+    """``getattr(module, name)`` for a parameter, from the module's dict where it is there
+    (``nn.Module.__getattr__`` costs a call's host time; a parametrized one is not there)."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
+
+
+class _NewOutput(dict):
+    """A replay's tensors (``Replay.__call__``): the input as ``"x"``, and as ``"out"`` a new
+    output of ``shape`` and ``dtype`` (its bits where it is half precision), made when a launch
+    first asks for it (``out``)."""
+
+    def __init__(self, x: torch.Tensor, shape: tuple, dtype: torch.dtype):
+        super().__init__(x=x)
+        self._shape, self._dtype = shape, dtype
+        self._out = None
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name != "out":
+            raise KeyError(name)
+        self._out = torch.empty(self._shape, dtype=self._dtype, device=self["x"].device)
+        view = self["out"] = bits_view(self._out)
+        return view
+
+    @property
+    def out(self) -> torch.Tensor:
+        if self._out is None:  # (no launch took it: not a recorded call's case)
+            self.__missing__("out")
+        return self._out
+
 
 @dataclass
 class _Prepared:
@@ -475,9 +505,15 @@ class Pipeline:
                 torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
             prepared.replay({"x": x, "out": bits_view(out), "yc": yc})
         elif save is None:
-            out = conv if conv is not None else \
-                torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
-            prepared.replay({"x": x, "out": bits_view(out)})
+            if conv is not None:
+                out = conv
+                prepared.replay({"x": x, "out": bits_view(out)})
+            else:
+                # the output made when the first launch that takes it is issued: the launches
+                # before it (the input's rounding, its box sums) start the GPU sooner
+                tensors = _NewOutput(x, prepared.out_shape, prepared.out_dtype)
+                prepared.replay(tensors)
+                out = tensors.out
         else:
             out = torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
             yc = conv if conv is not None else torch.empty_like(out, dtype=x.dtype)
@@ -1085,7 +1121,7 @@ class Pipeline:
         return self._cached("eval_scale", key, lambda: folding.bn_scale(bn, bn.running_var))
 
     def _bias64(self, plan: CallPlan) -> torch.Tensor:
-        bias = self.conv.bias
+        bias = _parameter(self.conv, "bias")
         if bias is None:
             return plan.scratch.zero_bias
         return self._derived(plan.scratch.bias64, self._version(bias),
@@ -1120,24 +1156,31 @@ class Pipeline:
         parameters ``key`` describes: written again only when ``key`` changed, so the buffer's
         address never does (a recorded call reads it there, ``_replay_prepared``). Inside a
         graph capture it is written at every replay, and by the next call outside it."""
-        if self._capturing or buf.__dict__.get(_HOLDS) != key:
+        if self._stale(buf, key):
             with torch.no_grad():  # derived from parameters that may require grad
                 fill(buf)
             buf.__dict__[_HOLDS] = None if self._capturing else key
         return buf
+
+    def _stale(self, buf: torch.Tensor, key: tuple) -> bool:
+        """Whether ``_derived`` writes ``buf`` again for ``key``."""
+        return self._capturing or buf.__dict__.get(_HOLDS) != key
 
     def _refresh_derived(self, plan: CallPlan) -> None:
         """Before a recorded training call is replayed: the plan's buffers derived from the
         parameters, written again where a parameter changed in place since (an optimizer
         step). Nothing else a training call launches with derives from their values."""
         self._bias64(plan)
-        if plan.scratch.wph is not None:
-            weight = self.conv.weight
+        s = plan.scratch
+        if s.wph is not None:
+            # (read from the module's dict, and detached only where a buffer is written again:
+            # each costs a replayed call's host time before its first launch)
+            weight = _parameter(self.conv, "weight")
             key = (self._version(weight),)
-            self._arranged(plan, weight.detach(), key)
-            if plan.scratch.w_tf32 is not None:
-                flat_w = weight.detach().view(*weight.shape[:2], -1)
-                self._tf32_weights(plan, flat_w, key, True)
+            if self._stale(s.wph, key):
+                self._arranged(plan, weight.detach(), key)
+            if s.w_tf32 is not None and self._stale(s.w_tf32, key):
+                self._tf32_weights(plan, weight.detach().view(*weight.shape[:2], -1), key, True)
 
     # ---- synchronized batch statistics (``sync``) ---------------------------------------------
     def synchronize(self, process_group) -> "Pipeline":

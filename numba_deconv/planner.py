@@ -431,8 +431,16 @@ def _tf32_refusal(dtype: torch.dtype, device: torch.device, precision) -> str:
 
 def torch_flags() -> tuple:
     """What of PyTorch's state the choices depend on beyond a call's shape: its TF32 flag and
-    whether cuDNN is on (the planner's callers key their cached choices with it)."""
-    return precisions.torch_uses_tf32(), torch.backends.cudnn.enabled
+    whether cuDNN is on (the planner's callers key their cached choices with it; read at every
+    call, so through the getters behind PyTorch's properties)."""
+    return precisions.torch_uses_tf32(), _cudnn_enabled()
+
+
+def _cudnn_enabled() -> bool:
+    """``torch.backends.cudnn.enabled``, through the getter behind that property where PyTorch
+    has it."""
+    getter = getattr(torch._C, "_get_cudnn_enabled", None)
+    return getter() if getter is not None else torch.backends.cudnn.enabled
 
 
 __all__ = ["CANDIDATES", "DEVICE_PEAKS", "DEFAULT_DEVICE", "convolution", "device_peaks",

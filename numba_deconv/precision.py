@@ -32,12 +32,24 @@ def check(precision) -> None:
 
 
 def torch_uses_tf32() -> bool:
-    """Whether PyTorch's cuDNN convolutions of float32 CUDA tensors use TF32 now."""
+    """Whether PyTorch's cuDNN convolutions of float32 CUDA tensors use TF32 now: its
+    ``fp32_precision`` where it has one (read through the getter its property calls, without
+    the property's Python: every call of a pipeline asks), else ``allow_tf32``."""
     conv = getattr(torch.backends.cudnn, "conv", None)
+    if type(conv) is _PRECISION_FLAG:
+        return _precision_getter(conv.backend, conv.op) == "tf32"
     flag = getattr(conv, "fp32_precision", None) if conv is not None else None
     if flag is not None:
         return flag == "tf32"
     return bool(torch.backends.cudnn.allow_tf32)
+
+
+# what ``torch.backends.cudnn.conv`` is where PyTorch has ``fp32_precision``, and the getter
+# behind that property (None, None before it)
+_PRECISION_FLAG = getattr(torch.backends, "_FP32Precision", None)
+_precision_getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+if _precision_getter is None:
+    _PRECISION_FLAG = None
 
 
 def resolve(precision, device: torch.device) -> str:
