@@ -21,8 +21,10 @@ mode and provider (``bench.make_provider``'s names), under ``torch.no_grad()``:
   after a synchronize, so no back-pressure from earlier calls);
 * for numba providers, ``launch us`` / ``launches``: how much of ``host us`` is spent
   launching (``kernels.launch.launch``, and a prepared call's replayed launches) and how many
-  launches a call makes (0 where a call replays a captured graph), and ``rest us``: the host
-  time with every launch a no-op (the pipeline's own Python and torch calls).
+  launches a call makes (0 where a call replays a captured graph), ``rest us``: the host
+  time with every launch a no-op (the pipeline's own Python and torch calls), and ``first us``:
+  the median time from a call's start to its first launch, each call after a synchronize (what
+  a synchronized call's GPU waits before it has anything to run).
 
 ``--profile`` adds a cProfile of 300 calls per numba provider. Host times differ by up to 2x
 between machines and within a run: compare settings within one run.
@@ -33,6 +35,7 @@ import argparse
 import copy
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 
@@ -71,6 +74,19 @@ def _noop_fire(self, stream):
     spent["n"] += 1
 
 
+def _marked(*args, **kwargs):
+    marks.append(time.perf_counter_ns())
+    REAL(*args, **kwargs)
+
+
+def _marked_fire(self, stream):
+    marks.append(time.perf_counter_ns())
+    REAL_FIRE(self, stream)
+
+
+marks: list[int] = []
+
+
 def install(fn) -> None:
     """Make every launch call ``fn``: ``launch.launch`` in every package module that imported it
     (under any name), and a prepared call's replayed launches (``launch._Direct.fire``)."""
@@ -78,9 +94,10 @@ def install(fn) -> None:
         if module is launch or not getattr(module, "__name__", "").startswith("numba_deconv."):
             continue
         for name, value in list(vars(module).items()):
-            if value is REAL or value is _timed or value is _noop:
+            if value in (REAL, _timed, _noop, _marked):
                 setattr(module, name, fn)
-    launch._Direct.fire = {REAL: REAL_FIRE, _timed: _timed_fire, _noop: _noop_fire}[fn]
+    launch._Direct.fire = {REAL: REAL_FIRE, _timed: _timed_fire, _noop: _noop_fire,
+                           _marked: _marked_fire}[fn]
 
 
 def host_us(call, calls: int = CALLS) -> tuple[float, float, float]:
@@ -95,6 +112,21 @@ def host_us(call, calls: int = CALLS) -> tuple[float, float, float]:
     host = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
     return host, spent["ns"] / calls / 1e3, spent["n"] / calls
+
+
+def first_launch_us(call, calls: int = 300) -> float:
+    """Median µs from a call's start to its first launch, each call issued after a
+    synchronize (``install(_marked)`` first)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        marks.clear()
+        t0 = time.perf_counter_ns()
+        call()
+        if marks:
+            times.append((marks[0] - t0) / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times) if times else float("nan")
 
 
 def synchronized_ms(call, reps: int = REPS, warmup: int = 10) -> float:
@@ -140,13 +172,15 @@ def main() -> None:
                     numba = name.startswith("numba")
                     install(_timed if numba else REAL)
                     host, inside, launches = host_us(call)
-                    rest = float("nan")
+                    rest = first = float("nan")
                     if numba:
                         install(_noop)
                         rest = host_us(call)[0]
+                        install(_marked)
+                        first = first_launch_us(call)
                     install(REAL)
                     rows.append((case.name, mode, name, b2b, sync, gpu, host, inside, launches,
-                                 rest))
+                                 rest, first))
                     print(rows[-1], flush=True)
                     if args.profile and numba:
                         prof = cProfile.Profile()
@@ -159,10 +193,11 @@ def main() -> None:
                         print(f"---- host profile, {case.name} {mode} {name}, 300 calls")
                         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     print(f"{'case':10s} {'mode':5s} {'provider':20s} {'b2b ms':>7s} {'sync ms':>7s} "
-          f"{'gpu us':>7s} {'host us':>7s} {'launch us':>9s} {'launches':>8s} {'rest us':>7s}")
-    for case, mode, name, b2b, sync, gpu, host, inside, launches, rest in rows:
+          f"{'gpu us':>7s} {'host us':>7s} {'launch us':>9s} {'launches':>8s} {'rest us':>7s} "
+          f"{'first us':>8s}")
+    for case, mode, name, b2b, sync, gpu, host, inside, launches, rest, first in rows:
         print(f"{case:10s} {mode:5s} {name:20s} {b2b:7.3f} {sync:7.3f} {gpu:7.1f} {host:7.1f} "
-              f"{inside:9.1f} {launches:8.1f} {rest:7.1f}")
+              f"{inside:9.1f} {launches:8.1f} {rest:7.1f} {first:8.1f}")
 
 
 if __name__ == "__main__":
