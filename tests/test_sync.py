@@ -207,9 +207,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# (three ranks with unequal slices and an empty one on the gather, two unequal ones on the
+# scatter: each case starts its ranks' processes, ~25 s under the simulator on CI's 2 cores)
 @pytest.mark.sim
-@pytest.mark.parametrize("impl,sizes", [("gather", (1, 3)), ("gather", (2, 0, 1)),
-                                        ("scatter", (2, 1))])
+@pytest.mark.parametrize("impl,sizes", [("gather", (2, 0, 1)), ("scatter", (2, 1))])
 def test_ddp_ranks_train_as_one_process(impl, sizes):
     """``examples/train_ddp.py`` on a gloo group of 2-3 processes, as torchrun starts it: DDP
     training steps with synchronized statistics, every rank's output slice, input gradient,
