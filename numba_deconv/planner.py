@@ -424,7 +424,7 @@ def _tf32_refusal(dtype: torch.dtype, device: torch.device, precision) -> str:
     if precisions.resolve(None, device) != "tf32" or capability(device) < TF32_CC:
         return ("PyTorch's convolution would run in strict float32 here (its flag, not a GPU, "
                 "or a GPU without TF32 tensor cores), slower")
-    if not torch.backends.cudnn.enabled:
+    if not _cudnn_enabled():
         return "cuDNN is off (torch.backends.cudnn.enabled): PyTorch's own 3-D convolution is slower"
     return ""
 
@@ -439,8 +439,12 @@ def torch_flags() -> tuple:
 def _cudnn_enabled() -> bool:
     """``torch.backends.cudnn.enabled``, through the getter behind that property where PyTorch
     has it."""
-    getter = getattr(torch._C, "_get_cudnn_enabled", None)
-    return getter() if getter is not None else torch.backends.cudnn.enabled
+    if _cudnn_enabled_getter is not None:
+        return _cudnn_enabled_getter()
+    return torch.backends.cudnn.enabled
+
+
+_cudnn_enabled_getter = getattr(torch._C, "_get_cudnn_enabled", None)
 
 
 __all__ = ["CANDIDATES", "DEVICE_PEAKS", "DEFAULT_DEVICE", "convolution", "device_peaks",

@@ -31,6 +31,14 @@ def check(precision) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
+# what ``torch.backends.cudnn.conv`` is where PyTorch has ``fp32_precision``, and the getter
+# behind that property (None, None before it)
+_PRECISION_FLAG = getattr(torch.backends, "_FP32Precision", None)
+_precision_getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+if _precision_getter is None:
+    _PRECISION_FLAG = None
+
+
 def torch_uses_tf32() -> bool:
     """Whether PyTorch's cuDNN convolutions of float32 CUDA tensors use TF32 now: its
     ``fp32_precision`` where it has one (read through the getter its property calls, without
@@ -42,14 +50,6 @@ def torch_uses_tf32() -> bool:
     if flag is not None:
         return flag == "tf32"
     return bool(torch.backends.cudnn.allow_tf32)
-
-
-# what ``torch.backends.cudnn.conv`` is where PyTorch has ``fp32_precision``, and the getter
-# behind that property (None, None before it)
-_PRECISION_FLAG = getattr(torch.backends, "_FP32Precision", None)
-_precision_getter = getattr(torch._C, "_get_fp32_precision_getter", None)
-if _precision_getter is None:
-    _PRECISION_FLAG = None
 
 
 def resolve(precision, device: torch.device) -> str:
