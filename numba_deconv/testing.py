@@ -51,6 +51,8 @@ from .geometry import ConvGeometry
 #: float32 accumulator, PyTorch's CPU convolution (oneDNN) in blocks, and on drawn cases at
 #: offsets of 10^3 times the spread the kernels lost up to 4.0x what PyTorch lost (2 output
 #: voxels per channel: 8.8e-5 against 2.2e-5). Held to TORCH_FACTOR times PyTorch's own error.
+#: Rarer draws lose more, where a channel's few outputs sit one spread apart on an offset whose
+#: float32 ulp is a sizeable part of that spread (docs/performance.md, "Known limits").
 TORCH_FACTOR = 5
 #: ... and of TF32's own error, for a pipeline on TF32 tensor cores (``tolerance``)
 TF32_FACTOR = 3
