@@ -315,11 +315,12 @@ class Pipeline:
         whose backward then reads ``dL/dout`` in ``half``); elsewhere (torch.compile's trace,
         paths without a half store, ``_writes_half_on``) a float32 output is cast by
         autograd's own cast, and its backward takes ``dL/dout`` to float32."""
-        compute = self.conv.weight.dtype
+        compute = _parameter(self.conv, "weight").dtype
         if compute != torch.float32:
             raise TypeError(f"a {half} call needs float32 parameters (as torch.autocast keeps "
                             f"them), got {compute}")
-        x = x.to(compute)  # (no autocast policy applies to a cast)
+        if x.dtype != compute:  # (no autocast policy applies to a cast)
+            x = x.to(compute)
         if call is not Pipeline.__call__:  # (torch.compile's trace: the op between two casts)
             with dtypes.no_autocast(x.device.type):
                 return call(self, x).to(half)
@@ -477,12 +478,14 @@ class Pipeline:
         """The kind of a call, which prepared calls are kept by: input shape, dtype, device,
         the mode, whether it saves for a backward and, if so, whether it updates the running
         statistics (``forward_saving``), the convolution it runs, and a half-precision call's
-        output dtype. The convolution as ``precision``, ``conv_impl`` and the planner's choice
-        (``convolution``), which decide ``tensor_cores`` and ``torch_conv`` with the shape,
-        dtype and device: one cached lookup at every call, not one for each."""
+        output dtype. The convolution as ``precision``, ``conv_impl`` and PyTorch's flags that
+        the planner's choice reads (``planner.torch_flags``): with the shape, dtype, device and
+        what ``_state`` holds (batch norm's settings, the process group, ``variance``) they
+        decide ``convolution``, ``tensor_cores`` and ``torch_conv``, and reading two flags
+        costs a call less host time than looking the choice up."""
         return (x.shape, x.dtype, x.device, self.training, saving,
                 saving and self._saving_updates, self.precision, self.conv_impl,
-                self.convolution(x.shape, x.dtype, x.device), half)
+                planner.torch_flags(), half)
 
     def _remember(self, key: tuple, prepared: "_Prepared") -> None:
         self._prepared[key] = prepared
