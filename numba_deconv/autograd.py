@@ -304,8 +304,11 @@ def apply(pipe, x: Tensor, half: Optional[torch.dtype] = None) -> Tensor:
     # plain eager calls run the forward's body as ``_Eager``, whose statistics kernel updates
     # the running statistics too
     plain = _plain_eager(compiling)
-    args = (x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean if tracks else None,
-            bn.running_var if tracks else None, pipe._handle, training)
+    # the running statistics where the call reads them: evaluation reads them wherever they
+    # exist, training where it updates them (``folding.uses_batch_statistics``)
+    running = tracks or not training
+    args = (x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean if running else None,
+            bn.running_var if running else None, pipe._handle, training)
     out, _, _, stats = _Eager.apply(*args, half) if plain else forward(*args)
     if training and tracks and not plain:  # (``_Eager`` updated them)
         # synchronized, the statistics are the group's even where this rank's slice is empty

@@ -148,7 +148,7 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
         if torch_dw and need_w:  # (dL/dgamma alone keeps the exact kernel)
             v = weight_grad_torch(dy, x.detach(), weight.detach(), conv)
         else:
-            v = torch.empty_like(weight)
+            v = torch.empty_like(weight, memory_format=torch.contiguous_format)
             conv_grads.launch_weight_grad(x.detach().contiguous(), dy, v, stride, padding,
                                           dilation, groups)
         # V: the weight gradient of P g; dL/dW = k1 * V, A_c = <w_c, V_c>
@@ -255,7 +255,7 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
         t["dx"] = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
     if need_w:
         t["x"] = x.detach().contiguous()
-        t["dw"] = torch.empty_like(weight)
+        t["dw"] = torch.empty_like(weight, memory_format=torch.contiguous_format)
         t["part"] = torch.empty(part_size, **f64) if part_size is not None else \
             conv_grads.weight_grad_scratch(t["x"], dy, t["dw"], stride, padding, dilation,
                                            groups)
@@ -341,5 +341,5 @@ def clear() -> None:
 def _channel_dots(w: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """``<w_c, V_c>`` per output channel c, in float64: (CI, OPG, k...) -> (groups * OPG,)."""
     ci, opg = w.shape[:2]
-    prod = (w.to(torch.float64) * v.to(torch.float64)).view(groups, ci // groups, opg, -1)
+    prod = (w.to(torch.float64) * v.to(torch.float64)).reshape(groups, ci // groups, opg, -1)
     return prod.sum(dim=(1, 3)).reshape(groups * opg)

@@ -68,8 +68,11 @@ def tracks_running_stats(bn: nn.BatchNorm3d) -> bool:
 
 
 def uses_batch_statistics(bn: nn.BatchNorm3d, training: bool) -> bool:
-    """Batch statistics in training, and always when the module keeps no running statistics."""
-    return training or not tracks_running_stats(bn)
+    """Batch statistics in training, and in evaluation where the module has no running
+    statistics: as PyTorch, evaluation normalises with the running buffers wherever they
+    exist, ``track_running_stats`` set to False after construction or not (that flag decides
+    only whether training updates them, ``tracks_running_stats``)."""
+    return training or bn._buffers.get("running_mean") is None
 
 
 @torch.no_grad()

@@ -78,6 +78,7 @@ import torch
 from numba import cuda
 from torch import nn
 from torch.autograd.graph import increment_version
+from torch.nn.utils import parametrize
 
 from . import autograd, dtypes, folding, planner, precision as precisions, sync, tiers
 from .geometry import ConvGeometry
@@ -96,6 +97,12 @@ def _parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     (``nn.Module.__getattr__`` costs a call's host time; a parametrized one is not there)."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its strides are permuted (a weight made so): the
+    kernels read weights in their logical order."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class _NewOutput(dict):
@@ -239,6 +246,8 @@ class Pipeline:
             self.synchronize(process_group)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._capturing = False
+        # a call on weights computed when read (``_fresh_call``): nothing derived is kept
+        self._fresh = False
         # a call whose backward will run (``forward_saving``): what it keeps, filled as it runs
         self._saving: dict | None = None
         self._saving_updates = False  # ... and whether it updates the running statistics
@@ -286,10 +295,15 @@ class Pipeline:
 
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
+        if self._weights_computed():
+            return self._fresh_call(x)
+        return self._call(x)
+
+    def _call(self, x):
         if isinstance(x, torch.Tensor):
             half = dtypes.half_output(x)
             if half is not None:
-                return self.half_call(x, half, Pipeline.__call__)
+                return self.half_call(x, half, Pipeline._call)
             if torch.is_grad_enabled() and self._wants_grad(x):
                 # through the custom op, which records the backward (``autograd``)
                 return autograd.apply(self, x)
@@ -302,7 +316,7 @@ class Pipeline:
 
     def half_call(self, x: torch.Tensor, half: torch.dtype, call) -> torch.Tensor:
         """A half-precision call (``dtypes.half_output``): ``call(pipeline, x)``
-        (``Pipeline.__call__``, or ``autograd.apply`` under torch.compile) on ``x`` cast to the
+        (``Pipeline._call``, or ``autograd.apply`` under torch.compile) on ``x`` cast to the
         parameters' float32 (autograd's own cast: ``dL/dx`` comes back in ``x``'s dtype),
         its operations outside autocast (a replayed call has none that autocast touches), its
         output in ``half``. One rounding, at the end: within half a unit
@@ -321,7 +335,7 @@ class Pipeline:
                             f"them), got {compute}")
         if x.dtype != compute:  # (no autocast policy applies to a cast)
             x = x.to(compute)
-        if call is not Pipeline.__call__:  # (torch.compile's trace: the op between two casts)
+        if call is not Pipeline._call:  # (torch.compile's trace: the op between two casts)
             with dtypes.no_autocast(x.device.type):
                 return call(self, x).to(half)
         if self._writes_half(x):
@@ -359,11 +373,46 @@ class Pipeline:
                 out = self._forward_prepared(x, half=half)
         return out if out.dtype == half else out.to(half)
 
+    def _weights_computed(self) -> bool:
+        """Whether a module's weight is computed when it is read, not held as a parameter:
+        ``torch.nn.utils.parametrize`` (``weight_norm``, ``spectral_norm``, ...), or set by
+        the convolution's forward pre-hooks (``torch.nn.utils.prune``, the older
+        ``weight_norm``). Such calls run as ``_fresh_call`` (three dict reads a call)."""
+        return bool(self.conv._forward_pre_hooks) or "weight" not in self.conv._parameters \
+            or "parametrizations" in self.bn._modules
+
+    def _fresh_call(self, x):
+        """A call on weights computed when read (``_weights_computed``), as the modules' own
+        calls would see them: the convolution's forward pre-hooks run first (they may set its
+        weight, or replace the input), each parametrization is computed once
+        (``parametrize.cached``, so a ``spectral_norm`` in training takes one power
+        iteration a call, as eager does), and nothing derived from the weights outlives the
+        call: no recorded replay, no cached folded weights (``_fresh``)."""
+        conv = self.conv
+        for key, hook in tuple(conv._forward_pre_hooks.items()):
+            if key in conv._forward_pre_hooks_with_kwargs:
+                result = hook(conv, (x,), {})
+                result = None if result is None else result[0]
+            else:
+                result = hook(conv, (x,))
+            if result is not None:
+                x = result[0] if isinstance(result, tuple) else result
+        was = self._fresh
+        self._fresh = True
+        try:
+            with parametrize.cached():
+                return self._call(x)
+        finally:
+            self._fresh = was
+
     def _wants_grad(self, x: torch.Tensor) -> bool:
         """Whether a call under grad mode must record its backward: the input or a parameter
-        requires grad (read from the modules' dicts: a few hundred ns)."""
+        requires grad (read from the modules' dicts: a few hundred ns; on weights computed
+        when read, from every parameter the modules hold)."""
         if x.requires_grad:
             return True
+        if self._fresh:
+            return any(p.requires_grad for m in (self.conv, self.bn) for p in m.parameters())
         for tensors, name in self._watched[:4]:
             p = tensors.get(name)
             if p is not None and p.requires_grad:
@@ -420,6 +469,8 @@ class Pipeline:
             # (``_Prepared.holds`` keeps the recorded ones alive, so their ids stay theirs)
             state.append(None if t is None else
                          (id(t), t.data_ptr(), t._version if versions else None))
+        if self._fresh:  # weights computed when read: a state no later call matches
+            state.append(object())
         return tuple(state)
 
     def _module_tensor(self, t: torch.Tensor) -> bool:
@@ -902,7 +953,9 @@ class Pipeline:
 
     def _cached(self, name: str, key: tuple, make) -> torch.Tensor:
         """Derived weights are recomputed only when a parameter or buffer they use changed."""
-        if self._capturing:  # inside a graph: derive afresh at every replay, never from a cache
+        if self._capturing or self._fresh:
+            # inside a graph, derived afresh at every replay; from weights computed when read,
+            # at every call: never from a cache
             with torch.no_grad():
                 return make()
         hit = self._weights.get(name)
@@ -1162,12 +1215,12 @@ class Pipeline:
         if self._stale(buf, key):
             with torch.no_grad():  # derived from parameters that may require grad
                 fill(buf)
-            buf.__dict__[_HOLDS] = None if self._capturing else key
+            buf.__dict__[_HOLDS] = None if self._capturing or self._fresh else key
         return buf
 
     def _stale(self, buf: torch.Tensor, key: tuple) -> bool:
         """Whether ``_derived`` writes ``buf`` again for ``key``."""
-        return self._capturing or buf.__dict__.get(_HOLDS) != key
+        return self._capturing or self._fresh or buf.__dict__.get(_HOLDS) != key
 
     def _refresh_derived(self, plan: CallPlan) -> None:
         """Before a recorded training call is replayed: the plan's buffers derived from the
@@ -1181,9 +1234,10 @@ class Pipeline:
             weight = _parameter(self.conv, "weight")
             key = (self._version(weight),)
             if self._stale(s.wph, key):
-                self._arranged(plan, weight.detach(), key)
+                self._arranged(plan, _contiguous(weight.detach()), key)
             if s.w_tf32 is not None and self._stale(s.w_tf32, key):
-                self._tf32_weights(plan, weight.detach().view(*weight.shape[:2], -1), key, True)
+                self._tf32_weights(plan, weight.detach().reshape(*weight.shape[:2], -1), key,
+                                   True)
 
     # ---- synchronized batch statistics (``sync``) ---------------------------------------------
     def synchronize(self, process_group) -> "Pipeline":
@@ -1314,7 +1368,7 @@ class Pipeline:
         """The stored paths' convolution weight: the module's, or in evaluation with a_c folded
         in (then only a centring follows)."""
         geom, conv = self.geometry, self.conv
-        weight = conv.weight.detach()
+        weight = _contiguous(conv.weight.detach())
         if batch_stats:
             return weight
         scale = self._eval_scale()
@@ -1388,7 +1442,7 @@ class Pipeline:
                 conv_out: torch.Tensor, second: bool = False) -> None:
         geom, conv = self.geometry, self.conv
         launch = plan.gather
-        weight = conv.weight.detach()
+        weight = _contiguous(conv.weight.detach())
         if batch_stats:
             conv_weight = weight
             key = (self._version(conv.weight),)

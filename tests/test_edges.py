@@ -40,6 +40,12 @@ float32 input under ``torch.autocast``     the output in the autocast dtype, as 
 one value per channel in training          ``ValueError``, as PyTorch (tests/test_bad_input.py)
 a tensor on another CUDA device            runs there if it is the current device, else a clear
                                            ``ValueError`` (GPU machines with two devices)
+a weight computed when read or by a        each call sees the weight the modules' own call would,
+forward pre-hook (parametrize, prune)      one power iteration a call for ``spectral_norm``
+                                           (tests/test_computed_weights.py)
+``track_running_stats`` turned off after   evaluation reads the running buffers it still has;
+construction                               training takes batch statistics and updates nothing
+                                           (tests/test_computed_weights.py)
 =========================================  =========================================================
 
 Every rejected input leaves the input and the module's buffers untouched.
