@@ -99,12 +99,6 @@ def _parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     return params[name] if name in params else getattr(module, name)
 
 
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy where its strides are permuted (a weight made so): the
-    kernels read weights in their logical order."""
-    return t if t.is_contiguous() else t.contiguous()
-
-
 class _NewOutput(dict):
     """A replay's tensors (``Replay.__call__``): the input as ``"x"``, and as ``"out"`` a new
     output of ``shape`` and ``dtype`` (its bits where it is half precision), made when a launch
@@ -1234,7 +1228,7 @@ class Pipeline:
             weight = _parameter(self.conv, "weight")
             key = (self._version(weight),)
             if self._stale(s.wph, key):
-                self._arranged(plan, _contiguous(weight.detach()), key)
+                self._arranged(plan, weight.detach().contiguous(), key)
             if s.w_tf32 is not None and self._stale(s.w_tf32, key):
                 self._tf32_weights(plan, weight.detach().reshape(*weight.shape[:2], -1), key,
                                    True)
@@ -1368,7 +1362,7 @@ class Pipeline:
         """The stored paths' convolution weight: the module's, or in evaluation with a_c folded
         in (then only a centring follows)."""
         geom, conv = self.geometry, self.conv
-        weight = _contiguous(conv.weight.detach())
+        weight = conv.weight.detach().contiguous()
         if batch_stats:
             return weight
         scale = self._eval_scale()
@@ -1442,7 +1436,7 @@ class Pipeline:
                 conv_out: torch.Tensor, second: bool = False) -> None:
         geom, conv = self.geometry, self.conv
         launch = plan.gather
-        weight = _contiguous(conv.weight.detach())
+        weight = conv.weight.detach().contiguous()  # (the kernels read it in its logical order)
         if batch_stats:
             conv_weight = weight
             key = (self._version(conv.weight),)
