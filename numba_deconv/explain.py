@@ -11,6 +11,8 @@ kernel                   FLOPs                               bytes (DRAM, compul
 =======================  ==================================  ====================================
 fill_channels            0                                   write y
 gather_simple_kernel     2 * macs (tests every tap)          read x, w; write y (generic tier)
+gather_wide_kernel       2 * macs (tests every tap)          read x, w; write y in float64 (few
+                                                             output voxels, ``planner.wide``)
 conv_transpose3d_scatter 2 * macs (one atomic per MAC)       read x, w; read+write y (atomics)
 spatial_moments_warp     S per row (+3 S with css)           read y once (twice with css)
 scale_centered           2 per element                       read + write y
@@ -51,8 +53,8 @@ from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
 from .plan import STORED_PATHS, gather_launch, stages as path_stages
 from .planner import DEVICE_PEAKS, device_peaks  # (the peaks are the planner's too)
-from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gram, scatter,
-                      spatial_reduce)
+from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gather_wide, gram,
+                      scatter, spatial_reduce)
 from .backend import tensor_device
 from .kernels.launch import block_size, grid_for, loaded_attributes
 from .simulator import is_simulator
@@ -239,6 +241,23 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
     out = []
     stored = path in STORED_PATHS  # the convolution stored, then its moments
     second = False
+    if path == "wide":  # float64 weights; training stores the convolution in float64
+        blk = block_size(gather_wide.BLOCK)
+        conv_bytes = n_out * ITEMSIZE["float64"] if batch_stats else n_out * e
+        out.append(("conv_transpose3d_wide", "gather_wide_kernel", gather_wide.gather_wide_kernel,
+                    (grid_for(rows_nc, 1),), blk, 2 * macs + 3 * n_out,
+                    x_bytes + 2 * w_bytes + conv_bytes + 2 * rows_nc * 8))
+        if batch_stats:
+            out.append(("batch_statistics", "batch_statistics",
+                        batch_stats_kernels.batch_statistics,
+                        (batch_stats_kernels.grid_size(geom.out_channels),),
+                        block_size(batch_stats_kernels.BLOCK), rows_nc * 5,
+                        rows_nc * 2 * 8 + geom.out_channels * 6 * 8))
+            blk = block_size(epilogue.BLOCK)
+            out.append(("scale", "scale_centered", epilogue.scale_centered,
+                        _elementwise_grid(rows_nc, vol, blk), blk, 2 * n_out,
+                        conv_bytes + n_out * e))
+        return out, macs, x_bytes + w_bytes + n_out * e
     if path == "generic":
         blk = block_size(gather_simple.BLOCK)
         out.append(("conv_transpose3d_gather_simple", "gather_simple_kernel",
@@ -456,12 +475,15 @@ _LAUNCHERS = {
                 (spatial_reduce, "spatial_moments", "spatial_moments_warp"),
                 (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
                 (epilogue, "launch_scale_centered", "scale")),
+    "wide": ((gather_wide, "launch_gather_wide", "conv_transpose3d_wide"),
+             (batch_stats_kernels, "launch_batch_statistics", "batch_statistics"),
+             (epilogue, "launch_scale_centered", "scale")),
 }
 
 
 def _launcher_kind(path: str) -> str:
     """Which launchers a call on ``path`` goes through (``_LAUNCHERS``)."""
-    if path in ("generic", "torch", "scatter"):
+    if path in ("generic", "torch", "scatter", "wide"):
         return path
     return "gather"
 
@@ -622,7 +644,8 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         else:
             why = planner.torch_conv(pipe.geometry, input_shape, dtype, tensor_device(),
                                      pipe.precision, batch_stats)[1]
-        report.notes.append(f"convolution (conv_impl='auto'): {why}")
+        if path != "wide":  # (else the note below says why)
+            report.notes.append(f"convolution (conv_impl='auto'): {why}")
         for what, decide in (("input", planner.torch_input_grad),
                              ("weight", planner.torch_weight_grad)):
             grad_why = decide(pipe.geometry, input_shape, dtype, tensor_device(),
@@ -632,17 +655,22 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         report.notes.append("convolution (conv_impl='torch'): PyTorch's, at PyTorch's own "
                             "precision (its TF32 flag), then this package's finish; the "
                             "backward's input and weight gradients by PyTorch's too")
-    if path == "generic":
+    if path == "wide":
+        why = planner.wide(pipe.geometry, input_shape, dtype)[1]
+        report.notes.append(f"convolution (float32 input): {why}, on gather_wide, whatever "
+                            "conv_impl asks (an output's few values would keep the gathers' "
+                            "float32 error and cancel PyTorch's)")
+    elif path == "generic":
         report.notes.append("tier: generic (specialize=False): kernels that take the geometry at "
                             "run time, compiled once per dtype and mode, so a new geometry "
                             "compiles nothing new; slower than the specialised kernels")
-    elif path not in STORED_PATHS:
+    elif path not in STORED_PATHS and path != "wide":
         report.notes.append("tier: specialised: kernels compiled for this geometry (tap "
                             "patterns, tile, sizes' shape), or loaded from the kernel cache")
         now = "" if path == "gram" else tiers.status(pipe, input_shape, dtype)
         if now:
             report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
-    if path not in STORED_PATHS:
+    if path not in STORED_PATHS and path != "wide":
         report.notes.append(_precision_note(pipe, input_shape, dtype, tensor_cores))
     if batch_stats and path in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()

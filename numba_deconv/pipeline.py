@@ -39,6 +39,12 @@ launch configurations (cached per input shape), and hands the small per-channel 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
 
+A few output voxels (the ``"wide"`` path, every strategy but ``"torch"``; ``wide``)
+    a float32 call with at most 8 output voxels per (sample, channel) computes in float64, where
+    the gathers' float32 sums would lose more than PyTorch's: gather_wide (a warp per (sample,
+    channel), the row centred in float64; in evaluation the output) -> (training:
+    batch_statistics -> scale_centered).
+
 The generic tier (``specialize=False``, with ``conv_impl="gather"``)
     conv_transpose3d_gather_simple -> spatial_moments_warp -> scale_centered: kernels that
     take the geometry at run time, compiled once per dtype and mode (then served from the
@@ -83,8 +89,8 @@ from torch.nn.utils import parametrize
 from . import autograd, dtypes, folding, planner, precision as precisions, sync, tiers
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
-from .kernels import (batch_stats, box_sums, epilogue, gather_mma, gather_simple, gram,
-                      mma, scatter, spatial_reduce, sync_stats)
+from .kernels import (batch_stats, box_sums, epilogue, gather_mma, gather_simple, gather_wide,
+                      gram, mma, scatter, spatial_reduce, sync_stats)
 from .backend import tensor_device
 from .kernels.half import bits_view, kind_of
 from .kernels.launch import Replay, block_size, pin, recording
@@ -147,8 +153,10 @@ class _Prepared:
     #: the output's dtype: a half-precision call's (``Pipeline._half_direct``) where its last
     #: kernel wrote it, else the input's
     out_dtype: torch.dtype | None = None
-    #: such a call's float32 convolution is a tensor of its own (named ``yc`` in its replay)
+    #: such a call's float32 convolution, or a wide call's float64 one
+    #: (``Pipeline.wide``), is a tensor of its own (named ``yc`` in its replay), of this dtype
     yc_temp: bool = False
+    yc_dtype: torch.dtype | None = None
 
 
 #: the attribute under which a plan's derived buffer keeps the key of what it holds
@@ -505,7 +513,8 @@ class Pipeline:
             return out
         named = {"x": x, "out": bits_view(out), **temps}
         if save is not None:  # (its rows are copies made after the launches: ``_save``)
-            named.update(yc=save["yc"], stats=save["stats"])
+            named.update(stats=save["stats"])
+            named.setdefault("yc", save["yc"])  # (a wide call's is its float64 one, in temps)
         replay = Replay.build(launches, named, fixed=self._module_tensor)
         plan = self._plans.get(self._plan_key(x))
         # the state after the call: a training call bumped the running buffers' versions
@@ -515,7 +524,8 @@ class Pipeline:
                                       holds=tuple(d.get(n) for d, n in self._watched),
                                       plan=plan if batch_stats else None,
                                       conv_first=plan is not None and plan.path == "torch",
-                                      out_dtype=out.dtype, yc_temp="yc" in temps))
+                                      out_dtype=out.dtype, yc_temp="yc" in temps,
+                                      yc_dtype=temps["yc"].dtype if "yc" in temps else None))
         return out
 
     def _call_key(self, x: torch.Tensor, saving: bool = False,
@@ -547,10 +557,11 @@ class Pipeline:
         conv = None
         if prepared.conv_first:  # the "torch" path: its finish centres PyTorch's output in place
             conv = self._torch_convolution(x, prepared.plan is not None)
-        if prepared.yc_temp:  # a half-precision output, its float32 convolution apart
+        if prepared.yc_temp and save is None:
+            # a half-precision output, or a wide call's: its convolution apart
             out = torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
             yc = conv if conv is not None else \
-                torch.empty(prepared.out_shape, dtype=x.dtype, device=x.device)
+                torch.empty(prepared.out_shape, dtype=prepared.yc_dtype, device=x.device)
             prepared.replay({"x": x, "out": bits_view(out), "yc": yc})
         elif save is None:
             if conv is not None:
@@ -564,7 +575,8 @@ class Pipeline:
                 out = tensors.out
         else:
             out = torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
-            yc = conv if conv is not None else torch.empty_like(out, dtype=x.dtype)
+            yc = conv if conv is not None else torch.empty_like(
+                out, dtype=prepared.yc_dtype or x.dtype)
             stats = torch.empty((4, self.geometry.out_channels), dtype=torch.float64,
                                 device=x.device)
             prepared.replay({"x": x, "out": bits_view(out), "yc": yc, "stats": stats})
@@ -714,7 +726,9 @@ class Pipeline:
              device: torch.device | None = None) -> str:
         """The path a call takes now (``plan.PATHS``): it follows the mode, batch norm's
         settings and ``variance``, and with ``conv_impl="auto"`` the input (``shape``,
-        ``dtype``, ``device``: ``torch_conv``; without them, the gather's paths)."""
+        ``dtype``, ``device``: ``wide``, ``torch_conv``; without them, the gather's paths)."""
+        if shape is not None and self.wide(shape, dtype):
+            return "wide"
         if self.conv_impl == "scatter":
             return "scatter"
         if self.conv_impl == "torch" or (shape is not None
@@ -835,7 +849,7 @@ class Pipeline:
         ``precision="tf32"`` asks for them; with ``precision=None`` they run where PyTorch's
         flag allows TF32 and the planner predicts them the fastest (``convolution``)."""
         if dtype != torch.float32 or self._mma_unsupported is not None \
-                or self.precision == "ieee":
+                or self.precision == "ieee" or self.wide(shape, dtype):
             return False
         if self.precision == "tf32":
             return gather_mma.device_supports(device)
@@ -870,6 +884,16 @@ class Pipeline:
                 and planner.capability(device) >= planner.TF32_CC:
             return "tf32"
         return "ieee"
+
+    def wide(self, shape, dtype: torch.dtype) -> bool:
+        """Whether a call on an input of ``shape`` and ``dtype`` computes in float64 and rounds
+        its output to float32 once (``planner.wide``: at most a few output voxels per (sample,
+        channel), where the gathers' float32 sums lose more than PyTorch's): the ``"wide"``
+        path (``_wide``), whatever ``conv_impl``, ``specialize`` and ``variance`` say, but not
+        ``conv_impl="torch"`` (PyTorch's float32 convolution, then the float64 finish) nor
+        ``precision="tf32"``."""
+        return self.conv_impl != "torch" and self.precision != "tf32" and len(shape) == 5 \
+            and planner.wide(self.geometry, tuple(shape), dtype)[0]
 
     def torch_conv(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on an input of ``shape``, ``dtype`` and ``device`` runs PyTorch's
@@ -1046,7 +1070,8 @@ class Pipeline:
         (not the scatter path, not ``specialize=False``, not under the simulator); else None.
         Kept per kind of call, so a call pays one dictionary lookup."""
         if self.specialize is False or self.conv_impl not in GATHERS or batch == 0 \
-                or not tiers.compiles() or self.torch_conv(x.shape, x.dtype, x.device):
+                or not tiers.compiles() or self.torch_conv(x.shape, x.dtype, x.device) \
+                or self.wide(x.shape, x.dtype):
             return None
         offset = x.data_ptr() % 16 if x.is_contiguous() else 0  # (else a contiguous copy runs)
         key = tiers.kind_key(self, x.shape, x.dtype, x.device, offset, saving, half)
@@ -1080,7 +1105,8 @@ class Pipeline:
         plan = self._plan(x, out_spatial, batch_stats)
         saves_conv = save is not None and batch_stats
         half = half if self._writes_half_on(plan) else None
-        temps = temps if save is None else None  # (a saving call names its ``yc`` itself)
+        # (a saving call names its ``yc`` itself, but for a wide call's float64 one)
+        temps = temps if save is None or plan.path == "wide" else None
         if plan.path == "torch":
             # PyTorch allocates its convolution's output: the finish centres and scales it in
             # place, unless a saving call keeps it or the output is in half precision (then the
@@ -1109,12 +1135,21 @@ class Pipeline:
         # with batch statistics a saving call keeps the unscaled convolution (``forward_saving``);
         # a half output's convolution is float32 unless the gather's epilogue writes it last
         conv_out = out
-        if saves_conv or (half is not None and plan.path != "eval" and not second):
+        if plan.path == "wide":
+            # with batch statistics the float64 convolution, centred, then scaled into the
+            # output (``_wide``); in evaluation the output itself
+            if batch_stats:
+                conv_out = torch.empty_like(out, dtype=torch.float64)
+                if temps is not None:
+                    temps["yc"] = conv_out
+        elif saves_conv or (half is not None and plan.path != "eval" and not second):
             conv_out = torch.empty_like(out, dtype=x.dtype)
             if half is not None and temps is not None:
                 temps["yc"] = conv_out
         if plan.path in STORED_PATHS:
             self._stored(x, out, plan, batch_stats, record, conv_out)
+        elif plan.path == "wide":
+            self._wide(x, out, plan, batch_stats, record, conv_out)
         else:
             self._gather(x, out, plan, batch_stats, record, conv_out, second)
         if save is not None:
@@ -1143,7 +1178,8 @@ class Pipeline:
                 rows[0].copy_(plan.scratch.means)
             else:
                 rows[0].zero_()
-            yc = conv_out
+            # (a wide call's float64 convolution, kept in the input's dtype as any other's)
+            yc = conv_out if conv_out.dtype == x.dtype else conv_out.to(x.dtype)
         # written by the statistics kernel (``_finish_batch_stats``, ``_finish_synced``)
         stats = save.pop("stats", None)
         if stats is None:  # evaluation, or an empty batch that no other rank adds to
@@ -1232,6 +1268,8 @@ class Pipeline:
             if s.w_tf32 is not None and self._stale(s.w_tf32, key):
                 self._tf32_weights(plan, weight.detach().reshape(*weight.shape[:2], -1), key,
                                    True)
+        if s.w64 is not None and s.w64.__dict__.get(_HOLDS) is not None:  # a wide call's
+            self._stored_weight(True, plan)
 
     # ---- synchronized batch statistics (``sync``) ---------------------------------------------
     def synchronize(self, process_group) -> "Pipeline":
@@ -1358,16 +1396,24 @@ class Pipeline:
             record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer
         return s.scale
 
-    def _stored_weight(self, batch_stats: bool) -> torch.Tensor:
+    def _stored_weight(self, batch_stats: bool, wide: CallPlan | None = None) -> torch.Tensor:
         """The stored paths' convolution weight: the module's, or in evaluation with a_c folded
-        in (then only a centring follows)."""
+        in (then only a centring follows). ``wide``: a ``"wide"`` call's plan (``_wide``),
+        whose weight is float64: with batch statistics in the plan's buffer, written again
+        where the weight changed (``_refresh_derived``)."""
         geom, conv = self.geometry, self.conv
         weight = conv.weight.detach().contiguous()
         if batch_stats:
-            return weight
+            if wide is None:
+                return weight
+            return self._derived(wide.scratch.w64, (self._version(conv.weight),),
+                                 lambda buf: buf.copy_(weight))
         scale = self._eval_scale()
         key = (self._version(conv.weight), self._version(self.bn.running_var),
                self._version(self.bn.weight), self.bn.eps)
+        if wide is not None:
+            return self._cached("stored_folded_wide", key, lambda: folding.fold_weights(
+                weight.to(torch.float64), scale, geom.groups))
         return self._cached("stored_folded", key,
                             lambda: folding.fold_weights(weight, scale, geom.groups))
 
@@ -1431,6 +1477,26 @@ class Pipeline:
             if record is not None:
                 record["scale"] = self._eval_scale().clone()
         epilogue.launch_scale_centered(rows, means, scale, final)
+
+    def _wide(self, x, out, plan: CallPlan, batch_stats: bool, record,
+              conv_out: torch.Tensor) -> None:
+        """The ``"wide"`` path (``wide``): ``gather_wide`` computes the convolution in float64 and
+        writes it centred per (n, c), with its means and centred sums of squares. In evaluation
+        (the BN scale folded into its float64 weights) that is the output; with batch
+        statistics it goes to ``conv_out`` (float64), the statistics follow, and one pass
+        scales it into the output."""
+        geom, s = self.geometry, plan.scratch
+        weight = self._stored_weight(batch_stats, plan)
+        gather_wide.launch_gather_wide(x, weight, conv_out if batch_stats else out, s.means,
+                                       s.css, geom.stride, geom.padding, geom.dilation)
+        if record is not None:
+            record["conv_transpose3d_wide"] = (conv_out if batch_stats else out).clone()
+        if batch_stats:
+            scale = self._finish_batch_stats(plan, s.means, s.css.view(*s.css.shape, 1),
+                                             record)
+            rows = (plan.batch * geom.out_channels, plan.volume)
+            epilogue.launch_scale_centered(conv_out.view(rows), s.zero_rows, scale,
+                                           out.view(rows))
 
     def _gather(self, x, out, plan: CallPlan, batch_stats: bool, record,
                 conv_out: torch.Tensor, second: bool = False) -> None:

@@ -19,6 +19,10 @@ Paths (``PATHS``):
   finish over its output (``conv_impl="torch"``, or ``"auto"`` where ``planner`` predicts it
   faster).
 * ``"scatter"``  - the teaching baseline, either statistics.
+* ``"wide"``     - a float32 call of a few output voxels per (sample, channel), whatever the
+  strategy but ``"torch"`` (``planner.wide``): ``gather_wide`` in float64, writing the
+  output centred (evaluation: final), then, with batch statistics, batch_statistics and a
+  scale pass from its float64 convolution.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from .geometry import ConvGeometry
 from .kernels import gather, gather_mma, gram
 from .kernels.launch import pin
 
-PATHS = ("eval", "epilogue", "gram", "generic", "torch", "scatter")
+PATHS = ("eval", "epilogue", "gram", "generic", "torch", "scatter", "wide")
 #: The paths that store the convolution and then reduce it (no box sums, no gather epilogue).
 STORED_PATHS = ("generic", "torch", "scatter")
 
@@ -75,6 +79,9 @@ def stages(path: str, batch_statistics: bool, options: Options) -> tuple[str, ..
                 "output")
     if path == "torch":
         return ("conv_transpose3d_torch", "spatial_moments_warp", *finish, "scale", "output")
+    if path == "wide":  # (in evaluation the convolution's stage writes the output)
+        return ("conv_transpose3d_wide", *finish, "scale", "output") if batch_statistics \
+            else ("conv_transpose3d_wide", "output")
     box = ("box_sums", "mean_from_box_sums")
     if path == "gram":
         sums = ("gram_sums", *box) if options.box_sums_in_tail else (*box, "gram_sums")
@@ -108,6 +115,8 @@ class Scratch:
     #                                           (``Pipeline._arranged``)
     ss: torch.Tensor | None = None            # (N, C, slots) the gather's sums of squares
     zero_bias_x: torch.Tensor | None = None   # (C,) zeros in the input's dtype (generic tier)
+    w64: torch.Tensor | None = None           # the weight in float64 ("wide" path, batch
+    #                                           statistics: ``Pipeline._wide``)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
     # the tensor-core gather's operands rounded to TF32 (input, weights): box_sums sums them,
     # so its means are those of the convolution the tensor cores compute; the gather reads the
@@ -194,7 +203,9 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
     launch = layout = None
     if path == "generic":
         common["zero_bias_x"] = torch.zeros(channels, dtype=x.dtype, device=dev)
-    if path not in STORED_PATHS:
+    if path == "wide" and batch_statistics:
+        common["w64"] = empty(*geom.weight_shape())
+    if path not in STORED_PATHS and path != "wide":
         in_spatial = tuple(x.shape[2:])
         kmax = max(geom.kernel_size)
         lo = np.ones((3, kmax), np.int32)

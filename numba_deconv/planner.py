@@ -63,6 +63,17 @@ calls), with the same margins. It runs restricted to cuDNN's deterministic algor
 (``torch.backends.cudnn.deterministic`` for the call; measured as fast as the unrestricted
 choice on every row of docs/performance.md, "Known limits"): the gradient stays bit-identical
 from run to run, as the kernel's reduction is by construction.
+
+A float32 call whose output has at most ``WIDE_VOLUME`` voxels per (sample, channel) runs the
+convolution in float64 and its finish from that (``wide``): its spatial mean, and with batch
+statistics its channels' statistics, are of so few values that they cancel most of the error
+PyTorch's float32 convolution stores (all of it at one voxel, where PyTorch's output is exactly
+zero), while the gathers' float32 sums and their means taken apart from the output keep theirs:
+where a channel's mean dwarfs its spread, up to 17x PyTorch's error (docs/performance.md, "Known
+limits"). Such a call's convolution is ``gather_wide``'s (a warp per (sample, channel), each
+product and sum in float64, the row centred in float64), then, in training, the statistics
+and the scale into the float32 output: one rounding at the end. Only where that kernel's warps
+take at most ``WIDE_WORK`` steps in all (its cost: docs/performance.md, "Known limits").
 """
 
 from __future__ import annotations
@@ -74,7 +85,7 @@ import torch
 
 from . import precision as precisions
 from .geometry import ConvGeometry
-from .kernels import gather, gather_mma
+from .kernels import gather, gather_mma, gather_wide
 from .simulator import is_simulator
 
 #: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores,
@@ -146,6 +157,33 @@ CUDNN_WEIGHT_PER_CHANNEL = 0.0016
 CUDNN_WEIGHT_CAP = 0.25
 #: ... plus this many microseconds whatever the size.
 CUDNN_WEIGHT_FIXED_US = 40.0
+
+
+#: The most output voxels per (sample, channel) at which a float32 call computes in float64
+#: (``wide``); the hypothesis strategies' few-voxel cases (``testing.cases``) have up to 8
+WIDE_VOLUME = gather_wide.MAX_VOLUME
+#: ... and the most steps ``gather_wide``'s warps take in all (a warp per output voxel: every tap
+#: tested, and a group's input channels 32 at a time at each)
+WIDE_WORK = 1 << 22
+
+
+def wide(geom: ConvGeometry, shape: tuple, dtype: torch.dtype) -> tuple[bool, str]:
+    """``(wide, why)``: whether a call on an input of ``shape`` and ``dtype`` computes its
+    convolution and finish in float64 and rounds its output to float32 once (the module
+    docstring): float32, at most ``WIDE_VOLUME`` output voxels per (sample, channel), at most
+    ``WIDE_WORK`` steps of ``gather_wide``'s warps."""
+    if dtype != torch.float32:
+        return False, f"{str(dtype).replace('torch.', '')}: computed in its own dtype"
+    volume = math.prod(geom.output_spatial(tuple(shape[2:])))
+    if volume > WIDE_VOLUME:
+        return False, f"{volume} output voxels per (sample, channel), more than {WIDE_VOLUME}"
+    steps = shape[0] * geom.out_channels * volume * math.prod(geom.kernel_size) \
+        * -(-geom.in_per_group // gather_wide.WARP_SIZE)
+    if steps > WIDE_WORK:
+        return False, (f"{volume} output voxels per (sample, channel), but {steps} steps of the "
+                       f"float64 gather's warps, more than {WIDE_WORK}")
+    return True, (f"{volume} output voxel(s) per (sample, channel): the convolution and its "
+                  "finish in float64, the output rounded to float32 once")
 
 
 def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:

@@ -26,6 +26,16 @@ from .launch import block_size, grid_for, launch
 BLOCK = 128
 
 
+@cuda.jit(device=True)
+def tap_source(o, p, d, s, k, size):
+    """Along one axis: the input index whose tap ``k`` lands on output ``o`` (o + p - d*k is s
+    times it), or -1 where that is no whole number inside the input's ``size``."""
+    j = o + p - d * k
+    if j < 0 or j % s != 0 or j // s >= size:
+        return -1
+    return j // s
+
+
 @cuda.jit
 def gather_simple_kernel(x, w, b, y, s, p, d):
     # x: (N, CI, ID, IH, IW); w: (CI, OPG, KD, KH, KW); b: (CO,); y: (N, CO, OD, OH, OW)
@@ -41,18 +51,17 @@ def gather_simple_kernel(x, w, b, y, s, p, d):
     acc = b[co]
     for ci in range(co // opg * ipg, (co // opg + 1) * ipg):  # the input channels of co's group
         for kd in range(w.shape[2]):
-            jd = od + p[0] - d[0] * kd  # = s * i_d when input i_d's tap kd lands on od
-            if jd < 0 or jd % s[0] != 0 or jd // s[0] >= x.shape[2]:
+            i_d = tap_source(od, p[0], d[0], s[0], kd, x.shape[2])
+            if i_d < 0:
                 continue
             for kh in range(w.shape[3]):
-                jh = oh + p[1] - d[1] * kh
-                if jh < 0 or jh % s[1] != 0 or jh // s[1] >= x.shape[3]:
+                i_h = tap_source(oh, p[1], d[1], s[1], kh, x.shape[3])
+                if i_h < 0:
                     continue
                 for kw in range(w.shape[4]):
-                    jw = ow + p[2] - d[2] * kw
-                    if jw < 0 or jw % s[2] != 0 or jw // s[2] >= x.shape[4]:
-                        continue
-                    acc += x[n, ci, jd // s[0], jh // s[1], jw // s[2]] * w[ci, co % opg, kd, kh, kw]
+                    i_w = tap_source(ow, p[2], d[2], s[2], kw, x.shape[4])
+                    if i_w >= 0:
+                        acc += x[n, ci, i_d, i_h, i_w] * w[ci, co % opg, kd, kh, kw]
     y[n, co, od, oh, ow] = acc
 
 
