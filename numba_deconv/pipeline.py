@@ -41,7 +41,7 @@ launch configurations (cached per input shape), and hands the small per-channel 
 
 A few output voxels (the ``"wide"`` path, every strategy but ``"torch"``; ``wide``)
     a float32 call with at most 8 output voxels per (sample, channel) computes in float64, where
-    the gathers' float32 sums would lose more than PyTorch's: gather_wide (a warp per (sample,
+    the gathers' float32 sums would lose more than PyTorch's: gather_wide (a block per (sample,
     channel), the row centred in float64; in evaluation the output) -> (training:
     batch_statistics -> scale_centered).
 

@@ -70,7 +70,7 @@ statistics its channels' statistics, are of so few values that they cancel most 
 PyTorch's float32 convolution stores (all of it at one voxel, where PyTorch's output is exactly
 zero), while the gathers' float32 sums and their means taken apart from the output keep theirs:
 where a channel's mean dwarfs its spread, up to 17x PyTorch's error (docs/performance.md, "Known
-limits"). Such a call's convolution is ``gather_wide``'s (a warp per (sample, channel), each
+limits"). Such a call's convolution is ``gather_wide``'s (a block per (sample, channel), each
 product and sum in float64, the row centred in float64), then, in training, the statistics
 and the scale into the float32 output: one rounding at the end. Only where that kernel's warps
 take at most ``WIDE_WORK`` steps in all (its cost: docs/performance.md, "Known limits").
