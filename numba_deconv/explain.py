@@ -51,7 +51,7 @@ from . import folding, planner, precision as precisions, tiers
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
-from .plan import STORED_PATHS, gather_launch, stages as path_stages
+from .plan import GATHER_PATHS, STORED_PATHS, gather_launch, stages as path_stages
 from .planner import DEVICE_PEAKS, device_peaks  # (the peaks are the planner's too)
 from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gather_wide, gram,
                       scatter, spatial_reduce)
@@ -248,15 +248,8 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
                     (grid_for(rows_nc, 1),), blk, 2 * macs + 3 * n_out,
                     x_bytes + 2 * w_bytes + conv_bytes + 2 * rows_nc * 8))
         if batch_stats:
-            out.append(("batch_statistics", "batch_statistics",
-                        batch_stats_kernels.batch_statistics,
-                        (batch_stats_kernels.grid_size(geom.out_channels),),
-                        block_size(batch_stats_kernels.BLOCK), rows_nc * 5,
-                        rows_nc * 2 * 8 + geom.out_channels * 6 * 8))
-            blk = block_size(epilogue.BLOCK)
-            out.append(("scale", "scale_centered", epilogue.scale_centered,
-                        _elementwise_grid(rows_nc, vol, blk), blk, 2 * n_out,
-                        conv_bytes + n_out * e))
+            out.append(_batch_statistics_row(geom.out_channels, rows_nc, 1))
+            out.append(_scale_centered_row(rows_nc, vol, conv_bytes + n_out * e))
         return out, macs, x_bytes + w_bytes + n_out * e
     if path == "generic":
         blk = block_size(gather_simple.BLOCK)
@@ -328,11 +321,8 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
                                   ",train" if batch_stats else ""),
                     kernel, (launch.grid,), blk, flops, nbytes, smem))
     if batch_stats:
-        slots = 1 if stored else launch.slots
-        out.append(("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
-                    (batch_stats_kernels.grid_size(geom.out_channels),),
-                    block_size(batch_stats_kernels.BLOCK), rows_nc * (slots + 4),
-                    rows_nc * (slots + 1) * 8 + geom.out_channels * 6 * 8))
+        out.append(_batch_statistics_row(geom.out_channels, rows_nc,
+                                         1 if stored else launch.slots))
     if second:
         kernel, blk, smem = _gather_kernel(launch, name, False, mode="rescaled")
         out.append(("scale", _gather_label(launch, ",rescaled"), kernel, (launch.grid,), blk,
@@ -342,12 +332,25 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
         out.append(("scale", "scale_rows (per channel, in place)", epilogue.make_scale_rows(name),
                     epilogue.scale_rows_grid(rows_nc, vol, blk), blk, n_out, 2 * n_out * e))
     elif stored:
-        blk = block_size(epilogue.BLOCK)
-        out.append(("scale", "scale_centered", epilogue.scale_centered,
-                    _elementwise_grid(rows_nc, vol, blk), blk, 2 * n_out, 2 * n_out * e))
+        out.append(_scale_centered_row(rows_nc, vol, 2 * n_out * e))
     else:
         out.append(("scale", "host (folded into the weights)", None, None, None, 0, 0))
     return out, macs, x_bytes + w_bytes + n_out * e
+
+
+def _batch_statistics_row(channels: int, rows_nc: int, slots: int) -> tuple:
+    """The ``batch_statistics`` stage's row: ``slots`` partial sums of squares per (n, c)."""
+    return ("batch_statistics", "batch_statistics", batch_stats_kernels.batch_statistics,
+            (batch_stats_kernels.grid_size(channels),), block_size(batch_stats_kernels.BLOCK),
+            rows_nc * (slots + 4), rows_nc * (slots + 1) * 8 + channels * 6 * 8)
+
+
+def _scale_centered_row(rows_nc: int, vol: int, nbytes: int) -> tuple:
+    """The ``scale`` stage's row where ``scale_centered`` writes the output from a stored
+    convolution (``nbytes``: what it reads and writes)."""
+    blk = block_size(epilogue.BLOCK)
+    return ("scale", "scale_centered", epilogue.scale_centered,
+            _elementwise_grid(rows_nc, vol, blk), blk, 2 * rows_nc * vol, nbytes)
 
 
 def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
@@ -664,13 +667,13 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         report.notes.append("tier: generic (specialize=False): kernels that take the geometry at "
                             "run time, compiled once per dtype and mode, so a new geometry "
                             "compiles nothing new; slower than the specialised kernels")
-    elif path not in STORED_PATHS and path != "wide":
+    elif path in GATHER_PATHS:
         report.notes.append("tier: specialised: kernels compiled for this geometry (tap "
                             "patterns, tile, sizes' shape), or loaded from the kernel cache")
         now = "" if path == "gram" else tiers.status(pipe, input_shape, dtype)
         if now:
             report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
-    if path not in STORED_PATHS and path != "wide":
+    if path in GATHER_PATHS:
         report.notes.append(_precision_note(pipe, input_shape, dtype, tensor_cores))
     if batch_stats and path in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()

@@ -1258,17 +1258,17 @@ class Pipeline:
         step). Nothing else a training call launches with derives from their values."""
         self._bias64(plan)
         s = plan.scratch
-        if s.wph is not None:
-            # (read from the module's dict, and detached only where a buffer is written again:
-            # each costs a replayed call's host time before its first launch)
-            weight = _parameter(self.conv, "weight")
-            key = (self._version(weight),)
-            if self._stale(s.wph, key):
-                self._arranged(plan, weight.detach().contiguous(), key)
-            if s.w_tf32 is not None and self._stale(s.w_tf32, key):
-                self._tf32_weights(plan, weight.detach().reshape(*weight.shape[:2], -1), key,
-                                   True)
-        if s.w64 is not None and s.w64.__dict__.get(_HOLDS) is not None:  # a wide call's
+        if s.wph is None and s.w64 is None:
+            return
+        # (read from the module's dict, and detached only where a buffer is written again:
+        # each costs a replayed call's host time before its first launch)
+        weight = _parameter(self.conv, "weight")
+        key = (self._version(weight),)
+        if s.wph is not None and self._stale(s.wph, key):
+            self._arranged(plan, weight.detach().contiguous(), key)
+        if s.w_tf32 is not None and self._stale(s.w_tf32, key):
+            self._tf32_weights(plan, weight.detach().reshape(*weight.shape[:2], -1), key, True)
+        if s.w64 is not None and self._stale(s.w64, key):  # (the "wide" path's)
             self._stored_weight(True, plan)
 
     # ---- synchronized batch statistics (``sync``) ---------------------------------------------
@@ -1396,22 +1396,23 @@ class Pipeline:
             record["scale"] = s.scale.to(torch.float64, copy=True)  # never the buffer
         return s.scale
 
-    def _stored_weight(self, batch_stats: bool, wide: CallPlan | None = None) -> torch.Tensor:
+    def _stored_weight(self, batch_stats: bool,
+                       wide_plan: CallPlan | None = None) -> torch.Tensor:
         """The stored paths' convolution weight: the module's, or in evaluation with a_c folded
-        in (then only a centring follows). ``wide``: a ``"wide"`` call's plan (``_wide``),
+        in (then only a centring follows). ``wide_plan``: a ``"wide"`` call's plan (``_wide``),
         whose weight is float64: with batch statistics in the plan's buffer, written again
         where the weight changed (``_refresh_derived``)."""
         geom, conv = self.geometry, self.conv
         weight = conv.weight.detach().contiguous()
         if batch_stats:
-            if wide is None:
+            if wide_plan is None:
                 return weight
-            return self._derived(wide.scratch.w64, (self._version(conv.weight),),
+            return self._derived(wide_plan.scratch.w64, (self._version(conv.weight),),
                                  lambda buf: buf.copy_(weight))
         scale = self._eval_scale()
         key = (self._version(conv.weight), self._version(self.bn.running_var),
                self._version(self.bn.weight), self.bn.eps)
-        if wide is not None:
+        if wide_plan is not None:
             return self._cached("stored_folded_wide", key, lambda: folding.fold_weights(
                 weight.to(torch.float64), scale, geom.groups))
         return self._cached("stored_folded", key,

@@ -40,6 +40,8 @@ from .kernels.launch import pin
 PATHS = ("eval", "epilogue", "gram", "generic", "torch", "scatter", "wide")
 #: The paths that store the convolution and then reduce it (no box sums, no gather epilogue).
 STORED_PATHS = ("generic", "torch", "scatter")
+#: The paths of the specialised gathers (box_sums, then ``gather`` or ``gather_mma``).
+GATHER_PATHS = ("eval", "epilogue", "gram")
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         common["zero_bias_x"] = torch.zeros(channels, dtype=x.dtype, device=dev)
     if path == "wide" and batch_statistics:
         common["w64"] = empty(*geom.weight_shape())
-    if path not in STORED_PATHS and path != "wide":
+    if path in GATHER_PATHS:
         in_spatial = tuple(x.shape[2:])
         kmax = max(geom.kernel_size)
         lo = np.ones((3, kmax), np.int32)
