@@ -5,12 +5,19 @@ how far does a call timed KernelBench-style (CUDA events around the call, a sync
 every call) sit above the back-to-back GPU time that ``results/bench.md`` records (events around
 each call, one synchronize at the end)?
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--cases tiny,default] [--modes eval,train]
+    PYTHONPATH=$PWD python3 benchmarks/probe_host.py [--cases tiny,default] [--modes eval,train,step]
         [--providers numba_gather,numba_gather_eager,torch_eager] [--profile]
 
-Per case (a row of ``bench --suite``: ``default``, ``tiny``, ``decoder_k2s2``, ...; or
-``batch=N``: the default problem at batch N),
-mode and provider (``bench.make_provider``'s names), under ``torch.no_grad()``:
+A provider named ``NAME:nowide`` is ``NAME`` with ``planner.WIDE_VOLUME`` set to 0 while it is
+measured: the gathers where the ``"wide"`` path would run.
+
+``--modes``: ``eval``, ``train`` (forward calls under ``torch.no_grad()``) and ``step`` (a
+training step: forward and backward, ``bench``'s ``train+backward`` rows).
+
+Per case (a row of ``bench --suite``: ``default``, ``tiny``, ``decoder_k2s2``, ...;
+``batch=N``: the default problem at batch N; ``few64``, ``few128``, ``few16``, ``few3``: calls of
+at most 8 output voxels per (sample, channel), the ``"wide"`` path, ``FEW_VOXELS``),
+mode and provider (``bench.make_provider``'s names):
 
 * ``b2b ms``: ``bench.time_gpu``, the bench's timing (median of 100 back-to-back calls);
 * ``sync ms``: the same events with ``torch.cuda.synchronize()`` after every call (median of
@@ -42,10 +49,11 @@ import time
 import torch
 
 import numba_deconv  # noqa: F401  (compat + backend before numba.cuda compiles)
-from numba_deconv import bench
+from numba_deconv import bench, planner
 from numba_deconv.kernels import launch
 
 REPS = 100
+WIDE_VOLUME = planner.WIDE_VOLUME
 CALLS = 500
 REAL = launch.launch
 REAL_FIRE = launch._Direct.fire
@@ -134,11 +142,24 @@ def synchronized_ms(call, reps: int = REPS, warmup: int = 10) -> float:
     return bench.time_kernelbench(call, warmup=warmup, reps=reps).median_ms
 
 
+#: calls of at most ``planner.WIDE_VOLUME`` output voxels per (sample, channel): the "wide" path
+FEW_VOXELS = {
+    "few64": bench.Case("few64", dict(in_channels=64, out_channels=64, kernel_size=2, stride=2,
+                                      padding=0), 32, (1, 1, 1)),
+    "few128": bench.Case("few128", dict(in_channels=128, out_channels=128, kernel_size=2,
+                                        stride=2, padding=0), 8, (1, 1, 1)),
+    "few16": bench.Case("few16", dict(in_channels=16, out_channels=32, kernel_size=1, stride=1,
+                                      padding=0), 64, (2, 2, 2)),
+    "few3": bench.Case("few3", dict(in_channels=3, out_channels=2, kernel_size=(1, 4, 1),
+                                    stride=1, padding=(3, 1, 2)), 1, (7, 1, 5)),
+}
+
+
 def make_case(name: str) -> bench.Case:
     if name.startswith("batch="):
         return bench.default_case(int(name.split("=")[1]), name=name)
     cases = {c.name: c for c in bench.suite_cases()}
-    cases.update(tiny=bench.tiny_case(), geometry=bench.geometry_case())
+    cases.update(tiny=bench.tiny_case(), geometry=bench.geometry_case(), **FEW_VOXELS)
     return cases[name]
 
 
@@ -158,16 +179,20 @@ def main() -> None:
         for case in map(make_case, args.cases.split(",")):
             base, x = case.build("cuda")
             for mode in args.modes.split(","):
-                for name in args.providers.split(","):
-                    model = bench.make_provider(name, copy.deepcopy(base), mode)
-                    call = bench.call_with_settings(name, model, x)
+                for label in args.providers.split(","):
+                    name, _, variant = label.partition(":")
+                    planner.WIDE_VOLUME = 0 if variant == "nowide" else WIDE_VOLUME
+                    model = bench.make_provider(name, copy.deepcopy(base),
+                                                bench.TRAIN_STEP if mode == "step" else mode)
+                    call = bench._train_step(model, x) if mode == "step" else \
+                        bench.call_with_settings(name, model, x)
                     call()  # compile
                     b2b = bench.time_gpu(call).median_ms
                     sync = synchronized_ms(call)
                     try:
                         gpu = bench.graph_time_us(call)
                     except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
-                        print(f"{case.name} {mode} {name}: no graph capture ({exc!r:.80})")
+                        print(f"{case.name} {mode} {label}: no graph capture ({exc!r:.80})")
                         gpu = float("nan")
                     numba = name.startswith("numba")
                     install(_timed if numba else REAL)
@@ -179,7 +204,7 @@ def main() -> None:
                         install(_marked)
                         first = first_launch_us(call)
                     install(REAL)
-                    rows.append((case.name, mode, name, b2b, sync, gpu, host, inside, launches,
+                    rows.append((case.name, mode, label, b2b, sync, gpu, host, inside, launches,
                                  rest, first))
                     print(rows[-1], flush=True)
                     if args.profile and numba:
@@ -190,7 +215,7 @@ def main() -> None:
                             call()
                         prof.disable()
                         torch.cuda.synchronize()
-                        print(f"---- host profile, {case.name} {mode} {name}, 300 calls")
+                        print(f"---- host profile, {case.name} {mode} {label}, 300 calls")
                         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     print(f"{'case':10s} {'mode':5s} {'provider':20s} {'b2b ms':>7s} {'sync ms':>7s} "
           f"{'gpu us':>7s} {'host us':>7s} {'launch us':>9s} {'launches':>8s} {'rest us':>7s} "

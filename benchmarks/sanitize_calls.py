@@ -6,9 +6,11 @@ backward's gradients) read or write out of bounds, and do their shared-memory ac
     CS=/usr/local/cuda/bin/compute-sanitizer
     PYTHONPATH=$PWD $CS --tool memcheck python3 benchmarks/sanitize_calls.py
     PYTHONPATH=$PWD $CS --tool racecheck --racecheck-report hazard python3 benchmarks/sanitize_calls.py
+        [NAME ...]
 
-Per geometry of :data:`GEOMETRIES` (ragged channel tiles, a W stride of 5, groups with dilation;
-small, as the sanitizer slows kernels by 10-100x), ``precision="ieee"`` and ``"tf32"``
+Per geometry of :data:`GEOMETRIES` (ragged channel tiles, a W stride of 5, groups with dilation,
+8 output voxels per (sample, channel): ``"ieee"`` takes the float64 ``"wide"`` path there; small,
+as the sanitizer slows kernels by 10-100x; only those named, where names are given), ``precision="ieee"`` and ``"tf32"``
 (the FFMA and the tensor-core gather), evaluation, and training with an input that requires grad
 and a backward (and, on tensor cores, a training forward whose output a second pass of the
 convolution writes: ``Options(second_pass=True)``): one ``Pipeline`` call on the specialised
@@ -31,6 +33,7 @@ GEOMETRIES = [
     bench.Case("w stride 5", bench._conv(8, 24, (2, 3, 5), (1, 2, 5), 0), 1, (3, 4, 5)),
     bench.Case("groups, dilation", bench._conv(16, 32, (3, 2, 4), 3, (1, 0, 1), groups=2,
                                                dilation=2), 2, (4, 5, 6)),
+    bench.Case("few voxels", bench._conv(40, 6, 2, 2, 0, groups=2), 3, (1, 1, 1)),
 ]
 #: relative error against float64 above which a call counts as wrong
 TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3}
@@ -39,8 +42,14 @@ TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3}
 def main() -> int:
     if not torch.cuda.is_available() or bench.is_simulator():
         raise SystemExit("sanitize_calls: needs a GPU")
+    names = sys.argv[1:]
+    unknown = set(names) - {case.name for case in GEOMETRIES}
+    if unknown:
+        raise SystemExit(f"sanitize_calls: no geometry named {', '.join(sorted(unknown))}")
     failed = 0
     for case in GEOMETRIES:
+        if names and case.name not in names:
+            continue
         for precision in ("ieee", "tf32"):
             for mode in ("eval", "train") + (("second",) if precision == "tf32" else ()):
                 train = mode != "eval"

@@ -11,7 +11,7 @@ kernel                   FLOPs                               bytes (DRAM, compul
 =======================  ==================================  ====================================
 fill_channels            0                                   write y
 gather_simple_kernel     2 * macs (tests every tap)          read x, w; write y (generic tier)
-gather_wide_kernel       2 * macs (tests every tap)          read x, w; write y in float64 (few
+gather_wide_kernel       2 * macs (the taps reaching each)   read x, w; write y in float64 (few
                                                              output voxels, ``planner.wide``)
 conv_transpose3d_scatter 2 * macs (one atomic per MAC)       read x, w; read+write y (atomics)
 spatial_moments_warp     S per row (+3 S with css)           read y once (twice with css)
@@ -245,7 +245,7 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
         blk = block_size(gather_wide.BLOCK)
         conv_bytes = n_out * ITEMSIZE["float64"] if batch_stats else n_out * e
         out.append(("conv_transpose3d_wide", "gather_wide_kernel", gather_wide.gather_wide_kernel,
-                    (grid_for(rows_nc, 1),), blk, 2 * macs + 3 * n_out,
+                    (gather_wide.grid(rows_nc, blk),), blk, 2 * macs + 3 * n_out,
                     x_bytes + 2 * w_bytes + conv_bytes + 2 * rows_nc * 8))
         if batch_stats:
             out.append(_batch_statistics_row(geom.out_channels, rows_nc, 1))

@@ -41,8 +41,8 @@ launch configurations (cached per input shape), and hands the small per-channel 
 
 A few output voxels (the ``"wide"`` path, every strategy but ``"torch"``; ``wide``)
     a float32 call with at most 8 output voxels per (sample, channel) computes in float64, where
-    the gathers' float32 sums would lose more than PyTorch's: gather_wide (a block per (sample,
-    channel), the row centred in float64; in evaluation the output) -> (training:
+    the gathers' float32 sums would lose more than PyTorch's: gather_wide (a warp per (sample,
+    channel), centred in float64; in evaluation the output) -> (training:
     batch_statistics -> scale_centered).
 
 The generic tier (``specialize=False``, with ``conv_impl="gather"``)
@@ -1400,21 +1400,22 @@ class Pipeline:
                        wide_plan: CallPlan | None = None) -> torch.Tensor:
         """The stored paths' convolution weight: the module's, or in evaluation with a_c folded
         in (then only a centring follows). ``wide_plan``: a ``"wide"`` call's plan (``_wide``),
-        whose weight is float64: with batch statistics in the plan's buffer, written again
-        where the weight changed (``_refresh_derived``)."""
+        whose weight is float64 and arranged as its kernel reads it (``gather_wide.arrange``):
+        with batch statistics in the plan's buffer, written again where the weight changed
+        (``_refresh_derived``)."""
         geom, conv = self.geometry, self.conv
         weight = conv.weight.detach().contiguous()
         if batch_stats:
             if wide_plan is None:
                 return weight
             return self._derived(wide_plan.scratch.w64, (self._version(conv.weight),),
-                                 lambda buf: buf.copy_(weight))
+                                 lambda buf: buf.copy_(gather_wide.arrange(weight)))
         scale = self._eval_scale()
         key = (self._version(conv.weight), self._version(self.bn.running_var),
                self._version(self.bn.weight), self.bn.eps)
         if wide_plan is not None:
-            return self._cached("stored_folded_wide", key, lambda: folding.fold_weights(
-                weight.to(torch.float64), scale, geom.groups))
+            return self._cached("stored_folded_wide", key, lambda: gather_wide.arrange(
+                folding.fold_weights(weight.to(torch.float64), scale, geom.groups)))
         return self._cached("stored_folded", key,
                             lambda: folding.fold_weights(weight, scale, geom.groups))
 
@@ -1488,8 +1489,8 @@ class Pipeline:
         scales it into the output."""
         geom, s = self.geometry, plan.scratch
         weight = self._stored_weight(batch_stats, plan)
-        gather_wide.launch_gather_wide(x, weight, conv_out if batch_stats else out, s.means,
-                                       s.css, geom.stride, geom.padding, geom.dilation)
+        gather_wide.launch_gather_wide(x, weight, s.wide_taps, conv_out if batch_stats else out,
+                                       s.means, s.css)
         if record is not None:
             record["conv_transpose3d_wide"] = (conv_out if batch_stats else out).clone()
         if batch_stats:

@@ -27,6 +27,7 @@ Paths (``PATHS``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from . import dtypes
 from .geometry import ConvGeometry
-from .kernels import gather, gather_mma, gram
+from .kernels import gather, gather_mma, gather_wide, gram
 from .kernels.launch import pin
 
 PATHS = ("eval", "epilogue", "gram", "generic", "torch", "scatter", "wide")
@@ -117,8 +118,10 @@ class Scratch:
     #                                           (``Pipeline._arranged``)
     ss: torch.Tensor | None = None            # (N, C, slots) the gather's sums of squares
     zero_bias_x: torch.Tensor | None = None   # (C,) zeros in the input's dtype (generic tier)
-    w64: torch.Tensor | None = None           # the weight in float64 ("wide" path, batch
-    #                                           statistics: ``Pipeline._wide``)
+    w64: torch.Tensor | None = None           # the weight in float64, arranged ("wide" path,
+    #                                           batch statistics: ``Pipeline._wide``)
+    wide_taps: torch.Tensor | None = None     # int32 taps reaching each output voxel ("wide"
+    #                                           path: ``gather_wide.tap_table``)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
     # the tensor-core gather's operands rounded to TF32 (input, weights): box_sums sums them,
     # so its means are those of the convolution the tensor cores compute; the gather reads the
@@ -205,8 +208,12 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
     launch = layout = None
     if path == "generic":
         common["zero_bias_x"] = torch.zeros(channels, dtype=x.dtype, device=dev)
-    if path == "wide" and batch_statistics:
-        common["w64"] = empty(*geom.weight_shape())
+    if path == "wide":
+        common["wide_taps"] = torch.from_numpy(
+            gather_wide.tap_table(geom, tuple(x.shape[2:]))).to(dev)
+        if batch_statistics:
+            common["w64"] = empty(math.prod(geom.kernel_size), geom.out_per_group,
+                                  geom.in_channels)
     if path in GATHER_PATHS:
         in_spatial = tuple(x.shape[2:])
         kmax = max(geom.kernel_size)

@@ -70,10 +70,11 @@ statistics its channels' statistics, are of so few values that they cancel most 
 PyTorch's float32 convolution stores (all of it at one voxel, where PyTorch's output is exactly
 zero), while the gathers' float32 sums and their means taken apart from the output keep theirs:
 where a channel's mean dwarfs its spread, up to 17x PyTorch's error (docs/performance.md, "Known
-limits"). Such a call's convolution is ``gather_wide``'s (a block per (sample, channel), each
-product and sum in float64, the row centred in float64), then, in training, the statistics
-and the scale into the float32 output: one rounding at the end. Only where that kernel's warps
-take at most ``WIDE_WORK`` steps in all (its cost: docs/performance.md, "Known limits").
+limits"). Such a call's convolution is ``gather_wide``'s (a warp per (sample, channel), each product
+and sum in float64, each (sample, channel) centred in float64), then, in training, the
+statistics and the scale into the float32 output: one rounding at the end. Only where that
+kernel's warps take at most ``WIDE_WORK`` steps in all (its cost: docs/performance.md, "Known
+limits").
 """
 
 from __future__ import annotations
@@ -162,8 +163,9 @@ CUDNN_WEIGHT_FIXED_US = 40.0
 #: The most output voxels per (sample, channel) at which a float32 call computes in float64
 #: (``wide``); the hypothesis strategies' few-voxel cases (``testing.cases``) have up to 8
 WIDE_VOLUME = gather_wide.MAX_VOLUME
-#: ... and the most steps ``gather_wide``'s warps take in all (a warp per output voxel: every tap
-#: tested, and a group's input channels 32 at a time at each)
+#: ... and the most steps ``gather_wide``'s warps take in all, bounded as every output voxel at
+#: every tap (they visit only the taps that reach a voxel), a group's input channels 32 at a time
+#: at each
 WIDE_WORK = 1 << 22
 
 

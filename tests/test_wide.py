@@ -55,15 +55,19 @@ def test_the_planners_conditions():
 
 @pytest.mark.parametrize("geom,spatial", [
     (GEOM(3, 4, 2, 2, 0), (1, 1, 1)),
-    (GEOM(6, 4, (1, 2, 2), (1, 2, 1), (0, 1, 1), (0, 1, 0), groups=2, dilation=(2, 1, 2)),
+    # (8 voxels: one with no tap, one with two; the input channels of each group)
+    (GEOM(6, 4, (1, 2, 2), (1, 2, 1), (0, 1, 0), (0, 1, 0), groups=2, dilation=(2, 2, 1)),
      (1, 2, 1)),
-    (GEOM(40, 2, 1, 3, 0), (1, 2, 1))], ids=["k2s2", "grouped-dilated", "40-channels"])
+    (GEOM(40, 2, 1, 3, 0), (1, 2, 1)),
+    (GEOM(5, 7, 1, 2, 0), (1, 1, 1))],  # (14 rows of one voxel: a block's last rows empty)
+    ids=["k2s2", "grouped-dilated", "40-channels", "one-voxel"])
 def test_the_float64_gather_is_the_convolution(geom, spatial, device):
     """``gather_wide``: the float64 convolution of a float32 input with float64 weights (exact
     products, float64 sums: within float64's rounding of PyTorch's), over more input channels
     than a warp has lanes too, centred per (sample, channel), with its means and centred sums
-    of squares; in float64 or into a float32 output; the same bits every run."""
-    from numba_deconv.kernels.gather_wide import launch_gather_wide
+    of squares; in float64 or into a float32 output; the same bits every run and every block
+    size."""
+    from numba_deconv.kernels.gather_wide import arrange, launch_gather_wide, tap_table
 
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(2, geom.in_channels, *spatial, generator=gen) * 3 + 100).to(device)
@@ -73,17 +77,21 @@ def test_the_float64_gather_is_the_convolution(geom, spatial, device):
         geom.dilation)
     mean = conv.mean(dim=(2, 3, 4), keepdim=True)
     centred = conv - mean
+    table = torch.from_numpy(tap_table(geom, spatial)).to(device)
     outs = []
-    for dtype in (torch.float64, torch.float64, torch.float32):
+    # blocks of one warp, of three (the last block's warps partly idle) and the kernel's own
+    for dtype, block in ((torch.float64, None), (torch.float64, 32), (torch.float64, 96),
+                         (torch.float32, None)):
         y = torch.full_like(conv, float("nan"), dtype=dtype)
         means, css = (torch.full(conv.shape[:2], float("nan"), dtype=torch.float64,
                                  device=device) for _ in range(2))
-        launch_gather_wide(x, w, y, means, css, geom.stride, geom.padding, geom.dilation)
+        launch_gather_wide(x, arrange(w), table, y, means, css, block=block)
         outs.append(y)
     testing.assert_close(outs[0], centred, 1e-12, atol=1e-12)
     testing.assert_close(means, mean.flatten(2)[..., 0], 1e-14)
     testing.assert_close(css, (centred ** 2).sum(dim=(2, 3, 4)), 1e-12, atol=1e-12)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[0].float())
+    assert all(torch.equal(outs[0], y) for y in outs[1:3])
+    assert torch.equal(outs[3], outs[0].float())
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])

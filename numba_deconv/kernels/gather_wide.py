@@ -1,104 +1,138 @@
-"""The gather in float64, one block per (sample, channel): a call of a few output voxels, whole.
+"""The gather in float64, a warp per (sample, channel): a call of a few output voxels, whole.
 
 A float32 call whose output has at most ``MAX_VOLUME`` voxels per (sample, channel) computes its
 convolution in float64 (``planner.wide``, docs/design.md §2.11). Such a call has few outputs, and
-each sums over all of a group's input channels and the kernel's taps: one thread per output
-(``gather_simple``) walks that sum serially, one dependent load after another, ~1 µs of GPU
-time per tap on an H200 (1 ms at 128 channels and a 2^3 kernel). Here a block owns a (sample,
-channel) row and a warp each of its voxels: the warp tests each tap as ``gather_simple`` does
-(the tap's input on the stride's lattice inside the input), once for all its lanes, and at a
-kept tap lane ``l`` adds ``float64(x) * w`` over the group's input channels ``l, l + 32, ...``,
-with ``w`` in float64, so each product is exact and each sum is float64; ``warp.warp_sum`` adds
-the 32 partial sums in a fixed order (deterministic). With the row's values in shared memory
-the first warp takes their mean and centred sum of squares in float64 and writes the row
-centred: into the output itself where nothing follows (evaluation, the batch-norm scale folded
-into ``w``), or into a float64 tensor that training's statistics and scale then finish
-(``Pipeline._wide``). Geometry at run time, one compiled kernel per output dtype for every
-geometry.
+each sums over all of a group's input channels and the kernel's taps that reach it. One thread
+per output (``gather_simple``) would walk that sum serially, one dependent load after another.
+Here a warp takes a (sample, channel) row, its voxels one after another: at each tap that
+reaches the voxel, lane ``l`` adds ``float64(x) * w`` over the group's input channels ``l, l +
+32, ...``, with ``w`` in float64, so each product is exact and each sum is float64, and
+``warp.warp_sum`` adds the 32 partial sums in a fixed order (deterministic). Lane ``v`` keeps
+voxel ``v``'s value; two more warp sums give the row's mean and centred sum of squares in
+float64, and the lanes write the row centred: into the output itself where nothing follows
+(evaluation, the batch-norm scale folded into ``w``), or into a float64 tensor that training's
+statistics and scale then finish (``Pipeline._wide``). No shared memory, no barrier: a warp's
+rows are its own.
 
-Cost: per output voxel (a warp each, ``BLOCK / 32`` at a time), the kernel's taps tested
-(integer divisions by the stride, the warp's lanes together), ``ceil(in_per_group / 32)``
-multiply-adds a lane per kept tap and five 64-bit shuffles; then two barriers and the row's
-moments.
+Every (sample, channel) has the same voxels, so which taps reach a voxel, and from which input
+voxel, depends on the geometry and the input's size alone: ``tap_table`` lists them once per
+plan, and the kernel reads them instead of testing every tap with integer divisions. Geometry
+at run time: one compiled kernel per output dtype for every geometry. (Two other forms measured
+slower on an H200: docs/performance.md, "Tried".)
+
+Cost: per row, per voxel, ``ceil(in_per_group / 32)`` multiply-adds a lane per tap that reaches
+it (the lanes' weights one coalesced load: ``arrange`` puts the input channels last) and a warp
+sum; then three warp sums.
 """
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
+import torch
 from numba import cuda, float64
 
-from .gather_simple import tap_source
+from ..geometry import ConvGeometry
 from .launch import block_size, grid_for, launch
-from .warp import WARP_SIZE, warp_sum
+from .warp import FULL_MASK, WARP_SIZE, warp_sum
 
-BLOCK = 256  # (a warp per voxel of a row: MAX_VOLUME of them)
-#: the most output voxels per (sample, channel) the kernel takes (a warp keeps its row's values)
+BLOCK = 128  # four warps: four rows at a time (more blocks spread small calls over the SMs)
+#: the most output voxels per (sample, channel) the kernel takes (a lane each)
 MAX_VOLUME = 8
 
 
+def tap_table(geom: ConvGeometry, in_spatial) -> np.ndarray:
+    """The taps that reach each output voxel, as ``gather_wide_kernel`` reads them: int32,
+    ``starts`` (the output's voxels + 1 offsets, C order) then one ``(input voxel, tap)`` pair
+    per tap that reaches a voxel (``table[V + 1 + 2 * j]``, ``table[V + 2 + 2 * j]`` for
+    ``starts[v] <= j < starts[v + 1]``), input voxels and taps flattened in C order, taps in
+    the weights' order. A tap ``k`` reaches output ``o`` along an axis from input ``i`` where
+    ``o + padding - dilation * k = stride * i`` with ``0 <= i < size``."""
+    in_spatial = tuple(in_spatial)
+
+    def sources(axis, o: int, size: int) -> list[tuple[int, int]]:
+        found = []
+        for k in range(axis.kernel):
+            j = o + axis.padding - axis.dilation * k
+            if j >= 0 and j % axis.stride == 0 and j // axis.stride < size:
+                found.append((k, j // axis.stride))
+        return found
+
+    axes = geom.axes()
+    _, in_h, in_w = in_spatial
+    _, k_h, k_w = geom.kernel_size
+    starts, pairs = [0], []
+    for voxel in itertools.product(*map(range, geom.output_spatial(in_spatial))):
+        per_axis = [sources(a, o, size) for a, o, size in zip(axes, voxel, in_spatial)]
+        for (kd, i_d), (kh, i_h), (kw, i_w) in itertools.product(*per_axis):
+            pairs += [(i_d * in_h + i_h) * in_w + i_w, (kd * k_h + kh) * k_w + kw]
+        starts.append(len(pairs) // 2)
+    return np.array(starts + pairs, dtype=np.int32)
+
+
+def arrange(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (CI, OPG, KD, KH, KW) as the kernel reads it: (KD * KH * KW, OPG, CI), input
+    channels last (a warp's lanes read consecutive ones), a new contiguous tensor."""
+    return weight.permute(2, 3, 4, 1, 0).reshape(-1, weight.shape[1], weight.shape[0])
+
+
 @cuda.jit
-def gather_wide_kernel(x, w, y, means, css, s, p, d):
-    # x: (N, CI, ID, IH, IW) float32; w: (CI, OPG, KD, KH, KW) float64; y: (N, CO, OD, OH, OW),
-    # the convolution without its bias, centred per (n, co), in y's dtype; means, css: (N, CO)
-    # float64, the convolution's means and centred sums of squares; s, p, d: stride, padding and
-    # dilation, each a (depth, height, width) tuple
+def gather_wide_kernel(x, w, table, y, means, css):
+    # x: (N, CI, IV) float32, the input voxels flattened; w: (T, OPG, CI) float64 (``arrange``);
+    # table: ``tap_table``; y: (N * CO, V), the convolution without its bias, centred per row
+    # ((n, co) pair), in y's dtype; means, css: (N * CO,) float64, the rows' means and centred
+    # sums of squares
     lane = cuda.threadIdx.x % WARP_SIZE
-    warp = cuda.threadIdx.x // WARP_SIZE
-    n_warps = cuda.blockDim.x // WARP_SIZE
-    n_batch, out_ch, out_d, out_h, out_w = y.shape
-    volume = out_d * out_h * out_w
+    first = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // WARP_SIZE
+    warps = cuda.gridDim.x * cuda.blockDim.x // WARP_SIZE
+    rows, volume = y.shape
+    out_ch = rows // x.shape[0]
     opg = w.shape[1]  # output channels per group
     ipg = x.shape[1] // (out_ch // opg)  # input channels per group
-    kh_n, kw_n = w.shape[3], w.shape[4]
-    taps = w.shape[2] * kh_n * kw_n
-    vals = cuda.shared.array(MAX_VOLUME, float64)
-    for row in range(cuda.blockIdx.x, n_batch * out_ch, cuda.gridDim.x):
-        co, n = row % out_ch, row // out_ch
-        c0 = co // opg * ipg + lane  # this lane's first input channel of co's group
-        c1 = (co // opg + 1) * ipg
+    for row in range(first, rows, warps):  # (a warp's lanes take the same row: no divergence)
+        n, co = row // out_ch, row % out_ch
         oc = co % opg
-        # (a warp takes whole voxels, so its lanes test the same taps and branch together)
-        for v in range(warp, volume, n_warps):
-            ow, oh, od = v % out_w, v // out_w % out_h, v // (out_w * out_h)
+        c1 = (co // opg + 1) * ipg
+        mine = float64(0.0)  # lane v: voxel v's value
+        for v in range(volume):
             acc = float64(0.0)
-            for k in range(taps):  # (kd, kh, kw) in the weights' order
-                kd, kh, kw = k // (kh_n * kw_n), k // kw_n % kh_n, k % kw_n
-                i_d = tap_source(od, p[0], d[0], s[0], kd, x.shape[2])
-                i_h = tap_source(oh, p[1], d[1], s[1], kh, x.shape[3])
-                i_w = tap_source(ow, p[2], d[2], s[2], kw, x.shape[4])
-                if i_d >= 0 and i_h >= 0 and i_w >= 0:
-                    for ci in range(c0, c1, WARP_SIZE):
-                        acc += float64(x[n, ci, i_d, i_h, i_w]) * w[ci, oc, kd, kh, kw]
-            acc = warp_sum(acc)
-            if lane == 0:
-                vals[v] = acc
-        cuda.syncthreads()  # every voxel's value is in shared memory
-        if warp == 0:
-            total = float64(0.0)
-            for v in range(volume):
-                total += vals[v]
-            mean = total / volume
-            ss = float64(0.0)
-            for v in range(volume):
-                ss += (vals[v] - mean) * (vals[v] - mean)
-            if lane == 0:
-                means[n, co] = mean
-                css[n, co] = ss
-            for v in range(lane, volume, WARP_SIZE):
-                y[n, co, v // (out_w * out_h), v // out_w % out_h, v % out_w] = vals[v] - mean
-        cuda.syncthreads()  # warp 0 has read the values before the next row's are written
+            for j in range(table[v], table[v + 1]):
+                src, tap = table[volume + 1 + 2 * j], table[volume + 2 + 2 * j]
+                for ci in range(co // opg * ipg + lane, c1, WARP_SIZE):
+                    acc += float64(x[n, ci, src]) * w[tap, oc, ci]
+            acc = cuda.shfl_sync(FULL_MASK, warp_sum(acc), 0)
+            if lane == v:
+                mine = acc
+        mean = cuda.shfl_sync(FULL_MASK, warp_sum(mine), 0) / volume
+        centred = mine - mean if lane < volume else float64(0.0)
+        ss = warp_sum(centred * centred)
+        if lane == 0:
+            means[row] = mean
+            css[row] = ss
+        if lane < volume:
+            y[row, lane] = centred
 
 
-def launch_gather_wide(x, w, y, means, css, stride, padding, dilation, *,
-                       block: int | None = None) -> None:
-    """Write the transposed convolution of ``x`` (N, CI, D, H, W; float32) with ``w`` (CI, OPG,
-    KD, KH, KW; float64), without a bias and centred per (sample, channel), into ``y`` (N, CO,
-    OD, OH, OW; float32 or float64; at most ``MAX_VOLUME`` voxels per (sample, channel)), and
-    its means and centred sums of squares into ``means`` and ``css`` ((N, CO) float64), all
-    contiguous."""
+def launch_gather_wide(x, w, table, y, means, css, *, block: int | None = None) -> None:
+    """Write the transposed convolution of ``x`` (N, CI, D, H, W; float32) with ``w`` (the
+    weights in float64, ``arrange``d), whose taps ``table`` lists (``tap_table``), without a
+    bias and centred per (sample, channel), into ``y`` (N, CO, OD, OH, OW; float32 or float64;
+    at most ``MAX_VOLUME`` voxels per (sample, channel)), and its means and centred sums of
+    squares into ``means`` and ``css`` ((N, CO) float64), all contiguous."""
     volume = y.shape[2] * y.shape[3] * y.shape[4]
     if volume > MAX_VOLUME:
         raise ValueError(f"gather_wide takes at most {MAX_VOLUME} output voxels per (sample, "
                          f"channel), got {volume}")
     block = block_size(BLOCK) if block is None else block
-    launch(gather_wide_kernel, grid_for(y.shape[0] * y.shape[1], 1), block,
-           (x, w, y, means, css, tuple(stride), tuple(padding), tuple(dilation)))
+    if block % WARP_SIZE or block < WARP_SIZE:
+        raise ValueError(f"gather_wide's block is a multiple of {WARP_SIZE} threads, got {block}")
+    rows = y.shape[0] * y.shape[1]
+    launch(gather_wide_kernel, grid(rows, block), block,
+           (x.view(*x.shape[:2], -1), w, table, y.view(rows, volume), means.view(-1),
+            css.view(-1)))
+
+
+def grid(rows: int, block: int) -> int:
+    """Blocks of a launch over ``rows`` (sample, channel) rows: a warp each."""
+    return grid_for(rows, block // WARP_SIZE)
