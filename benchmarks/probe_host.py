@@ -9,14 +9,16 @@ each call, one synchronize at the end)?
         [--providers numba_gather,numba_gather_eager,torch_eager] [--profile]
 
 A provider named ``NAME:nowide`` is ``NAME`` with ``planner.WIDE_VOLUME`` set to 0 while it is
-measured: the gathers where the ``"wide"`` path would run.
+measured: the gathers where the ``"wide"`` path would run; ``NAME:wide`` has no
+``planner.WIDE_WORK`` bound: the ``"wide"`` path wherever the voxels allow it.
 
 ``--modes``: ``eval``, ``train`` (forward calls under ``torch.no_grad()``) and ``step`` (a
 training step: forward and backward, ``bench``'s ``train+backward`` rows).
 
 Per case (a row of ``bench --suite``: ``default``, ``tiny``, ``decoder_k2s2``, ...;
 ``batch=N``: the default problem at batch N; ``few64``, ``few128``, ``few16``, ``few3``: calls of
-at most 8 output voxels per (sample, channel), the ``"wide"`` path, ``FEW_VOXELS``),
+at most 8 output voxels per (sample, channel), the ``"wide"`` path, ``FEW_VOXELS``; ``deep256``,
+``deep512``: small inputs of many channels, ``DEEP``),
 mode and provider (``bench.make_provider``'s names):
 
 * ``b2b ms``: ``bench.time_gpu``, the bench's timing (median of 100 back-to-back calls);
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import math
 import pstats
 import statistics
 import sys
@@ -53,7 +56,7 @@ from numba_deconv import bench, planner
 from numba_deconv.kernels import launch
 
 REPS = 100
-WIDE_VOLUME = planner.WIDE_VOLUME
+WIDE_VOLUME, WIDE_WORK = planner.WIDE_VOLUME, planner.WIDE_WORK
 CALLS = 500
 REAL = launch.launch
 REAL_FIRE = launch._Direct.fire
@@ -152,6 +155,25 @@ FEW_VOXELS = {
                                       padding=0), 64, (2, 2, 2)),
     "few3": bench.Case("few3", dict(in_channels=3, out_channels=2, kernel_size=(1, 4, 1),
                                     stride=1, padding=(3, 1, 2)), 1, (7, 1, 5)),
+    # (the largest: 2^20, 2^21 and 2^23 steps of gather_wide's warps, planner.WIDE_WORK)
+    "few512": bench.Case("few512", dict(in_channels=512, out_channels=256, kernel_size=2,
+                                        stride=2, padding=0), 32, (1, 1, 1)),
+    "few256k3": bench.Case("few256k3", dict(in_channels=256, out_channels=256, kernel_size=3,
+                                            stride=1, padding=1), 16, (2, 2, 2)),
+    "few256": bench.Case("few256", dict(in_channels=256, out_channels=256, kernel_size=2,
+                                        stride=2, padding=0), 16, (1, 1, 1)),
+    "few1024": bench.Case("few1024", dict(in_channels=1024, out_channels=512, kernel_size=2,
+                                          stride=2, padding=0), 64, (1, 1, 1)),
+}
+
+
+#: small inputs of many channels (a deep layer of a 3D decoder): more voxels than the "wide"
+#: path takes, few outputs for the work of each
+DEEP = {
+    "deep256": bench.Case("deep256", dict(in_channels=256, out_channels=256, kernel_size=3,
+                                          stride=2, padding=1), 8, (4, 4, 4)),
+    "deep512": bench.Case("deep512", dict(in_channels=512, out_channels=512, kernel_size=3,
+                                          stride=2, padding=1), 4, (2, 2, 2)),
 }
 
 
@@ -159,7 +181,7 @@ def make_case(name: str) -> bench.Case:
     if name.startswith("batch="):
         return bench.default_case(int(name.split("=")[1]), name=name)
     cases = {c.name: c for c in bench.suite_cases()}
-    cases.update(tiny=bench.tiny_case(), geometry=bench.geometry_case(), **FEW_VOXELS)
+    cases.update(tiny=bench.tiny_case(), geometry=bench.geometry_case(), **FEW_VOXELS, **DEEP)
     return cases[name]
 
 
@@ -182,6 +204,7 @@ def main() -> None:
                 for label in args.providers.split(","):
                     name, _, variant = label.partition(":")
                     planner.WIDE_VOLUME = 0 if variant == "nowide" else WIDE_VOLUME
+                    planner.WIDE_WORK = math.inf if variant == "wide" else WIDE_WORK
                     model = bench.make_provider(name, copy.deepcopy(base),
                                                 bench.TRAIN_STEP if mode == "step" else mode)
                     call = bench._train_step(model, x) if mode == "step" else \

@@ -590,6 +590,8 @@ def make_provider(name: str, base: nn.Module, mode: str) -> Callable:
         return NumbaModel(model, "gather", variance="epilogue").train(mode == "train")
     if name == "numba_scatter":
         return NumbaModel(model, "scatter").train(mode == "train")
+    if name == "numba_torch":  # PyTorch's convolution, then this package's finish
+        return NumbaModel(model, "torch").train(mode == "train")
     if name in ("torch_eager", "torch_strict_fp32"):
         return model
     if name == "torch_compile":

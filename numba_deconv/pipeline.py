@@ -727,7 +727,7 @@ class Pipeline:
         """The path a call takes now (``plan.PATHS``): it follows the mode, batch norm's
         settings and ``variance``, and with ``conv_impl="auto"`` the input (``shape``,
         ``dtype``, ``device``: ``wide``, ``torch_conv``; without them, the gather's paths)."""
-        if shape is not None and self.wide(shape, dtype):
+        if shape is not None and self.wide(shape, dtype, device):
             return "wide"
         if self.conv_impl == "scatter":
             return "scatter"
@@ -849,7 +849,7 @@ class Pipeline:
         ``precision="tf32"`` asks for them; with ``precision=None`` they run where PyTorch's
         flag allows TF32 and the planner predicts them the fastest (``convolution``)."""
         if dtype != torch.float32 or self._mma_unsupported is not None \
-                or self.precision == "ieee" or self.wide(shape, dtype):
+                or self.precision == "ieee" or self.wide(shape, dtype, device):
             return False
         if self.precision == "tf32":
             return gather_mma.device_supports(device)
@@ -885,15 +885,18 @@ class Pipeline:
             return "tf32"
         return "ieee"
 
-    def wide(self, shape, dtype: torch.dtype) -> bool:
+    def wide(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> bool:
         """Whether a call on an input of ``shape`` and ``dtype`` computes in float64 and rounds
         its output to float32 once (``planner.wide``: at most a few output voxels per (sample,
         channel), where the gathers' float32 sums lose more than PyTorch's): the ``"wide"``
         path (``_wide``), whatever ``conv_impl``, ``specialize`` and ``variance`` say, but not
         ``conv_impl="torch"`` (PyTorch's float32 convolution, then the float64 finish) nor
-        ``precision="tf32"``."""
+        ``precision="tf32"``; nor, on ``device``, where PyTorch's convolution is a candidate
+        (``library_candidate``) and the call is large enough that it and the float64 finish
+        are faster (``planner.WIDE_LIBRARY_WORK``: the planner then takes them)."""
         return self.conv_impl != "torch" and self.precision != "tf32" and len(shape) == 5 \
-            and planner.wide(self.geometry, tuple(shape), dtype)[0]
+            and planner.wide(self.geometry, tuple(shape), dtype, device, self.precision,
+                             self.library_candidate)[0]
 
     def torch_conv(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on an input of ``shape``, ``dtype`` and ``device`` runs PyTorch's
@@ -1071,7 +1074,7 @@ class Pipeline:
         Kept per kind of call, so a call pays one dictionary lookup."""
         if self.specialize is False or self.conv_impl not in GATHERS or batch == 0 \
                 or not tiers.compiles() or self.torch_conv(x.shape, x.dtype, x.device) \
-                or self.wide(x.shape, x.dtype):
+                or self.wide(x.shape, x.dtype, x.device):
             return None
         offset = x.data_ptr() % 16 if x.is_contiguous() else 0  # (else a contiguous copy runs)
         key = tiers.kind_key(self, x.shape, x.dtype, x.device, offset, saving, half)

@@ -22,7 +22,10 @@ factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
   channels, row segments) at ``MMA_EFFICIENCY`` of the TF32 peak per unit of its fragment reuse,
   the same writes, and the input's rounding (a read and two writes);
 * both gathers: a launch of fewer threads than the SMs hold (``RESIDENT_THREADS``) runs at that
-  fraction of the rate, and a partial last wave costs a whole one (``_waves``);
+  fraction of the rate, and a partial last wave costs a whole one (``_waves``); and both wait
+  for ``box_sums``' rounds of dependent loads (``_box_sums_seconds``: each plane's share of
+  the means, then each sample's sum of the shares), a few µs at tens of channels, most of the
+  call at hundreds on a small input;
 * PyTorch's TF32 convolution: ``2 K / rate`` with a rate that grows with the channels a
   multiply-add's row and column span (``c``, the geometric mean of a group's input and output
   channels): ``CUDNN_PER_CHANNEL x c`` of the TF32 peak, at most ``CUDNN_CAP`` of it
@@ -37,8 +40,11 @@ A training call on the tensor-core gather writes its output in a second pass of 
 where that is predicted faster than scaling the stored output in place (``second_pass``).
 
 PyTorch's convolution is taken only where predicted ``MARGIN`` faster than the faster gather
-and with at least ``MIN_OUTPUTS`` outputs. Synchronized statistics and ``variance="gram"`` keep
-the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
+and with at least ``MIN_OUTPUTS`` outputs, or where ``box_sums``' rounds of dependent loads
+alone (hundreds of channels on a small input) outlast its whole call; and for a float32 call of
+at most ``WIDE_VOLUME`` output voxels per (sample, channel) past ``WIDE_LIBRARY_WORK`` steps of
+``gather_wide``'s warps (``few_voxels_past``). Synchronized statistics and ``variance="gram"``
+keep the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
 input's shape, dtype and device, the mode and PyTorch's flags, so it is the same for every call
 of a kind.
 
@@ -86,7 +92,7 @@ import torch
 
 from . import precision as precisions
 from .geometry import ConvGeometry
-from .kernels import gather, gather_mma, gather_wide
+from .kernels import box_sums, gather, gather_mma, gather_wide
 from .simulator import is_simulator
 
 #: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores,
@@ -137,8 +143,16 @@ BANDWIDTH_EFFICIENCY = 0.9
 FINISH_PASSES = {False: 5.3, True: 6.6}
 #: PyTorch's convolution is taken where predicted at least this much faster ...
 MARGIN = 1.1
-#: ... for calls with at least this many outputs.
+#: ... for calls with at least this many outputs, or whose ``box_sums`` alone would outlast it.
 MIN_OUTPUTS = 1 << 22
+#: ``box_sums``' rounds of dependent loads (each (n, ci) plane's share of its group's means, 32
+#: output channels a round, blocks ``BOX_BLOCKS_PER_SM`` an SM at a time; then each sample's
+#: last block adding the planes' shares, 32 channels and 16 input channels a round), µs a
+#: round: both gathers wait for them (H200, ncu: 121, 317 and 2762 µs at 256 -> 256 channels,
+#: batch 8, 4^3 input; 512 -> 512, batch 4, 2^3; 1024 -> 512, batch 64, 1^3, k2 s2: 0.5-0.64 µs
+#: a round)
+BOX_ROUND_US = 0.6
+BOX_BLOCKS_PER_SM = 2
 #: ``conv_grads.input_grad``'s multiply-add rate, a fraction of the FP32 peak (H200: 12-14
 #: TFLOP/s at kernels of 1 to 3 taps an axis; at more, ``_taps_factor`` of it).
 INPUT_GRAD_EFFICIENCY = 0.2
@@ -163,29 +177,64 @@ CUDNN_WEIGHT_FIXED_US = 40.0
 #: The most output voxels per (sample, channel) at which a float32 call computes in float64
 #: (``wide``); the hypothesis strategies' few-voxel cases (``testing.cases``) have up to 8
 WIDE_VOLUME = gather_wide.MAX_VOLUME
-#: ... and the most steps ``gather_wide``'s warps take in all, bounded as every output voxel at
-#: every tap (they visit only the taps that reach a voxel), a group's input channels 32 at a time
-#: at each
+#: ... and the most steps ``gather_wide``'s warps take in all: per (sample, channel), a group's
+#: input channels 32 at a time at each (voxel, tap that reaches it), and a warp sum per voxel
 WIDE_WORK = 1 << 22
+#: ... or, where PyTorch's convolution is a candidate (``library``), this many: past it that
+#: convolution with the float64 finish is the faster (H200, ``probe_host.py``: 2^20 steps,
+#: 512 -> 256 channels at one input voxel, 0.216 ms on ``gather_wide`` against 0.101; 2^18 steps,
+#: 256 -> 256, 0.070 against 0.144)
+WIDE_LIBRARY_WORK = 1 << 19
 
 
-def wide(geom: ConvGeometry, shape: tuple, dtype: torch.dtype) -> tuple[bool, str]:
+def wide(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
+         device: torch.device | None = None, precision=None,
+         library: bool = False) -> tuple[bool, str]:
     """``(wide, why)``: whether a call on an input of ``shape`` and ``dtype`` computes its
     convolution and finish in float64 and rounds its output to float32 once (the module
     docstring): float32, at most ``WIDE_VOLUME`` output voxels per (sample, channel), at most
-    ``WIDE_WORK`` steps of ``gather_wide``'s warps."""
+    ``WIDE_WORK`` steps of ``gather_wide``'s warps, or ``WIDE_LIBRARY_WORK`` where PyTorch's
+    convolution is a candidate (``library``, and its TF32 allowed on ``device`` at
+    ``precision``): ``convolution`` then takes it (``few_voxels_past``)."""
     if dtype != torch.float32:
         return False, f"{str(dtype).replace('torch.', '')}: computed in its own dtype"
-    volume = math.prod(geom.output_spatial(tuple(shape[2:])))
+    volume, steps = _wide_steps(geom, shape)
     if volume > WIDE_VOLUME:
         return False, f"{volume} output voxels per (sample, channel), more than {WIDE_VOLUME}"
-    steps = shape[0] * geom.out_channels * volume * math.prod(geom.kernel_size) \
-        * -(-geom.in_per_group // gather_wide.WARP_SIZE)
     if steps > WIDE_WORK:
         return False, (f"{volume} output voxels per (sample, channel), but {steps} steps of the "
                        f"float64 gather's warps, more than {WIDE_WORK}")
+    if steps > WIDE_LIBRARY_WORK and library and device is not None \
+            and not _tf32_refusal(dtype, device, precision):
+        return False, _PAST_LIBRARY_WORK.format(volume=volume, steps=steps)
     return True, (f"{volume} output voxel(s) per (sample, channel): the convolution and its "
                   "finish in float64, the output rounded to float32 once")
+
+
+_PAST_LIBRARY_WORK = ("{volume} output voxels per (sample, channel), {steps} steps of the "
+                      f"float64 gather's warps, more than {WIDE_LIBRARY_WORK}: PyTorch's "
+                      "convolution, then the float64 finish (its mean subtraction cancels "
+                      "PyTorch's own rounding, where the gathers' float32 sums keep theirs)")
+
+
+def _wide_steps(geom: ConvGeometry, shape: tuple) -> tuple[int, int]:
+    """(output voxels per (sample, channel), ``gather_wide``'s warps' steps) of a call."""
+    volume = math.prod(geom.output_spatial(tuple(shape[2:])))
+    if volume > WIDE_VOLUME:
+        return volume, 0
+    row_steps = gather_wide.reaching(geom, tuple(shape[2:])) \
+        * -(-geom.in_per_group // gather_wide.WARP_SIZE) + volume
+    return volume, shape[0] * geom.out_channels * row_steps
+
+
+def few_voxels_past(geom: ConvGeometry, shape: tuple) -> str:
+    """Why a float32 call of at most ``WIDE_VOLUME`` output voxels per (sample, channel) runs
+    PyTorch's convolution and the float64 finish where that is a candidate (past
+    ``WIDE_LIBRARY_WORK`` steps of ``gather_wide``'s warps), or ''."""
+    volume, steps = _wide_steps(geom, shape)
+    if volume > WIDE_VOLUME or steps <= WIDE_LIBRARY_WORK:
+        return ""
+    return _PAST_LIBRARY_WORK.format(volume=volume, steps=steps)
 
 
 def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:
@@ -250,15 +299,26 @@ def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
     except ValueError:  # a grid past the launch limit: the pipeline's own check says so
         ffma_threads = peaks["sms"] * RESIDENT_THREADS
     gather_rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
-    times = {"gather": flops / gather_rate * _waves(ffma_threads, peaks) + writes}
+    box = _box_sums_seconds(geom, batch, peaks)
+    times = {"gather": flops / gather_rate * _waves(ffma_threads, peaks) + writes + box}
     mma = _mma_seconds(geom, batch, in_spatial, out_spatial, peaks)
     if mma is not None:
         in_bytes = 4.0 * batch * geom.in_channels * math.prod(in_spatial)
-        times["gather_mma"] = mma + writes + 3 * in_bytes / bandwidth
+        times["gather_mma"] = mma + writes + 3 * in_bytes / bandwidth + box
     c = math.sqrt(geom.in_per_group * geom.out_per_group)
     rate = min(CUDNN_PER_CHANNEL * c, CUDNN_CAP) * peaks["tf32"]
     times["torch"] = flops / rate + (1 + FINISH_PASSES[training]) * out_bytes / bandwidth
     return {name: t * 1e6 for name, t in times.items()}
+
+
+def _box_sums_seconds(geom: ConvGeometry, batch: int, peaks: dict[str, float]) -> float:
+    """Seconds of ``box_sums``' rounds of dependent loads (``BOX_ROUND_US``): negligible at few
+    channels, most of a call at hundreds of channels on small inputs."""
+    per_round = box_sums.BLOCK // box_sums.SHARE  # output channels a round
+    waves = -(-batch * geom.in_channels // (peaks["sms"] * BOX_BLOCKS_PER_SM))
+    shares = waves * -(-geom.out_per_group // per_round)
+    last = -(-geom.out_channels // per_round) * -(-geom.in_per_group // (2 * box_sums.SHARE))
+    return (shares + last) * BOX_ROUND_US * 1e-6
 
 
 def _ffma_threads(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> int:
@@ -337,6 +397,9 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
         # "ieee", the tensor-core one for "tf32" where the kernel takes the geometry)
         label = CANDIDATES["gather"] if precision is None else "this package's gather"
         return "gather", f"{label}: {refused}"
+    past = few_voxels_past(geom, shape) if library else ""
+    if past:
+        return "torch", f"{CANDIDATES['torch']}: {past}"
     t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
     host = HOST_US[bool(training)]
     cost = {"gather": max(host, t["gather"])}
@@ -345,13 +408,18 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     choice = min(cost, key=cost.get)
     outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
     torch_cost = max(host + TORCH_HOST_US, t["torch"])
+    box = _box_sums_seconds(geom, shape[0], peaks_of(device)) * 1e6
     costs = "predicted " + ", ".join(f"{cost[name]:.0f} us on {SHORT[name]}" for name in cost) \
         + f", {torch_cost:.0f} us on cuDNN"
-    if library and outputs >= MIN_OUTPUTS and cost[choice] >= MARGIN * torch_cost:
-        return "torch", f"{CANDIDATES['torch']}: {costs}"
+    # (on fewer outputs the gathers' rates are those of calls bound by the host, which the
+    # model has only as its floor: there PyTorch's convolution wins only where box_sums' rounds
+    # alone outlast its whole call)
+    settled = outputs >= MIN_OUTPUTS or box >= torch_cost
+    if library and settled and cost[choice] >= MARGIN * torch_cost:
+        return "torch", f"{CANDIDATES['torch']}: {costs}, {box:.0f} us of them box_sums'"
     if not library:
         reason = "PyTorch's convolution not a candidate here"
-    elif outputs < MIN_OUTPUTS:
+    elif not settled:
         reason = (f"{outputs} outputs, fewer than the {MIN_OUTPUTS} for which PyTorch's "
                   "convolution's host time is hidden")
     else:

@@ -251,6 +251,40 @@ def test_many_channels_take_pytorchs_convolution(channels, on_h200):
     assert takes and "cuDNN" in why
 
 
+# H200, ms back to back (benchmarks/probe_host.py; results/h200_deep.log): small inputs of many
+# channels, where box_sums' rounds and the gathers' few threads left this package's kernels 2-20x
+# behind PyTorch's convolution with this package's finish. (row, (in, out, kernel, stride,
+# padding), batch, input, evaluation's and training's (the gathers, or gather_wide at up to 8
+# output voxels, then PyTorch's convolution and the finish))
+SMALL_INPUTS = [
+    ("deep256", (256, 256, 3, 2, 1), 8, (4, 4, 4), (0.362, 0.142), (0.392, 0.161)),
+    ("deep512", (512, 512, 3, 2, 1), 4, (2, 2, 2), (0.606, 0.172), (0.631, 0.125)),
+    ("few512", (512, 256, 2, 2, 0), 32, (1, 1, 1), (0.216, 0.101), (0.136, 0.114)),
+    ("few256k3", (256, 256, 3, 1, 1), 16, (2, 2, 2), (0.435, 0.110), (0.202, 0.115)),
+    ("few1024", (1024, 512, 2, 2, 0), 64, (1, 1, 1), (4.012, 0.210), (4.170, 0.262)),
+]
+# box_sums alone on three of them (ncu, µs): its rounds of dependent loads at hundreds of channels
+BOX_SUMS_US = {"deep256": 121, "deep512": 317, "few1024": 2762}
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("row", SMALL_INPUTS, ids=lambda row: row[0])
+def test_small_inputs_of_many_channels_take_pytorchs_convolution(row, training, on_h200):
+    """Where it measured faster, PyTorch's convolution and the finish, whatever the outputs'
+    count; box_sums' rounds predicted within 25% of their measured time."""
+    name, (cin, cout, k, s, p), batch, spatial, evaluation, train = row
+    geom = ConvGeometry.create(cin, cout, k, s, p)
+    shape = (batch, cin, *spatial)
+    ours, library = train if training else evaluation
+    assert library * planner.MARGIN < ours
+    takes, why = planner.torch_conv(geom, shape, torch.float32, CUDA, None, training)
+    assert takes and why.startswith(planner.CANDIDATES["torch"]), why
+    assert not planner.wide(geom, shape, torch.float32, CUDA, None, True)[0]
+    if name in BOX_SUMS_US:
+        box = planner._box_sums_seconds(geom, batch, planner.DEVICE_PEAKS["H200"]) * 1e6
+        assert abs(box / BOX_SUMS_US[name] - 1) < 0.25, box
+
+
 @pytest.mark.parametrize("dtype, device, asked, shape, flag", [
     (torch.float64, CUDA, None, (4, 128, 16, 32, 32), True),     # float64: exact, the gather
     (torch.float32, CUDA, "ieee", (4, 128, 16, 32, 32), True),    # strict float32 asked for

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -33,9 +34,38 @@ def test_the_planners_conditions():
     assert planner.wide(geom, (3, 4, 1, 1, 1), torch.float32)[0]
     assert not planner.wide(geom, (3, 4, 1, 1, 1), torch.float64)[0]
     assert not planner.wide(geom, (3, 4, 2, 1, 1), torch.float32)[0]  # 16 voxels
-    many = planner.WIDE_WORK // (6 * 8 * 8) + 1  # a batch past the warps' steps
+    # a batch past the warps' steps: per sample, 6 channels of 8 voxels, one tap reaching each
+    # (one step for the 4 input channels) and a warp sum each
+    many = planner.WIDE_WORK // (6 * (8 * 1 + 8)) + 1
     assert planner.wide(geom, (many - 1, 4, 1, 1, 1), torch.float32)[0]
     assert not planner.wide(geom, (many, 4, 1, 1, 1), torch.float32)[0]
+
+
+def test_large_calls_take_pytorchs_convolution_where_it_is_a_candidate(monkeypatch):
+    """Where PyTorch's convolution is a candidate (its TF32 allowed on a GPU), the float64 kernel
+    takes at most ``WIDE_LIBRARY_WORK`` steps: past them PyTorch's convolution and the float64
+    finish (faster there, and as accurate as PyTorch's), not the gathers' float32 sums."""
+    monkeypatch.setattr(planner, "_tf32_refusal", lambda *args: "")
+    cuda = torch.device("cuda", 0)  # (a device object only: nothing runs on it here)
+    geom = GEOM(4, 6, 2, 2, 0)
+    past = planner.WIDE_LIBRARY_WORK // (6 * (8 * 1 + 8)) + 1
+    assert past * 6 * 16 <= planner.WIDE_WORK
+    for batch, library, wide in ((past - 1, True, True), (past, True, False),
+                                 (past, False, True)):
+        shape = (batch, 4, 1, 1, 1)
+        assert planner.wide(geom, shape, torch.float32, cuda, None, library)[0] == wide
+        for training in (False, True):
+            choice, why = planner.convolution(geom, shape, torch.float32, cuda, None, training,
+                                              library)
+            assert (choice == "torch") == (not wide), why
+            assert wide or "float64 finish" in why
+    # the pipeline: conv_impl="auto" leaves it to the planner, "gather" keeps the float64 kernel
+    conv, bn = torch.nn.ConvTranspose3d(4, 6, 2, 2), torch.nn.BatchNorm3d(6)
+    shape = (past, 4, 1, 1, 1)
+    assert Pipeline.from_modules(conv, bn).path(shape, torch.float32, cuda) == "torch"
+    assert Pipeline.from_modules(conv, bn, conv_impl="gather").path(
+        shape, torch.float32, cuda) == "wide"
+    assert Pipeline.from_modules(conv, bn).path(shape, torch.float32) == "wide"
     conv, bn = torch.nn.ConvTranspose3d(4, 6, 2, 2), torch.nn.BatchNorm3d(6)
     shape = (3, 4, 1, 1, 1)
     assert Pipeline.from_modules(conv, bn).wide(shape, torch.float32)
@@ -67,7 +97,7 @@ def test_the_float64_gather_is_the_convolution(geom, spatial, device):
     than a warp has lanes too, centred per (sample, channel), with its means and centred sums
     of squares; in float64 or into a float32 output; the same bits every run and every block
     size."""
-    from numba_deconv.kernels.gather_wide import arrange, launch_gather_wide, tap_table
+    from numba_deconv.kernels.gather_wide import arrange, launch_gather_wide, reaching, tap_table
 
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(2, geom.in_channels, *spatial, generator=gen) * 3 + 100).to(device)
@@ -78,6 +108,8 @@ def test_the_float64_gather_is_the_convolution(geom, spatial, device):
     mean = conv.mean(dim=(2, 3, 4), keepdim=True)
     centred = conv - mean
     table = torch.from_numpy(tap_table(geom, spatial)).to(device)
+    volume = math.prod(geom.output_spatial(spatial))
+    assert reaching(geom, spatial) == (table.numel() - volume - 1) // 2  # (the table's pairs)
     outs = []
     # blocks of one warp, of three (the last block's warps partly idle) and the kernel's own
     for dtype, block in ((torch.float64, None), (torch.float64, 32), (torch.float64, 96),

@@ -50,25 +50,37 @@ def tap_table(geom: ConvGeometry, in_spatial) -> np.ndarray:
     the weights' order. A tap ``k`` reaches output ``o`` along an axis from input ``i`` where
     ``o + padding - dilation * k = stride * i`` with ``0 <= i < size``."""
     in_spatial = tuple(in_spatial)
-
-    def sources(axis, o: int, size: int) -> list[tuple[int, int]]:
-        found = []
-        for k in range(axis.kernel):
-            j = o + axis.padding - axis.dilation * k
-            if j >= 0 and j % axis.stride == 0 and j // axis.stride < size:
-                found.append((k, j // axis.stride))
-        return found
-
     axes = geom.axes()
     _, in_h, in_w = in_spatial
     _, k_h, k_w = geom.kernel_size
     starts, pairs = [0], []
     for voxel in itertools.product(*map(range, geom.output_spatial(in_spatial))):
-        per_axis = [sources(a, o, size) for a, o, size in zip(axes, voxel, in_spatial)]
+        per_axis = [_sources(a, o, size) for a, o, size in zip(axes, voxel, in_spatial)]
         for (kd, i_d), (kh, i_h), (kw, i_w) in itertools.product(*per_axis):
             pairs += [(i_d * in_h + i_h) * in_w + i_w, (kd * k_h + kh) * k_w + kw]
         starts.append(len(pairs) // 2)
     return np.array(starts + pairs, dtype=np.int32)
+
+
+def reaching(geom: ConvGeometry, in_spatial) -> int:
+    """How many (output voxel, tap) pairs ``tap_table`` lists: the multiply-add steps of a row
+    (per ``ceil(in_per_group / 32)``), without making the table. The taps reaching a voxel are
+    the product of those reaching it along each axis, so this is the product over the axes of
+    the taps reaching each output along that axis."""
+    count = 1
+    for axis, size in zip(geom.axes(), in_spatial):
+        count *= sum(len(_sources(axis, o, size)) for o in range(axis.output_size(size)))
+    return count
+
+
+def _sources(axis, o: int, size: int) -> list[tuple[int, int]]:
+    """Along one axis: ``(tap, input index)`` of each tap that reaches output ``o``."""
+    found = []
+    for k in range(axis.kernel):
+        j = o + axis.padding - axis.dilation * k
+        if j >= 0 and j % axis.stride == 0 and j // axis.stride < size:
+            found.append((k, j // axis.stride))
+    return found
 
 
 def arrange(weight: torch.Tensor) -> torch.Tensor:
