@@ -39,7 +39,7 @@ launch configurations (cached per input shape), and hands the small per-channel 
 ``"scatter"`` (the teaching baseline)
     fill zero -> conv_transpose3d_scatter (atomics) -> spatial_moments_warp -> scale_centered.
 
-A few output voxels (the ``"wide"`` path, every strategy but ``"torch"``; ``wide``)
+A few output voxels (the ``"wide"`` path, every strategy but ``"torch"``, up to a size; ``wide``)
     a float32 call with at most 8 output voxels per (sample, channel) computes in float64, where
     the gathers' float32 sums would lose more than PyTorch's: gather_wide (a warp per (sample,
     channel), centred in float64; in evaluation the output) -> (training:
@@ -726,7 +726,8 @@ class Pipeline:
              device: torch.device | None = None) -> str:
         """The path a call takes now (``plan.PATHS``): it follows the mode, batch norm's
         settings and ``variance``, and with ``conv_impl="auto"`` the input (``shape``,
-        ``dtype``, ``device``: ``wide``, ``torch_conv``; without them, the gather's paths)."""
+        ``dtype``, ``device``: ``wide``, ``torch_conv``; without them, the gather's paths;
+        without ``device``, that of a call where PyTorch's convolution is no candidate)."""
         if shape is not None and self.wide(shape, dtype, device):
             return "wide"
         if self.conv_impl == "scatter":

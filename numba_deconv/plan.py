@@ -20,9 +20,10 @@ Paths (``PATHS``):
   faster).
 * ``"scatter"``  - the teaching baseline, either statistics.
 * ``"wide"``     - a float32 call of a few output voxels per (sample, channel), whatever the
-  strategy but ``"torch"`` (``planner.wide``): ``gather_wide`` in float64, writing the
-  output centred (evaluation: final), then, with batch statistics, batch_statistics and a
-  scale pass from its float64 convolution.
+  strategy but ``"torch"``, up to a size (``planner.wide``; past ``WIDE_LIBRARY_WORK``, where
+  PyTorch's convolution is a candidate, the ``"torch"`` path): ``gather_wide`` in float64,
+  writing the output centred (evaluation: final), then, with batch statistics,
+  batch_statistics and a scale pass from its float64 convolution.
 """
 
 from __future__ import annotations

@@ -79,8 +79,9 @@ where a channel's mean dwarfs its spread, up to 17x PyTorch's error (docs/perfor
 limits"). Such a call's convolution is ``gather_wide``'s (a warp per (sample, channel), each product
 and sum in float64, each (sample, channel) centred in float64), then, in training, the
 statistics and the scale into the float32 output: one rounding at the end. Only where that
-kernel's warps take at most ``WIDE_WORK`` steps in all (its cost: docs/performance.md, "Known
-limits").
+kernel's warps take at most ``WIDE_WORK`` steps in all, or ``WIDE_LIBRARY_WORK`` where PyTorch's
+convolution is a candidate: past that PyTorch's convolution and the float64 finish run
+(faster there; its cost: docs/performance.md, "Known limits").
 """
 
 from __future__ import annotations
@@ -389,8 +390,10 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     gather, exact in float32), ``"gather_mma"`` (TF32 tensor cores) or ``"torch"`` (PyTorch's
     convolution and this package's finish; only with ``library``). Where PyTorch's convolution
     would run in TF32 the fastest predicted wins, each taking at least its host time
-    (``HOST_US`` and what its path adds); PyTorch's only with ``MIN_OUTPUTS`` outputs and
-    ``MARGIN`` faster. Elsewhere the FFMA gather."""
+    (``HOST_US`` and what its path adds); PyTorch's only ``MARGIN`` faster, and with
+    ``MIN_OUTPUTS`` outputs or ``box_sums``' rounds outlasting its call; and always for a call
+    of a few output voxels past ``WIDE_LIBRARY_WORK`` (``few_voxels_past``). Elsewhere the
+    FFMA gather."""
     refused = _tf32_refusal(dtype, device, precision)
     if refused:
         # (with ``precision`` set the pipeline picks its gather itself: the FFMA one for
@@ -421,7 +424,7 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
         reason = "PyTorch's convolution not a candidate here"
     elif not settled:
         reason = (f"{outputs} outputs, fewer than the {MIN_OUTPUTS} for which PyTorch's "
-                  "convolution's host time is hidden")
+                  f"convolution's host time is hidden, and box_sums' {box:.0f} us within it")
     else:
         reason = f"cuDNN taken from {MARGIN}x"
     return choice, f"{CANDIDATES[choice]}: {costs} ({reason})"

@@ -117,7 +117,9 @@ def test_the_float64_gather_is_the_convolution(geom, spatial, device):
         y = torch.full_like(conv, float("nan"), dtype=dtype)
         means, css = (torch.full(conv.shape[:2], float("nan"), dtype=torch.float64,
                                  device=device) for _ in range(2))
-        launch_gather_wide(x, arrange(w), table, y, means, css, block=block)
+        arranged = arrange(w)
+        assert arranged.is_contiguous()  # (the lanes' loads of consecutive input channels)
+        launch_gather_wide(x, arranged, table, y, means, css, block=block)
         outs.append(y)
     testing.assert_close(outs[0], centred, 1e-12, atol=1e-12)
     testing.assert_close(means, mean.flatten(2)[..., 0], 1e-14)

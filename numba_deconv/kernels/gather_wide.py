@@ -6,7 +6,8 @@ each sums over all of a group's input channels and the kernel's taps that reach 
 per output (``gather_simple``) would walk that sum serially, one dependent load after another.
 Here a warp takes a (sample, channel) row, its voxels one after another: at each tap that
 reaches the voxel, lane ``l`` adds ``float64(x) * w`` over the group's input channels ``l, l +
-32, ...``, with ``w`` in float64, so each product is exact and each sum is float64, and
+32, ...``, with ``w`` in float64 (the float32 weight itself in training, so each product is
+exact; in evaluation the batch-norm scale folded in), each sum float64, and
 ``warp.warp_sum`` adds the 32 partial sums in a fixed order (deterministic). Lane ``v`` keeps
 voxel ``v``'s value; two more warp sums give the row's mean and centred sum of squares in
 float64, and the lanes write the row centred: into the output itself where nothing follows
@@ -22,7 +23,7 @@ slower on an H200: docs/performance.md, "Tried".)
 
 Cost: per row, per voxel, ``ceil(in_per_group / 32)`` multiply-adds a lane per tap that reaches
 it (the lanes' weights one coalesced load: ``arrange`` puts the input channels last) and a warp
-sum; then three warp sums.
+sum; then two warp sums.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _sources(axis, o: int, size: int) -> list[tuple[int, int]]:
 def arrange(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (CI, OPG, KD, KH, KW) as the kernel reads it: (KD * KH * KW, OPG, CI), input
     channels last (a warp's lanes read consecutive ones), a new contiguous tensor."""
-    return weight.permute(2, 3, 4, 1, 0).reshape(-1, weight.shape[1], weight.shape[0])
+    return weight.permute(2, 3, 4, 1, 0).contiguous().view(-1, weight.shape[1], weight.shape[0])
 
 
 @cuda.jit
@@ -140,6 +141,8 @@ def launch_gather_wide(x, w, table, y, means, css, *, block: int | None = None) 
     if block % WARP_SIZE or block < WARP_SIZE:
         raise ValueError(f"gather_wide's block is a multiple of {WARP_SIZE} threads, got {block}")
     rows = y.shape[0] * y.shape[1]
+    if rows == 0:  # (an empty batch: nothing to write)
+        return
     launch(gather_wide_kernel, grid(rows, block), block,
            (x.view(*x.shape[:2], -1), w, table, y.view(rows, volume), means.view(-1),
             css.view(-1)))
