@@ -75,13 +75,11 @@ def reaching(geom: ConvGeometry, in_spatial) -> int:
 
 
 def _sources(axis, o: int, size: int) -> list[tuple[int, int]]:
-    """Along one axis: ``(tap, input index)`` of each tap that reaches output ``o``."""
-    found = []
-    for k in range(axis.kernel):
-        j = o + axis.padding - axis.dilation * k
-        if j >= 0 and j % axis.stride == 0 and j // axis.stride < size:
-            found.append((k, j // axis.stride))
-    return found
+    """Along one axis: ``(tap, input index)`` of each tap that reaches output ``o`` from inside
+    the input (``AxisGeometry.phase_taps``: output ``stride * q + r`` takes tap ``k`` from
+    input ``q + delta``)."""
+    q, r = divmod(o, axis.stride)
+    return [(k, q + delta) for k, delta in axis.phase_taps()[r] if 0 <= q + delta < size]
 
 
 def arrange(weight: torch.Tensor) -> torch.Tensor:
