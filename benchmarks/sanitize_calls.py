@@ -14,7 +14,10 @@ as the sanitizer slows kernels by 10-100x; only those named, where names are giv
 (the FFMA and the tensor-core gather), evaluation, and training with an input that requires grad
 and a backward (and, on tensor cores, a training forward whose output a second pass of the
 convolution writes: ``Options(second_pass=True)``): one ``Pipeline`` call on the specialised
-kernels, each output checked against float64. Exits non-zero where a call's error is too large;
+kernels; then the generic tier (``specialize=False``: ``gather_simple`` and the stored
+convolution's finish, ``spatial_moments`` and ``scale_centered``, a warp per row on the short
+rows of ``"few voxels"``, a block per row on the others) in both modes; each output checked
+against float64. Exits non-zero where a call's error is too large;
 the sanitizer's report is its own.
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ GEOMETRIES = [
     bench.Case("few voxels", bench._conv(40, 6, 2, 2, 0, groups=2), 3, (1, 1, 1)),
 ]
 #: relative error against float64 above which a call counts as wrong
-TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3}
+TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3, "generic": 1e-5}
 
 
 def main() -> int:
@@ -50,14 +53,18 @@ def main() -> int:
     for case in GEOMETRIES:
         if names and case.name not in names:
             continue
-        for precision in ("ieee", "tf32"):
-            for mode in ("eval", "train") + (("second",) if precision == "tf32" else ()):
+        for precision in ("ieee", "tf32", "generic"):
+            modes = ("eval", "train") + (("second",) if precision == "tf32" else ())
+            for mode in modes:
                 train = mode != "eval"
                 base, x = case.build("cuda")
                 reference = bench.float64_reference(base, x, "train" if train else "eval")
                 model = copy.deepcopy(base).train(train)
-                pipe = Pipeline.from_torch(model, precision=precision, specialize=True,
-                                           options=Options(second_pass=mode == "second"))
+                if precision == "generic":  # (strict float32 convolution: "ieee"'s tolerance)
+                    pipe = Pipeline.from_torch(model, specialize=False)
+                else:
+                    pipe = Pipeline.from_torch(model, precision=precision, specialize=True,
+                                               options=Options(second_pass=mode == "second"))
                 x = x.clone().requires_grad_(mode == "train")
                 out = pipe(x)
                 if mode == "train":

@@ -75,7 +75,7 @@ class StageRow:
     stage: str
     kernel: str                       # kernel function name, or "host (...)" for torch algebra
     grid: tuple[int, ...] | None
-    block: int | None
+    block: int | tuple[int, ...] | None  # threads, or (x, y) threads of a 2-D block
     flops: int
     bytes: int
     floor_us: float                   # max(flops / peak, bytes / bandwidth)
@@ -188,8 +188,6 @@ def _device_name() -> str | None:
 
 
 # ---- launch shapes: the same arithmetic as each launcher (kernels/*.launch_*) ------------------
-def _elementwise_grid(rows: int, size: int, block: int) -> tuple[int, int]:
-    return epilogue._grid(rows, size, block, epilogue.MAX_ROW_BLOCKS)
 
 
 def _box_sums_flops(geom, batch: int, in_spatial) -> int:
@@ -260,20 +258,21 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
         out.append(("conv_transpose3d_torch", TORCH_CONV, None, None, None, 2 * macs,
                     x_bytes + w_bytes + n_out * e))
     elif stored:
-        blk = block_size(epilogue.BLOCK)
-        out.append(("fill_zero", "fill_channels", epilogue.fill_channels,
-                    _elementwise_grid(rows_nc, vol, blk), blk, 0, n_out * e))
+        grid, shape = epilogue.row_launch(rows_nc, vol, block_size(epilogue.BLOCK))
+        out.append(("fill_zero", "fill_channels", epilogue.fill_channels, grid, shape, 0,
+                    n_out * e))
         blk = block_size(scatter.BLOCK)
         work = -(-geom.out_per_group // scatter.CSLICE) * batch * geom.in_channels * vol_in
         out.append(("conv_transpose3d_scatter", "conv_transpose3d_scatter",
                     scatter.conv_transpose3d_scatter, (grid_for(work, blk),), blk,
                     2 * macs, x_bytes + w_bytes + 2 * n_out * e))
     if stored:
-        blk = block_size(spatial_reduce.BLOCK)
+        per_warp, grid, shape = spatial_reduce.launch_shape(rows_nc, vol,
+                                                            block_size(spatial_reduce.BLOCK))
         passes = 2 if batch_stats else 1
         out.append(("spatial_moments_warp", "spatial_moments_warp",
-                    spatial_reduce.make_spatial_moments(batch_stats), (max(1, min(rows_nc, 65535)),),
-                    blk, n_out * (1 + 3 * (passes - 1)), passes * n_out * e + passes * rows_nc * 8))
+                    spatial_reduce.make_spatial_moments(batch_stats, per_warp), (grid,), shape,
+                    n_out * (1 + 3 * (passes - 1)), passes * n_out * e + passes * rows_nc * 8))
     else:
         gram_path = batch_stats and pipe.uses_gram
         in_tail = gram_path and pipe.options.box_sums_in_tail  # its own block size there
@@ -348,9 +347,9 @@ def _batch_statistics_row(channels: int, rows_nc: int, slots: int) -> tuple:
 def _scale_centered_row(rows_nc: int, vol: int, nbytes: int) -> tuple:
     """The ``scale`` stage's row where ``scale_centered`` writes the output from a stored
     convolution (``nbytes``: what it reads and writes)."""
-    blk = block_size(epilogue.BLOCK)
-    return ("scale", "scale_centered", epilogue.scale_centered,
-            _elementwise_grid(rows_nc, vol, blk), blk, 2 * rows_nc * vol, nbytes)
+    grid, shape = epilogue.row_launch(rows_nc, vol, block_size(epilogue.BLOCK))
+    return ("scale", "scale_centered", epilogue.scale_centered, grid, shape, 2 * rows_nc * vol,
+            nbytes)
 
 
 def _gram_rows(pipe, batch: int, in_spatial, dtype: torch.dtype, x_bytes: int):
@@ -425,7 +424,7 @@ def theoretical_occupancy(regs: int, threads: int, shared: int, limits: dict[str
     return min(1.0, blocks * warps / max_warps)
 
 
-def _resources(kernel, block: int, limits, dynamic_shared: int = 0
+def _resources(kernel, block: int | tuple[int, ...], limits, dynamic_shared: int = 0
                ) -> tuple[int | None, int | None, int | None, float | None]:
     """Registers, shared memory (the kernel's static arrays plus the launch's dynamic bytes),
     local memory per thread and theoretical occupancy of a compiled kernel."""
@@ -440,7 +439,8 @@ def _resources(kernel, block: int, limits, dynamic_shared: int = 0
         if attrs is None:
             return None, None, None, None
         regs, shared, local = attrs.regs, attrs.shared + dynamic_shared, attrs.local
-    occ = theoretical_occupancy(regs, block, shared, limits) if regs is not None else None
+    threads = math.prod(block) if isinstance(block, tuple) else block
+    occ = theoretical_occupancy(regs, threads, shared, limits) if regs is not None else None
     return regs, shared, local, occ
 
 

@@ -76,6 +76,7 @@ output buffers; ``clear_cache()`` releases all of it.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -150,6 +151,9 @@ class _Prepared:
     plan: CallPlan | None = None
     #: the ``"torch"`` path: PyTorch's convolution runs first, and the replay is its finish
     conv_first: bool = False
+    #: there, in evaluation, the folded weight the convolution takes: ``state`` holds the
+    #: versions of everything it derives from, so a replay need not look it up
+    conv_weight: torch.Tensor | None = None
     #: the output's dtype: a half-precision call's (``Pipeline._half_direct``) where its last
     #: kernel wrote it, else the input's
     out_dtype: torch.dtype | None = None
@@ -517,13 +521,16 @@ class Pipeline:
             named.setdefault("yc", save["yc"])  # (a wide call's is its float64 one, in temps)
         replay = Replay.build(launches, named, fixed=self._module_tensor)
         plan = self._plans.get(self._plan_key(x))
+        conv_first = plan is not None and plan.path == "torch"
         # the state after the call: a training call bumped the running buffers' versions
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),
                                       tuple(out.shape), recorded=True,
                                       x_offset16=x.data_ptr() % 16,
                                       holds=tuple(d.get(n) for d, n in self._watched),
                                       plan=plan if batch_stats else None,
-                                      conv_first=plan is not None and plan.path == "torch",
+                                      conv_first=conv_first,
+                                      conv_weight=self._stored_weight(False)
+                                      if conv_first and not batch_stats else None,
                                       out_dtype=out.dtype, yc_temp="yc" in temps,
                                       yc_dtype=temps["yc"].dtype if "yc" in temps else None))
         return out
@@ -556,7 +563,7 @@ class Pipeline:
             self._refresh_derived(prepared.plan)
         conv = None
         if prepared.conv_first:  # the "torch" path: its finish centres PyTorch's output in place
-            conv = self._torch_convolution(x, prepared.plan is not None)
+            conv = self._torch_convolution(x, prepared.plan is not None, prepared.conv_weight)
         if prepared.yc_temp and save is None:
             # a half-precision output, or a wide call's: its convolution apart
             out = torch.empty(prepared.out_shape, dtype=prepared.out_dtype, device=x.device)
@@ -1423,18 +1430,23 @@ class Pipeline:
         return self._cached("stored_folded", key,
                             lambda: folding.fold_weights(weight, scale, geom.groups))
 
-    def _torch_convolution(self, x: torch.Tensor, batch_stats: bool) -> torch.Tensor:
+    def _torch_convolution(self, x: torch.Tensor, batch_stats: bool,
+                           weight: torch.Tensor | None = None) -> torch.Tensor:
         """The ``"torch"`` path's convolution: PyTorch's (cuDNN on a GPU, at the precision
         PyTorch's flags give it), without the bias (the mean subtraction removes it), a new
         tensor. A recorded call's replay runs it again, then replays the finish's launches on
-        its output (``_replay_prepared``). Never under autocast: the finish takes the
-        parameters' dtype."""
+        its output (``_replay_prepared``), with the evaluation's folded ``weight`` it kept.
+        Never under autocast: the finish takes the parameters' dtype. (Contiguous:
+        channels-last weights would give a channels-last output.)"""
         geom = self.geometry
-        with torch.no_grad(), dtypes.no_autocast(x.device.type):
-            # (contiguous: channels-last weights would give a channels-last output)
+        if weight is None:
+            weight = self._stored_weight(batch_stats)
+        # (each context costs a call microseconds of host time: entered only where needed)
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext(), \
+                dtypes.no_autocast(x.device.type):
             return torch.nn.functional.conv_transpose3d(
-                x, self._stored_weight(batch_stats), None, geom.stride, geom.padding,
-                geom.output_padding, geom.groups, geom.dilation).contiguous()
+                x, weight, None, geom.stride, geom.padding, geom.output_padding, geom.groups,
+                geom.dilation).contiguous()
 
     def _stored(self, x, out, plan: CallPlan, batch_stats: bool, record,
                 conv_out: torch.Tensor) -> None:

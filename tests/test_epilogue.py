@@ -1,6 +1,7 @@
 """``epilogue.scale_rows`` against torch: every element of every row scaled by its channel's
 factor, for row lengths that leave partial chunks and rows shorter than one block, walking the
-rows in either order."""
+rows in either order; ``scale_centered`` and ``fill_channels`` in both of their block shapes
+(a warp per short row, a block's threads over a long one)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def test_scale_rows_kernel_is_one_object_per_dtype_and_unroll():
     assert epilogue.make_scale_rows("float32", 2 * epilogue.SCALE_UNROLL) is not same
     assert epilogue.make_scale_rows("float32", last_first=epilogue.LAST_FIRST) is same
     assert epilogue.make_scale_rows("float32", last_first=not epilogue.LAST_FIRST) is not same
+
+
+@pytest.mark.parametrize("size", [1, 8, 37, 300, 2100])
+@pytest.mark.parametrize("per_warp", [False, True])
+def test_scale_centered_and_fill_match_torch(size, per_warp, device):
+    batch, channels = 5, 3  # 15 rows: not a multiple of a block's warps
+    gen = torch.Generator().manual_seed(size)
+    y = (torch.randn(batch * channels, size, generator=gen, dtype=torch.float64) + 5.0).to(device)
+    mean = y.mean(dim=1)
+    scale = (torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(device)
+    out = torch.full_like(y, float("nan"))
+    epilogue.launch_scale_centered(y, mean, scale, out, per_warp=per_warp)
+    want = scale.repeat(batch)[:, None] * (y - mean[:, None])
+    assert torch.equal(out, want)  # one subtract and one multiply in float64: bit for bit
+    value = torch.arange(1.0, channels + 1, dtype=torch.float64, device=device)
+    epilogue.launch_fill_channels(out, value, per_warp=per_warp)
+    assert torch.equal(out, value.repeat(batch)[:, None].expand_as(out))

@@ -9,7 +9,9 @@ convolution accumulates onto (the pipeline fills zeros: the bias cancels with th
 
 Thread mapping: the grid's y dimension strides over rows (n, c), so the per-row constants are
 loaded once per row and no element costs an index division; the x dimension strides over the S
-elements of a row, coalesced. Every thread has several independent loads in flight before it
+elements of a row, coalesced. ``scale_centered`` and ``fill_channels`` take a block of
+``(threads, rows)``: a warp per row where rows are short or many (``launch.warp_per_row``), a
+block's threads over one row otherwise. Every thread has several independent loads in flight before it
 stores (UNROLL, SCALE_UNROLL): one at a time leaves such a kernel latency-bound, well below the
 memory bandwidth. Arithmetic in ``scale_centered`` is float64 (free: memory-bound).
 
@@ -28,7 +30,7 @@ from . import half
 from .disk_cache import kernel_factory
 from .griddep import wait_prior_grid
 from .half import KINDS, store_bits
-from .launch import block_size, grid_for, launch
+from .launch import block_size, grid_for, launch, row_block, warp_per_row
 
 BLOCK = 256
 UNROLL = 4  # loads in flight per thread in scale_centered
@@ -56,7 +58,8 @@ def make_scale_centered(store: str = ""):
         rows, size = y.shape
         channels = scale.shape[0]
         step = cuda.gridDim.x * cuda.blockDim.x
-        for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+        for row in range(cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y, rows,
+                         cuda.gridDim.y * cuda.blockDim.y):
             m = mean[row]
             a = scale[row % channels]
             vals = cuda.local.array(UNROLL, float64)
@@ -84,7 +87,8 @@ def fill_channels(y, value):
     # y: (N*C, S); value: (C,)
     rows, size = y.shape
     channels = value.shape[0]
-    for row in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+    for row in range(cuda.blockIdx.y * cuda.blockDim.y + cuda.threadIdx.y, rows,
+                     cuda.gridDim.y * cuda.blockDim.y):
         v = value[row % channels]
         for s in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, size,
                        cuda.gridDim.x * cuda.blockDim.x):
@@ -144,22 +148,31 @@ def launch_scale_rows(y, scale, size: int, dtype: str, *, block: int | None = No
     launch(make_scale_rows(dtype, unroll), grid, block, (y, scale, size), after_prior=True)
 
 
-def _grid(rows: int, size: int, block: int, row_blocks_cap: int):
-    return (grid_for(size, block, cap=max(1, 4096 // max(1, min(rows, row_blocks_cap)))),
-            max(1, min(rows, row_blocks_cap)))
+def row_launch(rows: int, size: int, block: int, per_warp: bool | None = None
+               ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(grid, block) of ``scale_centered`` and ``fill_channels`` over ``rows`` rows of ``size``
+    elements: blocks of ``(threads, rows)``, a warp per row (``per_warp``; None: as
+    ``launch.warp_per_row`` chooses) or a block's threads over one row, at most
+    ``MAX_ROW_BLOCKS`` along the rows and about 4096 in all."""
+    shape = row_block(warp_per_row(rows, size) if per_warp is None else per_warp, block)
+    row_blocks = max(1, min(-(-rows // shape[1]), MAX_ROW_BLOCKS))
+    return (grid_for(size, shape[0], cap=max(1, 4096 // row_blocks)), row_blocks), shape
 
 
-def launch_scale_centered(y, mean, scale, out, *, block: int | None = None) -> None:
+def launch_scale_centered(y, mean, scale, out, *, block: int | None = None,
+                          per_warp: bool | None = None) -> None:
     """``scale_centered`` into ``out``, which may be a half-precision tensor (then written
     through its ``uint16`` view, ``half``)."""
     block = block_size(BLOCK) if block is None else block
     rows, size = y.shape
     kernel = make_scale_centered(half.kind_of(out.dtype))
-    launch(kernel, _grid(rows, size, block, MAX_ROW_BLOCKS), block,
-           (y, mean, scale, half.bits_view(out)))
+    grid, shape = row_launch(rows, size, block, per_warp)
+    launch(kernel, grid, shape, (y, mean, scale, half.bits_view(out)))
 
 
-def launch_fill_channels(y, value, *, block: int | None = None) -> None:
+def launch_fill_channels(y, value, *, block: int | None = None,
+                         per_warp: bool | None = None) -> None:
     block = block_size(BLOCK) if block is None else block
     rows, size = y.shape
-    launch(fill_channels, _grid(rows, size, block, MAX_ROW_BLOCKS), block, (y, value))
+    grid, shape = row_launch(rows, size, block, per_warp)
+    launch(fill_channels, grid, shape, (y, value))

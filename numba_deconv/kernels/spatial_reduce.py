@@ -5,11 +5,14 @@ What it computes: for every row r = (n, c) of ``y`` viewed as (N*C, S),
     mean[r] = sum_s y[r, s] / S
     css[r]  = sum_s (y[r, s] - mean[r])**2          (only when asked for)
 
-Thread mapping: one block per row (grid-stride over rows). Threads stride over the row
-(coalesced), accumulate in float64, and reduce with ``warp.block_sum`` (warp shuffles, then one
-partial per warp in shared memory). The row mean is broadcast through shared memory and the
-row is read a second time for the centred squares, which is exact where the one-pass
-``E[y^2] - E[y]^2`` would cancel catastrophically. Deterministic: fixed summation order, no atomics.
+Thread mapping: one block per row (grid-stride over rows), or one warp per row (a block of 8
+warps takes 8 rows) where rows are short or many (``launch.warp_per_row``).
+Threads stride over the row (coalesced) and accumulate in float64. A block reduces with
+``warp.block_sum`` (warp shuffles, then one partial per warp in shared memory) and broadcasts the
+row mean through shared memory; a warp reduces with ``warp.warp_sum`` and broadcasts with a
+shuffle, with no shared memory and no barrier. The row is read a second time for the centred
+squares, which is exact where the one-pass ``E[y^2] - E[y]^2`` would cancel catastrophically.
+Deterministic: fixed summation order, no atomics.
 
 Cost per row: S loads (2S with css), S (3S) flops; memory-bound: 4 bytes per element per pass for
 float32. This is the teaching path's reduction; the fast path never stores ``y`` and gets the mean
@@ -22,15 +25,18 @@ from __future__ import annotations
 from numba import cuda, float64
 
 from .disk_cache import kernel_factory
-from .launch import block_size, launch
-from .warp import MAX_WARPS, block_sum, check_block
+from .launch import block_size, launch, row_block, warp_per_row
+from .warp import FULL_MASK, MAX_WARPS, block_sum, check_block, warp_sum
 
 BLOCK = 256
 
 
 @kernel_factory
-def make_spatial_moments(with_css: bool):
-    """Kernel factory; ``with_css`` is a compile-time switch for the second (centred) pass."""
+def make_spatial_moments(with_css: bool, per_warp: bool = False):
+    """Kernel factory; ``with_css`` is a compile-time switch for the second (centred) pass,
+    ``per_warp`` for a warp per row (block ``(32, warps)``) instead of a block per row."""
+    if per_warp:
+        return _moments_per_warp(with_css)
 
     @cuda.jit
     def spatial_moments_warp(y, mean, css):
@@ -39,9 +45,9 @@ def make_spatial_moments(with_css: bool):
         row_mean = cuda.shared.array(1, float64)
         rows, size = y.shape
         for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
-            acc = 0.0
+            acc = float64(0.0)
             for s in range(cuda.threadIdx.x, size, cuda.blockDim.x):
-                acc += y[row, s]
+                acc += float64(y[row, s])
             total = block_sum(acc, scratch)
             if cuda.threadIdx.x == 0:
                 row_mean[0] = total / size
@@ -49,9 +55,9 @@ def make_spatial_moments(with_css: bool):
             cuda.syncthreads()  # row_mean is written before anyone reads it
             if with_css:
                 m = row_mean[0]
-                acc = 0.0
+                acc = float64(0.0)
                 for s in range(cuda.threadIdx.x, size, cuda.blockDim.x):
-                    d = y[row, s] - m
+                    d = float64(y[row, s]) - m
                     acc += d * d
                 total = block_sum(acc, scratch)
                 if cuda.threadIdx.x == 0:
@@ -61,12 +67,50 @@ def make_spatial_moments(with_css: bool):
     return spatial_moments_warp
 
 
+def _moments_per_warp(with_css: bool):
+    @cuda.jit
+    def spatial_moments_warp(y, mean, css):
+        # block (32, warps): warp threadIdx.y of block b takes rows b * warps + threadIdx.y, ...
+        # (the same row for the whole warp, so the loop's exit is warp-uniform)
+        rows, size = y.shape
+        lane = cuda.threadIdx.x
+        for row in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, rows,
+                         cuda.gridDim.x * cuda.blockDim.y):
+            acc = float64(0.0)
+            for s in range(lane, size, 32):
+                acc += float64(y[row, s])
+            m = cuda.shfl_sync(FULL_MASK, warp_sum(acc), 0) / size
+            if lane == 0:
+                mean[row] = m
+            if with_css:
+                acc = float64(0.0)
+                for s in range(lane, size, 32):
+                    d = float64(y[row, s]) - m
+                    acc += d * d
+                total = warp_sum(acc)
+                if lane == 0:
+                    css[row] = total
+
+    return spatial_moments_warp
+
+
+def launch_shape(rows: int, size: int, block: int, max_blocks: int = 65535,
+                 per_warp: bool | None = None) -> tuple[bool, int, tuple[int, int]]:
+    """(a warp per row?, grid, (x, y) block) of a launch over ``rows`` rows of ``size`` values;
+    ``per_warp`` None: ``launch.warp_per_row`` chooses."""
+    if per_warp is None:
+        per_warp = warp_per_row(rows, size)
+    shape = row_block(per_warp, block)
+    return per_warp, max(1, min(-(-rows // shape[1]), max_blocks)), shape
+
+
 def spatial_moments(y, mean, css, *, with_css: bool, block: int | None = None,
-                    max_blocks: int = 65535) -> None:
-    """Launch: ``y`` (R, S), ``mean`` and ``css`` (R,) float64 (``css`` written iff ``with_css``)."""
+                    max_blocks: int = 65535, per_warp: bool | None = None) -> None:
+    """Launch: ``y`` (R, S), ``mean`` and ``css`` (R,) float64 (``css`` written iff ``with_css``).
+    ``per_warp``: a warp per row (True), a block per row (False), or as
+    ``launch.warp_per_row`` chooses (None)."""
     block = block_size(BLOCK) if block is None else block
     check_block(block)
-    rows = y.shape[0]
-    kernel = make_spatial_moments(with_css)
-    grid = max(1, min(rows, max_blocks))
-    launch(kernel, grid, block, (y, mean, css))
+    rows, size = y.shape
+    per_warp, grid, shape = launch_shape(rows, size, block, max_blocks, per_warp)
+    launch(make_spatial_moments(with_css, per_warp), grid, shape, (y, mean, css))
