@@ -8,17 +8,18 @@ backward's gradients) read or write out of bounds, and do their shared-memory ac
     PYTHONPATH=$PWD $CS --tool racecheck --racecheck-report hazard python3 benchmarks/sanitize_calls.py
         [NAME ...]
 
-Per geometry of :data:`GEOMETRIES` (ragged channel tiles, a W stride of 5, groups with dilation,
-8 output voxels per (sample, channel): ``"ieee"`` takes the float64 ``"wide"`` path there; small,
-as the sanitizer slows kernels by 10-100x; only those named, where names are given), ``precision="ieee"`` and ``"tf32"``
-(the FFMA and the tensor-core gather), evaluation, and training with an input that requires grad
-and a backward (and, on tensor cores, a training forward whose output a second pass of the
-convolution writes: ``Options(second_pass=True)``): one ``Pipeline`` call on the specialised
-kernels; then the generic tier (``specialize=False``: ``gather_simple`` and the stored
-convolution's finish, ``spatial_moments`` and ``scale_centered``, a warp per row on the short
-rows of ``"few voxels"``, a block per row on the others) in both modes; each output checked
-against float64. Exits non-zero where a call's error is too large;
-the sanitizer's report is its own.
+Per geometry of :data:`GEOMETRIES` (ragged channel tiles, a W stride of 5, groups with dilation, 8
+output voxels per (sample, channel): ``"ieee"`` takes the float64 ``"wide"`` path there, 27 such
+voxels; small, as the sanitizer slows kernels by 10-100x; only those named, where names are
+given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather), evaluation, and
+training with an input that requires grad and a backward (and, on tensor cores, a training forward
+whose output a second pass of the convolution writes: ``Options(second_pass=True)``): one
+``Pipeline`` call on the specialised kernels; then the generic tier (``specialize=False``:
+``gather_simple`` and the stored convolution's finish, ``spatial_moments`` and ``scale_centered``,
+a warp per row on the rows of ``"short rows"``, a block per row on the long rows of the first
+three; ``"few voxels"`` takes the ``"wide"`` path there too) in both modes; each output checked
+against float64. Exits non-zero where a call's error is too large; the sanitizer's report is its
+own.
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ GEOMETRIES = [
     bench.Case("groups, dilation", bench._conv(16, 32, (3, 2, 4), 3, (1, 0, 1), groups=2,
                                                dilation=2), 2, (4, 5, 6)),
     bench.Case("few voxels", bench._conv(40, 6, 2, 2, 0, groups=2), 3, (1, 1, 1)),
+    # 27 output voxels per (sample, channel): past the "wide" path, the generic tier's finish
+    # takes a warp per row (``launch.warp_per_row``)
+    bench.Case("short rows", bench._conv(6, 10, 3, 1, 0), 3, (1, 1, 1)),
 ]
 #: relative error against float64 above which a call counts as wrong
 TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3, "generic": 1e-5}

@@ -38,7 +38,9 @@ def test_scale_rows_kernel_is_one_object_per_dtype_and_unroll():
 
 @pytest.mark.parametrize("size", [1, 8, 37, 300, 2100])
 @pytest.mark.parametrize("per_warp", [False, True])
-def test_scale_centered_and_fill_match_torch(size, per_warp, device):
+@pytest.mark.parametrize("row_blocks", [epilogue.MAX_ROW_BLOCKS, 1])  # 1: the rows' stride loop
+def test_scale_centered_and_fill_match_torch(size, per_warp, row_blocks, device, monkeypatch):
+    monkeypatch.setattr(epilogue, "MAX_ROW_BLOCKS", row_blocks)
     batch, channels = 5, 3  # 15 rows: not a multiple of a block's warps
     gen = torch.Generator().manual_seed(size)
     y = (torch.randn(batch * channels, size, generator=gen, dtype=torch.float64) + 5.0).to(device)

@@ -127,19 +127,24 @@ def nvvm_inlined(fn):
 
 #: rows of at most this many values get a warp each, however few the rows (``warp_per_row``)
 SHORT_ROW = 128
+#: rows of more values get a block each, however many the rows (``warp_per_row``)
+LONG_ROW = 4096
 
 
 def warp_per_row(rows: int, size: int) -> bool:
     """Whether a kernel that walks ``rows`` rows of ``size`` values takes a warp per row rather
-    than a block per row: where a row is no longer than ``SHORT_ROW`` or than the rows are many.
+    than a block per row: where a row is no longer than ``SHORT_ROW`` values, or no longer than
+    ``LONG_ROW`` and than the rows are many.
 
     A block per row pays a block's scheduling and barriers per row and leaves most of its
     threads idle on a short row; a warp per row reads ``size / 32`` values a lane, one after
     another, and takes eight rows a block. Measured on an H200 (``spatial_reduce`` and
-    ``epilogue.scale_centered``, 64 to 32768 rows of 8 to 4096 values): 32768 rows of 8
-    values take 16 us a warp per row against 85-107 a block per row; 64 rows of 4096, 16.5
-    against 4.7; on this rule's side of the line each form is the faster or within 2 us."""
-    return size <= max(SHORT_ROW, rows)
+    ``epilogue.scale_centered``, 64 to 32768 rows of 8 to 4096 values, and a few larger):
+    32768 rows of 8 values take 16 us a warp per row against 85-107 a block per row, 2048 of
+    1024 7.5 against 14.7 (``spatial_moments``); 64 rows of 4096 take 4.7 us a block per row
+    against 16.5, 8192 rows of 8192 190 against 219. On this rule's side of the line each
+    form was the faster or within 2 us."""
+    return size <= SHORT_ROW or (size <= LONG_ROW and size <= rows)
 
 
 def row_block(per_warp: bool, block: int) -> tuple[int, int]:
