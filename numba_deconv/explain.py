@@ -56,7 +56,7 @@ from .planner import DEVICE_PEAKS, device_peaks  # (the peaks are the planner's 
 from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gather_wide, gram,
                       scatter, spatial_reduce)
 from .backend import tensor_device
-from .kernels.launch import block_size, grid_for, loaded_attributes
+from .kernels.launch import block_size, grid_for, loaded_attributes, row_layout
 from .simulator import is_simulator
 
 # a stage whose work runs inside another stage's launch (no kernel, no launch shape of its own)
@@ -267,8 +267,8 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
                     scatter.conv_transpose3d_scatter, (grid_for(work, blk),), blk,
                     2 * macs, x_bytes + w_bytes + 2 * n_out * e))
     if stored:
-        per_warp, grid, shape = spatial_reduce.launch_shape(rows_nc, vol,
-                                                            block_size(spatial_reduce.BLOCK))
+        per_warp, shape, grid = row_layout(rows_nc, vol, block_size(spatial_reduce.BLOCK),
+                                           spatial_reduce.MAX_BLOCKS)
         passes = 2 if batch_stats else 1
         out.append(("spatial_moments_warp", "spatial_moments_warp",
                     spatial_reduce.make_spatial_moments(batch_stats, per_warp), (grid,), shape,

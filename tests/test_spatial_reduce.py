@@ -39,5 +39,8 @@ def test_a_warp_per_row_where_rows_are_short_or_many():
     assert launch.warp_per_row(rows=4096, size=4096)
     assert not launch.warp_per_row(rows=64, size=4096)
     assert not launch.warp_per_row(rows=8192, size=8192)  # long rows: a block each
-    assert spatial_reduce.launch_shape(rows=100, size=8, block=256) == (True, 13, (32, 8))
-    assert spatial_reduce.launch_shape(rows=100, size=4096, block=256) == (False, 100, (256, 1))
+    # (a warp per row?, block, blocks): ceil(100 / 8) blocks of 8 rows, or a block per row
+    assert launch.row_layout(rows=100, size=8, block=256, max_row_blocks=65535) == \
+        (True, (32, 8), 13)
+    assert launch.row_layout(rows=100, size=4096, block=256, max_row_blocks=65535) == \
+        (False, (256, 1), 100)

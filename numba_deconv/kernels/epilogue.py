@@ -11,9 +11,9 @@ Thread mapping: the grid's y dimension strides over rows (n, c), so the per-row 
 loaded once per row and no element costs an index division; the x dimension strides over the S
 elements of a row, coalesced. ``scale_centered`` and ``fill_channels`` take a block of
 ``(threads, rows)``: a warp per row where rows are short or many (``launch.warp_per_row``), a
-block's threads over one row otherwise. Every thread has several independent loads in flight before it
-stores (UNROLL, SCALE_UNROLL): one at a time leaves such a kernel latency-bound, well below the
-memory bandwidth. Arithmetic in ``scale_centered`` is float64 (free: memory-bound).
+block's threads over one row otherwise. Every thread has several independent loads in flight
+before it stores (UNROLL, SCALE_UNROLL): one at a time leaves such a kernel latency-bound, well
+below the memory bandwidth. Arithmetic in ``scale_centered`` is float64 (free: memory-bound).
 
 Cost: scale_centered and scale_rows read and write each element once, 2 * itemsize * N*C*S
 bytes (scale_centered into a half-precision output: 4 + 2 bytes an element); fill_channels
@@ -30,7 +30,7 @@ from . import half
 from .disk_cache import kernel_factory
 from .griddep import wait_prior_grid
 from .half import KINDS, store_bits
-from .launch import block_size, grid_for, launch, row_block, warp_per_row
+from .launch import block_size, grid_for, launch, row_layout
 
 BLOCK = 256
 UNROLL = 4  # loads in flight per thread in scale_centered
@@ -153,9 +153,8 @@ def row_launch(rows: int, size: int, block: int, per_warp: bool | None = None
     """(grid, block) of ``scale_centered`` and ``fill_channels`` over ``rows`` rows of ``size``
     elements: blocks of ``(threads, rows)``, a warp per row (``per_warp``; None: as
     ``launch.warp_per_row`` chooses) or a block's threads over one row, at most
-    ``MAX_ROW_BLOCKS`` along the rows and about 4096 in all."""
-    shape = row_block(warp_per_row(rows, size) if per_warp is None else per_warp, block)
-    row_blocks = max(1, min(-(-rows // shape[1]), MAX_ROW_BLOCKS))
+    ``MAX_ROW_BLOCKS`` along the rows and about 4096 in all (``launch.row_layout``)."""
+    _, shape, row_blocks = row_layout(rows, size, block, MAX_ROW_BLOCKS, per_warp)
     return (grid_for(size, shape[0], cap=max(1, 4096 // row_blocks)), row_blocks), shape
 
 

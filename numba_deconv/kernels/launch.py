@@ -38,6 +38,7 @@ from numba import cuda
 from .. import simulator
 from ..simulator import is_simulator
 from . import disk_cache
+from .warp import WARP_SIZE
 
 _TYPESTR = {torch.float32: "<f4", torch.float64: "<f8", torch.int32: "<i4", torch.int64: "<i8",
             torch.uint16: "<u2"}  # (a half-precision output's bits: ``half``)
@@ -147,10 +148,17 @@ def warp_per_row(rows: int, size: int) -> bool:
     return size <= SHORT_ROW or (size <= LONG_ROW and size <= rows)
 
 
-def row_block(per_warp: bool, block: int) -> tuple[int, int]:
-    """The (x, y) block of ``block`` threads of a kernel that walks rows: ``(32, block // 32)``,
-    a warp per row, or ``(block, 1)``, a block's threads over one row."""
-    return (32, block // 32) if per_warp else (block, 1)
+def row_layout(rows: int, size: int, block: int, max_row_blocks: int,
+               per_warp: bool | None = None) -> tuple[bool, tuple[int, int], int]:
+    """How a kernel walks ``rows`` rows of ``size`` values with blocks of ``block`` threads:
+    (a warp per row?, the (x, y) block, blocks along the rows). A warp per row (``per_warp``;
+    None: as ``warp_per_row`` chooses) is the block ``(32, block // 32)``, eight rows a block at
+    256 threads; a block per row is ``(block, 1)``. At most ``max_row_blocks`` blocks along the
+    rows: the kernels stride over the rest."""
+    if per_warp is None:
+        per_warp = warp_per_row(rows, size)
+    shape = (WARP_SIZE, block // WARP_SIZE) if per_warp else (block, 1)
+    return per_warp, shape, max(1, min(-(-rows // shape[1]), max_row_blocks))
 
 
 def grid_for(work: int, block: int, cap: int = 65535 * 4) -> int:

@@ -25,10 +25,11 @@ from __future__ import annotations
 from numba import cuda, float64
 
 from .disk_cache import kernel_factory
-from .launch import block_size, launch, row_block, warp_per_row
+from .launch import block_size, launch, row_layout
 from .warp import FULL_MASK, MAX_WARPS, block_sum, check_block, warp_sum
 
 BLOCK = 256
+MAX_BLOCKS = 65535  # blocks along the rows; past that, the kernels stride
 
 
 @kernel_factory
@@ -94,23 +95,14 @@ def _moments_per_warp(with_css: bool):
     return spatial_moments_warp
 
 
-def launch_shape(rows: int, size: int, block: int, max_blocks: int = 65535,
-                 per_warp: bool | None = None) -> tuple[bool, int, tuple[int, int]]:
-    """(a warp per row?, grid, (x, y) block) of a launch over ``rows`` rows of ``size`` values;
-    ``per_warp`` None: ``launch.warp_per_row`` chooses."""
-    if per_warp is None:
-        per_warp = warp_per_row(rows, size)
-    shape = row_block(per_warp, block)
-    return per_warp, max(1, min(-(-rows // shape[1]), max_blocks)), shape
-
-
 def spatial_moments(y, mean, css, *, with_css: bool, block: int | None = None,
-                    max_blocks: int = 65535, per_warp: bool | None = None) -> None:
+                    max_blocks: int = MAX_BLOCKS, per_warp: bool | None = None) -> None:
     """Launch: ``y`` (R, S), ``mean`` and ``css`` (R,) float64 (``css`` written iff ``with_css``).
     ``per_warp``: a warp per row (True), a block per row (False), or as
-    ``launch.warp_per_row`` chooses (None)."""
+    ``launch.warp_per_row`` chooses (None); at most ``max_blocks`` blocks
+    (``launch.row_layout``)."""
     block = block_size(BLOCK) if block is None else block
     check_block(block)
     rows, size = y.shape
-    per_warp, grid, shape = launch_shape(rows, size, block, max_blocks, per_warp)
+    per_warp, shape, grid = row_layout(rows, size, block, max_blocks, per_warp)
     launch(make_spatial_moments(with_css, per_warp), grid, shape, (y, mean, css))
