@@ -39,7 +39,8 @@ Host time: with batch statistics, every tensor the launches take is made first a
 (``_batch_stats_tensors``), so the second call of a kind (shapes, dtypes, device, geometry,
 what is asked for) is recorded and later ones replay it (``launch.Replay``, ``_replayed``),
 writing only their tensors' addresses: a training loop's backward pays neither the launchers'
-Python nor their argument checks. The kind's float64 scratch (a few kB) is kept and shared by
+Python nor their argument checks, and names its tensors with as few torch calls as it can
+(``_replay_tensors``). The kind's float64 scratch (a few kB) is kept and shared by
 its calls on a stream (``_keep``): there each call's launches end before the next call's begin
 (one host thread per stream, as a pipeline's forward asks: docs/design.md §5).
 Synchronized calls, which exchange between launches, and
@@ -109,22 +110,34 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
             where = (key, current_stream() if g.device.type == "cuda" else None)
             capturing = g.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             kept = None if capturing else _KEPT.get(where)
-            t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
-                                     kernel_dw, kept, yc_spent)
-            if kept is None and not capturing:
-                _keep(where, t)
-            elif kept is not None:
+            entry = None if kept is None else _REPLAYS.get(key)
+            if isinstance(entry, Replay) and entry.ready():
+                # a kind replayed on this stream before: its tensors named, nothing more
                 _KEPT.move_to_end(where)
-            # (written over ``yc``, ``dy`` is no tensor of its own: the replay knows it as yc)
-            named = {k: v for k, v in t.items() if not (yc_spent and k == "dy")}
-            _replayed(key, named,
-                      lambda: _batch_stats_launches(conv, t, gamma is not None, None, half))
+                _REPLAYS.move_to_end(key)
+                t = _replay_tensors(g, x, weight, gamma, yc, rows, stats, kernel_dx,
+                                    kernel_dw, kept, yc_spent)
+                entry(t)
+            else:
+                t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats,
+                                         kernel_dx, kernel_dw, kept, yc_spent)
+                if kept is None and not capturing:
+                    _keep(where, t)
+                elif kept is not None:
+                    _KEPT.move_to_end(where)
+                # (written over ``yc``, ``dy`` is no tensor of its own: the replay knows it as
+                # yc)
+                named = {k: v for k, v in t.items() if not (yc_spent and k == "dy")}
+                _replayed(key, named,
+                          lambda: _batch_stats_launches(conv, t, gamma is not None, None, half))
         dx, dw = t.get("dx"), t.get("dw")
         # (PyTorch's after the replay: they are not among its launches)
-        if torch_dx:
-            dx = input_grad_torch(t["dy"], weight.detach(), x.shape, conv)
-        if torch_dw:
-            dw = weight_grad_torch(t["dy"], x.detach(), weight.detach(), conv)
+        if torch_dx or torch_dw:
+            dy = t["dy"] if "dy" in t else t["yc"].view(g.shape)
+            if torch_dx:
+                dx = input_grad_torch(dy, weight.detach(), x.shape, conv)
+            if torch_dw:
+                dw = weight_grad_torch(dy, x.detach(), weight.detach(), conv)
         return dx, dw, t["dgamma"] if need_gamma else None
     volume = g[0, 0].numel()
     r = batch * channels
@@ -259,6 +272,35 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
         t["part"] = torch.empty(part_size, **f64) if part_size is not None else \
             conv_grads.weight_grad_scratch(t["x"], dy, t["dw"], stride, padding, dilation,
                                            groups)
+    return t
+
+
+def _replay_tensors(g, x, weight, gamma, yc, rows, stats, need_x: bool, need_w: bool,
+                    kept: tuple, yc_spent: bool) -> dict:
+    """The tensors ``_batch_stats_tensors`` names, for a call that replays its kind's recorded
+    launches (``kept``: its kind's scratch on this stream), made with as few torch calls as
+    the call allows: no detached copies (grad mode is off in a backward that launches) and
+    whole tensors where the launches take views of them (the replay reads addresses, and
+    under the simulator views the tensors as recorded). A backward's host time runs on
+    autograd's device thread, where each of its Python and torch calls costs 1.3-2.5 times
+    what it costs on the caller's thread (docs/performance.md)."""
+    scratch, part_size = kept
+    t = dict(scratch)
+    yc = yc.contiguous()
+    t["g"], t["yc"], t["stats"] = bits_view(g), yc, stats.contiguous()
+    t["off"], t["means"] = rows.contiguous().unbind()
+    if not yc_spent:  # (else dy is written over yc: the replay knows it as yc)
+        t["dy"] = torch.empty_like(g, dtype=yc.dtype)
+    if gamma is not None:
+        t["gamma"] = gamma = gamma.contiguous()
+        t["dgamma"] = torch.empty_like(gamma)
+    if need_x:
+        t["weight"] = weight.contiguous()
+        t["dx"] = x.new_empty(x.shape)
+    if need_w:
+        t["x"] = x.contiguous()
+        t["dw"] = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        t["part"] = torch.empty(part_size, dtype=torch.float64, device=g.device)
     return t
 
 

@@ -127,6 +127,15 @@ def test_requires_grad_combinations(wants, device):
         assert torch.count_nonzero(conv.bias.grad) == 0
         assert torch.count_nonzero(bn.bias.grad) == 0
         assert torch.count_nonzero(conv.weight.grad) > 0
+        for p in (conv.bias, bn.bias):
+            assert p.grad.shape == p.shape and p.grad.dtype == p.dtype
+        # (rows of one tensor: each its own gradient all the same, and a second backward
+        # accumulates into each)
+        conv.bias.grad.add_(1.0)
+        assert torch.count_nonzero(bn.bias.grad) == 0
+        Pipeline(conv, bn)(x).square().sum().backward()
+        assert torch.equal(conv.bias.grad, torch.ones_like(conv.bias))
+        assert torch.count_nonzero(bn.bias.grad) == 0
 
 
 def test_forward_only_calls_record_nothing(device):
@@ -254,11 +263,17 @@ def test_training_step_peak_memory_within_eagers(conv_impl, device):
     (True, True, True), pytest.param((False, True, False), marks=pytest.mark.gpu),
     pytest.param((True, False, True), marks=pytest.mark.gpu)],
     ids=["all", "weight", "input-gamma"])
-def test_replayed_backward_is_the_launched_one(wants, device):
+def test_replayed_backward_is_the_launched_one(wants, device, monkeypatch):
     """From the third call of a kind the backward replays its recorded launches with the call's
-    own tensors (``backward._replayed``): every gradient of every call, new inputs and
-    incoming gradients each time, bitwise the gradient of the same call launched afresh."""
+    own tensors (named by ``backward._replay_tensors``): every gradient of every call, new
+    inputs and incoming gradients each time, bitwise the gradient of the same call launched
+    afresh."""
     from numba_deconv import backward
+
+    named = []
+    real = backward._replay_tensors
+    monkeypatch.setattr(backward, "_replay_tensors",
+                        lambda *args: named.append(args) or real(*args))
 
     need_x, need_w, need_gamma = wants
     conv, bn = _modules(True, device, dtype=torch.float32)
@@ -281,6 +296,7 @@ def test_replayed_backward_is_the_launched_one(wants, device):
     backward.clear()
     replayed = [step(seed) for seed in range(3)]  # launched, recorded, replayed
     assert any(isinstance(entry, backward.Replay) for entry in backward._REPLAYS.values())
+    assert len(named) == 1  # the third call
     for seed, grads in enumerate(replayed):
         backward.clear()  # the first call of its kind: launched
         for ours, fresh in zip(grads, step(seed)):

@@ -726,13 +726,17 @@ class Replay:
     def __call__(self, tensors: dict) -> None:
         """Launch the recorded sequence with ``tensors`` (name -> tensor) in the named places."""
         stream = None
+        addresses = {}  # (a name's address read once: most are taken by several launches)
         for direct, recorded, holes in self._steps:
             if direct is not None:
                 if stream is None:
                     stream = _current_stream()[1]
                 slots = direct.slots
                 for slot, name in holes:
-                    slots[slot] = tensors[name].data_ptr()
+                    address = addresses.get(name)
+                    if address is None:
+                        address = addresses[name] = tensors[name].data_ptr()
+                    slots[slot] = address
                 direct.fire(stream)
             else:
                 kernel, grid, block, args, smem, after_prior = recorded
