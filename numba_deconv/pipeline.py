@@ -590,8 +590,8 @@ class Pipeline:
             save["stats"] = stats
             self._save(save, x, True, prepared.plan, yc)
         if prepared.updates:
+            # (a call with batch statistics: its state holds no versions, so it stands)
             self._running_stats_written()
-            prepared.state = self._state()
         return out
 
     def _replayable(self, x: torch.Tensor, saving: bool,
@@ -1181,16 +1181,17 @@ class Pipeline:
         synchronized)."""
         bn, c = self.bn, self.geometry.out_channels
         f64 = dict(dtype=torch.float64, device=x.device)
-        rows = torch.empty((2, x.shape[0] if batch_stats else 0, c), **f64)
         yc = x.new_empty(0)
         if batch_stats and plan is not None:
-            rows[1].copy_(plan.scratch.means)
-            if plan.path in STORED_PATHS:  # the stored convolution is not centred
-                rows[0].copy_(plan.scratch.means)
-            else:
-                rows[0].zero_()
+            means = plan.scratch.means
+            # (one launch) the stored convolution is not centred; the gathers' is
+            centre = means if plan.path in STORED_PATHS else \
+                plan.scratch.zero_bias.expand_as(means)
+            rows = torch.stack((centre, means))
             # (a wide call's float64 convolution, kept in the input's dtype as any other's)
             yc = conv_out if conv_out.dtype == x.dtype else conv_out.to(x.dtype)
+        else:
+            rows = torch.empty((2, x.shape[0] if batch_stats else 0, c), **f64)
         # written by the statistics kernel (``_finish_batch_stats``, ``_finish_synced``)
         stats = save.pop("stats", None)
         if stats is None:  # evaluation, or an empty batch that no other rank adds to
