@@ -75,12 +75,15 @@ NUMBA_RTOL = 1e-5
 TF32_RTOL = 1e-3
 
 
-def numba_rtol(provider, x: torch.Tensor) -> float:
-    """The error a numba provider is held to on input ``x``: under autocast (``Autocast``) the
-    half dtype's unit roundoff on top of :data:`TF32_RTOL`; :data:`TF32_RTOL` where its call
-    runs a TF32 convolution; :data:`NUMBA_RTOL` elsewhere."""
+def numba_rtol(provider, x: torch.Tensor, autocast: torch.dtype | None = None) -> float:
+    """The error a numba provider is held to on input ``x``: under autocast (``autocast``, or a
+    provider wrapped in ``Autocast``) the half dtype's unit roundoff on top of
+    :data:`TF32_RTOL`; :data:`TF32_RTOL` where its call runs a TF32 convolution;
+    :data:`NUMBA_RTOL` elsewhere."""
     if isinstance(provider, Autocast):
-        return torch.finfo(provider.dtype).eps / 2 + TF32_RTOL
+        autocast = provider.dtype
+    if autocast is not None:
+        return torch.finfo(autocast).eps / 2 + TF32_RTOL
 
     pipe = getattr(provider, "pipe", None)
     if pipe is not None and pipe.conv_precision(x.shape, x.dtype, x.device) == "tf32":
@@ -907,6 +910,9 @@ SUITE_METHODS = {
     "host_us": "median KernelBench-style minus median back to back, in microseconds: the host "
                "time per call that a synchronized caller pays on top of the GPU's",
     "statistics": "median with p10/p90 of the per-call event times",
+    "autocast": "an autocast row's provider is built, checked and timed inside one "
+                "torch.autocast context (entering and leaving it is the caller's host time, "
+                "not the layer's)",
 }
 #: Wall-clock seconds one provider's timing may take per method; a provider slower than this /
 #: reps per call gets fewer calls (at least SUITE_MIN_REPS), and its reps say so.
@@ -964,13 +970,6 @@ class Autocast(nn.Module):
     def forward(self, x):
         with torch.autocast(x.device.type, dtype=self.dtype):
             return self.inner(x)
-
-
-def _under_autocast(make: Callable, dtype: torch.dtype) -> Callable:
-    """``make`` whose providers run under ``torch.autocast(dtype)``."""
-    def wrapped(name, base, mode):
-        return Autocast(make(name, base, mode), dtype)
-    return wrapped
 
 
 @dataclass
@@ -1102,16 +1101,22 @@ def _synchronize_quietly(clock) -> None:
 
 def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: str,
              expected: torch.Tensor | None, *, reps: int, warmup: int, clock, make,
-             budget_s: float | None) -> Measurement:
-    """Build provider ``name``, check its first call against ``expected``, time it both ways."""
+             budget_s: float | None, autocast: torch.dtype | None = None) -> Measurement:
+    """Build provider ``name``, check its first call against ``expected``, time it both ways.
+    ``autocast``: an autocast row's dtype (``Case.autocast``). Its provider is built, checked
+    and timed inside one ``torch.autocast`` context, as a loop under autocast runs its layers:
+    entering and leaving the context (about 10-25 µs of host time, for every provider) is
+    the caller's, not the layer's, and is not in the timings."""
     m = Measurement(name)
     row.results[name] = m
     fn = out = None
     if name == "torch_compile":
         _reset_dynamo()
     settings = strict_fp32() if name == "torch_strict_fp32" else contextlib.nullcontext()
+    mixed = contextlib.nullcontext() if autocast is None else \
+        torch.autocast(x.device.type, dtype=autocast)
     try:
-        with torch.no_grad(), settings:
+        with torch.no_grad(), settings, mixed:
             fn = make(name, base, mode)
             _synchronize_quietly(clock)
             t0 = clock.wall()
@@ -1120,7 +1125,7 @@ def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: s
             m.first_call_s = clock.wall() - t0
             if expected is not None:
                 m.rel_error = relative_error_on_device(out, expected)
-                if name.startswith("numba") and not m.rel_error < numba_rtol(fn, x):
+                if name.startswith("numba") and not m.rel_error < numba_rtol(fn, x, autocast):
                     m.status = "FAIL"
             out = None
 
@@ -1286,8 +1291,6 @@ def run_suite(out_dir: str, *, cases: Sequence[Case] | None = None, reps: int = 
 def _run_row(row: SuiteRow, case: Case, base: nn.Module, x: torch.Tensor, mode: str, *,
              reps: int, warmup: int, clock, make, budget_s, gb_per_s: float, say) -> None:
     half = case.autocast()
-    if half is not None:
-        make = _under_autocast(make, half)
     row.compulsory_bytes = compulsory_bytes(base, x, row.output_shape,
                                             None if half is None else half.itemsize)
     if gb_per_s > 0:
@@ -1300,7 +1303,7 @@ def _run_row(row: SuiteRow, case: Case, base: nn.Module, x: torch.Tensor, mode: 
     try:
         for name in suite_providers(case):
             m = _measure(row, name, base, x, mode, expected, reps=reps, warmup=warmup,
-                         clock=clock, make=make, budget_s=budget_s)
+                         clock=clock, make=make, budget_s=budget_s, autocast=half)
             say(f"  {name}: {_describe_measurement(m)}")
     finally:
         expected = None
@@ -1370,6 +1373,8 @@ def suite_markdown(rows: Sequence[SuiteRow], meta: dict, complete: bool = True) 
     out.append(f"- **b2b** (back to back): {methods['back_to_back']}.")
     out.append(f"- **KB** (KernelBench-style): {methods['kernelbench']}.")
     out.append(f"- **host µs**: {methods['host_us']}.")
+    if "autocast" in methods:
+        out.append(f"- **autocast rows**: {methods['autocast']}.")
     out.append(f"- **floor µs**: compulsory bytes (input + weights + output, each once) / "
                f"{s.get('bandwidth_gb_per_s', float('nan')):.0f} GB/s "
                f"({s.get('bandwidth_source', '?')}).")

@@ -98,7 +98,11 @@ def test_autocast_row_runs_every_provider_under_autocast(tmp_path, device):
             with torch.autocast(x.device.type, enabled=False):
                 return self.inner(x).to(torch.bfloat16)
 
+    inside = []
+
     def make(name, base, mode):
+        # (built, checked and timed inside one autocast context: the calls enter none)
+        inside.append(torch.is_autocast_enabled("cpu"))
         if name == "torch_compile":
             raise RuntimeError("no compiler here")
         model = bench.make_provider("torch_eager", base, mode)
@@ -108,6 +112,7 @@ def test_autocast_row_runs_every_provider_under_autocast(tmp_path, device):
                            clock=bench.HostClock(), make=make, bandwidth=(1000.0, "test"),
                            budget_s=None, log=lambda text: None)
     assert [r.mode for r in rows] == list(bench.SUITE_MODES)
+    assert inside and all(inside)
     for row in rows:
         assert set(row.results) == {"numba_deconv", "torch_eager", "torch_compile"}
         ours, eager = row.results["numba_deconv"], row.results["torch_eager"]
@@ -119,6 +124,7 @@ def test_autocast_row_runs_every_provider_under_autocast(tmp_path, device):
     provider = bench.Autocast(bench.make_provider("numba_deconv", model, "train"),
                               torch.bfloat16)
     assert bench.numba_rtol(provider, x) == 2.0 ** -8 + bench.TF32_RTOL
+    assert bench.numba_rtol(provider.inner, x, torch.bfloat16) == 2.0 ** -8 + bench.TF32_RTOL
     assert provider(x).dtype == torch.bfloat16
 
 
