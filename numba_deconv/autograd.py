@@ -213,10 +213,10 @@ def _backward(ctx, grad_out, *_):
     x, weight, gamma, yc, rows, stats = ctx.saved_tensors
     need_x, need_w, need_b, need_gamma, need_beta = ctx.needs_input_grad[:5]
     dx = dw = dgamma = None
-    # the op where a tracer must see it, and under create_graph (its own backward refuses);
-    # else its body, without the dispatcher
-    traced = torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling())
     if need_x or need_w or need_gamma:
+        # the op where a tracer must see it, and under create_graph (its own backward
+        # refuses); else its body, without the dispatcher
+        traced = torch.is_grad_enabled() or not _plain_eager(torch.compiler.is_compiling())
         args = (grad_out, x, weight, gamma, yc, rows, stats, *ctx.conv, ctx.batch_stats,
                 [need_x, need_w, need_gamma], ctx.sync, ctx.handle)
         if traced:
@@ -232,15 +232,10 @@ def _backward(ctx, grad_out, *_):
                 ctx.yc_written = True
             dx, dw, dgamma = _backward_body(*args, yc_spent=spent)
     # the shifts' gradients are zero: the mean subtraction removes both (docs/design.md §2.8);
-    # in a plain eager backward the two are rows of one tensor (one fill), for a tracer two
-    channels = stats.shape[1]
-    if need_b and need_beta and not traced:
-        zero_b, zero_beta = stats.new_zeros((2, channels), dtype=weight.dtype).unbind()
-    else:
-        zero_b = stats.new_zeros(channels, dtype=weight.dtype) if need_b else None
-        zero_beta = stats.new_zeros(channels, dtype=weight.dtype) if need_beta else None
-    return (dx if need_x else None, dw if need_w else None, zero_b if need_b else None,
-            dgamma if need_gamma else None, zero_beta if need_beta else None,
+    # each a tensor of its own, as eager's (one tensor's two rows would share a storage)
+    zeros = lambda: stats.new_zeros(stats.shape[1], dtype=weight.dtype)  # noqa: E731
+    return (dx if need_x else None, dw if need_w else None, zeros() if need_b else None,
+            dgamma if need_gamma else None, zeros() if need_beta else None,
             None, None, None, None)
 
 

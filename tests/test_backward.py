@@ -129,8 +129,10 @@ def test_requires_grad_combinations(wants, device):
         assert torch.count_nonzero(conv.weight.grad) > 0
         for p in (conv.bias, bn.bias):
             assert p.grad.shape == p.shape and p.grad.dtype == p.dtype
-        # (rows of one tensor: each its own gradient all the same, and a second backward
-        # accumulates into each)
+        # each a tensor of its own, as eager's (no shared storage), and a second backward
+        # accumulates into each
+        assert conv.bias.grad.untyped_storage().data_ptr() != \
+            bn.bias.grad.untyped_storage().data_ptr()
         conv.bias.grad.add_(1.0)
         assert torch.count_nonzero(bn.bias.grad) == 0
         Pipeline(conv, bn)(x).square().sum().backward()
