@@ -910,9 +910,11 @@ SUITE_METHODS = {
     "host_us": "median KernelBench-style minus median back to back, in microseconds: the host "
                "time per call that a synchronized caller pays on top of the GPU's",
     "statistics": "median with p10/p90 of the per-call event times",
-    "autocast": "an autocast row's provider is built, checked and timed inside one "
-                "torch.autocast context (entering and leaving it is the caller's host time, "
-                "not the layer's)",
+    "autocast": "an autocast row's forward-only provider is built, checked and timed inside "
+                "one torch.autocast context, as a loop under autocast runs its layers "
+                "(entering and leaving it is the caller's host time, not the layer's; eager's "
+                "casts of its parameters are cached across the calls, as in such a loop); a "
+                "training step enters it around its forward and runs its backward outside it",
 }
 #: Wall-clock seconds one provider's timing may take per method; a provider slower than this /
 #: reps per call gets fewer calls (at least SUITE_MIN_REPS), and its reps say so.
@@ -1103,21 +1105,26 @@ def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: s
              expected: torch.Tensor | None, *, reps: int, warmup: int, clock, make,
              budget_s: float | None, autocast: torch.dtype | None = None) -> Measurement:
     """Build provider ``name``, check its first call against ``expected``, time it both ways.
-    ``autocast``: an autocast row's dtype (``Case.autocast``). Its provider is built, checked
-    and timed inside one ``torch.autocast`` context, as a loop under autocast runs its layers:
-    entering and leaving the context (about 10-25 µs of host time, for every provider) is
-    the caller's, not the layer's, and is not in the timings."""
+    ``autocast``: an autocast row's dtype (``Case.autocast``). A forward-only provider is
+    built, checked and timed inside one ``torch.autocast`` context, as a loop under autocast
+    runs its layers: entering and leaving the context (about 10-25 µs of host time, for every
+    provider) is the caller's, not the layer's, and eager's casts of its parameters are cached
+    across the calls, as in such a loop. A training step enters the context around its
+    forward (``Autocast``) and runs its backward outside it, as PyTorch advises."""
     m = Measurement(name)
     row.results[name] = m
     fn = out = None
     if name == "torch_compile":
         _reset_dynamo()
     settings = strict_fp32() if name == "torch_strict_fp32" else contextlib.nullcontext()
-    mixed = contextlib.nullcontext() if autocast is None else \
+    per_step = autocast is not None and mode == TRAIN_STEP
+    mixed = contextlib.nullcontext() if autocast is None or per_step else \
         torch.autocast(x.device.type, dtype=autocast)
     try:
         with torch.no_grad(), settings, mixed:
             fn = make(name, base, mode)
+            if per_step:
+                fn = Autocast(fn, autocast)
             _synchronize_quietly(clock)
             t0 = clock.wall()
             out = fn(x)  # the first call: numba's kernels and Inductor's graph compile here

@@ -96,13 +96,18 @@ def test_autocast_row_runs_every_provider_under_autocast(tmp_path, device):
 
         def forward(self, x):
             with torch.autocast(x.device.type, enabled=False):
-                return self.inner(x).to(torch.bfloat16)
+                out = self.inner(x).to(torch.bfloat16)
+            if out.requires_grad:  # (a training step's: its backward runs outside autocast)
+                out.register_hook(lambda g: backward_inside.append(
+                    torch.is_autocast_enabled("cpu")))
+            return out
 
-    inside = []
+    inside, backward_inside = [], []
 
     def make(name, base, mode):
-        # (built, checked and timed inside one autocast context: the calls enter none)
-        inside.append(torch.is_autocast_enabled("cpu"))
+        # (a forward-only provider built, checked and timed inside one autocast context; a
+        # training step's enters its own around the forward, its backward outside it)
+        inside.append((mode, torch.is_autocast_enabled("cpu")))
         if name == "torch_compile":
             raise RuntimeError("no compiler here")
         model = bench.make_provider("torch_eager", base, mode)
@@ -112,7 +117,8 @@ def test_autocast_row_runs_every_provider_under_autocast(tmp_path, device):
                            clock=bench.HostClock(), make=make, bandwidth=(1000.0, "test"),
                            budget_s=None, log=lambda text: None)
     assert [r.mode for r in rows] == list(bench.SUITE_MODES)
-    assert inside and all(inside)
+    assert inside and all(enabled == (mode != bench.TRAIN_STEP) for mode, enabled in inside)
+    assert backward_inside and not any(backward_inside)
     for row in rows:
         assert set(row.results) == {"numba_deconv", "torch_eager", "torch_compile"}
         ours, eager = row.results["numba_deconv"], row.results["torch_eager"]
