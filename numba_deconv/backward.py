@@ -40,7 +40,7 @@ Host time: with batch statistics, every tensor the launches take is made first a
 what is asked for) is recorded and later ones replay it (``launch.Replay``, ``_replayed``),
 writing only their tensors' addresses: a training loop's backward pays neither the launchers'
 Python nor their argument checks, and names its tensors with as few torch calls as it can
-(``_replay_tensors``). The kind's float64 scratch (a few kB) is kept and shared by
+(``_batch_stats_tensors``). The kind's float64 scratch (a few kB) is kept and shared by
 its calls on a stream (``_keep``): there each call's launches end before the next call's begin
 (one host thread per stream, as a pipeline's forward asks: docs/design.md §5).
 Synchronized calls, which exchange between launches, and
@@ -110,34 +110,20 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
             where = (key, current_stream() if g.device.type == "cuda" else None)
             capturing = g.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             kept = None if capturing else _KEPT.get(where)
-            entry = None if kept is None else _REPLAYS.get(key)
-            if isinstance(entry, Replay) and entry.ready():
-                # a kind replayed on this stream before: its tensors named, nothing more
+            t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, kernel_dx,
+                                     kernel_dw, kept, yc_spent)
+            if kept is None and not capturing:
+                _keep(where, t)
+            elif kept is not None:
                 _KEPT.move_to_end(where)
-                _REPLAYS.move_to_end(key)
-                t = _replay_tensors(g, x, weight, gamma, yc, rows, stats, kernel_dx,
-                                    kernel_dw, kept, yc_spent)
-                entry(t)
-            else:
-                t = _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats,
-                                         kernel_dx, kernel_dw, kept, yc_spent)
-                if kept is None and not capturing:
-                    _keep(where, t)
-                elif kept is not None:
-                    _KEPT.move_to_end(where)
-                # (written over ``yc``, ``dy`` is no tensor of its own: the replay knows it as
-                # yc)
-                named = {k: v for k, v in t.items() if not (yc_spent and k == "dy")}
-                _replayed(key, named,
-                          lambda: _batch_stats_launches(conv, t, gamma is not None, None, half))
+            _replayed(key, t,
+                      lambda: _batch_stats_launches(conv, t, gamma is not None, None, half))
         dx, dw = t.get("dx"), t.get("dw")
         # (PyTorch's after the replay: they are not among its launches)
-        if torch_dx or torch_dw:
-            dy = t["dy"] if "dy" in t else t["yc"].view(g.shape)
-            if torch_dx:
-                dx = input_grad_torch(dy, weight.detach(), x.shape, conv)
-            if torch_dw:
-                dw = weight_grad_torch(dy, x.detach(), weight.detach(), conv)
+        if torch_dx:
+            dx = input_grad_torch(_dy(t), weight.detach(), x.shape, conv)
+        if torch_dw:
+            dw = weight_grad_torch(_dy(t), x.detach(), weight.detach(), conv)
         return dx, dw, t["dgamma"] if need_gamma else None
     volume = g[0, 0].numel()
     r = batch * channels
@@ -235,73 +221,58 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
                          yc_spent: bool = False) -> dict:
     """Every tensor the backward's launches with batch statistics take, by name: the call's
     inputs, a new output for each gradient asked for (``dx``, ``dw``; ``dgamma`` whenever
-    there is a gamma) and new scratch, or ``kept`` for this kind of call (``_keep``: its
-    float64 scratch, and the size of its weight-gradient partials). Every one is contiguous
-    and none shares another's address but ``dy``, which with ``yc_spent`` is ``yc`` itself,
-    so a replay can put another call's tensors in their places (``_replayed``)."""
-    stride, padding, dilation, groups = conv
-    batch, channels = g.shape[0], g.shape[1]
-    volume = g[0, 0].numel()
-    r = batch * channels
+    there is a gamma) and ``dy`` unless ``yc_spent`` (then ``dy`` is written over ``yc``), and
+    new scratch, or ``kept`` for this kind of call (``_keep``: its float64 scratch, and the size
+    of its weight-gradient partials). Every one is contiguous and none shares another's
+    address, so a replay can put another call's tensors in their places (``_replayed``).
+
+    Made with as few torch calls as the call allows, for a backward's host time runs on
+    autograd's device thread, where each of its Python and torch calls costs 1.3-2.5 times
+    what it costs on the caller's thread (docs/performance.md): whole tensors where the
+    launches take views of them (``_batch_stats_launches`` makes the views; a replay reads
+    addresses, and under the simulator views the tensors as recorded), and no detached copies
+    (the launches read tensors' memory, whatever their autograd state)."""
+    channels = g.shape[1]
     f64 = dict(dtype=torch.float64, device=g.device)
-    rows = rows.contiguous()
     scratch, part_size = kept if kept is not None else (None, None)
     if scratch is None:
         # dy = k1 (g - gm) - k2 (yc - centre + m - mu): a = k1, e = -k2 and the per-(n, c)
         # constants b, worked out in one launch; the per-(n, c) sums gsum and gy and the rows'
         # exact means centre (grad_rows)
+        r = g.shape[0] * channels
         coef = torch.empty(2 * channels + 4 * r, **f64)
         scratch = dict(a=coef[:channels], e=coef[channels:2 * channels],
                        b=coef[2 * channels:2 * channels + r],
                        gsum=coef[2 * channels + r:2 * channels + 2 * r],
                        gy=coef[2 * channels + 2 * r:2 * channels + 3 * r],
                        centre=coef[2 * channels + 3 * r:])
-    yc = yc.contiguous()
-    dy = yc.view(g.shape) if yc_spent else torch.empty_like(g, dtype=yc.dtype)
-    t = dict(g=bits_view(g).view(r, volume), yc=yc.view(r, volume), off=rows[0], means=rows[1],
-             stats=stats.contiguous(), dy=dy, **scratch)
-    if gamma is not None:
-        t["gamma"] = gamma.detach().contiguous()
-        t["dgamma"] = torch.empty_like(t["gamma"])  # A_c(local) / sigma
-    if need_x:
-        t["weight"] = weight.detach().contiguous()
-        t["dx"] = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
-    if need_w:
-        t["x"] = x.detach().contiguous()
-        t["dw"] = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        t["part"] = torch.empty(part_size, **f64) if part_size is not None else \
-            conv_grads.weight_grad_scratch(t["x"], dy, t["dw"], stride, padding, dilation,
-                                           groups)
-    return t
-
-
-def _replay_tensors(g, x, weight, gamma, yc, rows, stats, need_x: bool, need_w: bool,
-                    kept: tuple, yc_spent: bool) -> dict:
-    """The tensors ``_batch_stats_tensors`` names, for a call that replays its kind's recorded
-    launches (``kept``: its kind's scratch on this stream), made with as few torch calls as
-    the call allows: no detached copies (grad mode is off in a backward that launches) and
-    whole tensors where the launches take views of them (the replay reads addresses, and
-    under the simulator views the tensors as recorded). A backward's host time runs on
-    autograd's device thread, where each of its Python and torch calls costs 1.3-2.5 times
-    what it costs on the caller's thread (docs/performance.md)."""
-    scratch, part_size = kept
     t = dict(scratch)
     yc = yc.contiguous()
     t["g"], t["yc"], t["stats"] = bits_view(g), yc, stats.contiguous()
     t["off"], t["means"] = rows.contiguous().unbind()
-    if not yc_spent:  # (else dy is written over yc: the replay knows it as yc)
+    if not yc_spent:
         t["dy"] = torch.empty_like(g, dtype=yc.dtype)
     if gamma is not None:
         t["gamma"] = gamma = gamma.contiguous()
-        t["dgamma"] = torch.empty_like(gamma)
+        t["dgamma"] = torch.empty_like(gamma)  # A_c(local) / sigma
     if need_x:
         t["weight"] = weight.contiguous()
-        t["dx"] = x.new_empty(x.shape)
+        t["dx"] = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
     if need_w:
         t["x"] = x.contiguous()
         t["dw"] = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        t["part"] = torch.empty(part_size, dtype=torch.float64, device=g.device)
+        if part_size is not None:
+            t["part"] = torch.empty(part_size, **f64)
+        else:
+            stride, padding, dilation, groups = conv
+            t["part"] = conv_grads.weight_grad_scratch(t["x"], _dy(t), t["dw"], stride,
+                                                       padding, dilation, groups)
     return t
+
+
+def _dy(t: dict) -> torch.Tensor:
+    """``dy`` of ``_batch_stats_tensors``' tensors: its own, or written over ``yc``."""
+    return t["dy"] if "dy" in t else t["yc"]
 
 
 def _keep(key: tuple, t: dict) -> None:
@@ -318,13 +289,15 @@ def _keep(key: tuple, t: dict) -> None:
 def _batch_stats_launches(conv, t: dict, affine: bool, group, half: str = "") -> None:
     """The backward's launches with batch statistics, on the tensors ``t`` names (and, with
     ``group``, the exchange of the group's count and ``A_c`` between them); ``half``: ``g`` is
-    the bits of a gradient in that dtype (``kernels.half``)."""
+    the bits of a gradient in that dtype (``kernels.half``). The row kernels take ``g``, ``yc``
+    and ``dy`` as (N*C, volume) views."""
     stride, padding, dilation, groups = conv
     batch, channels = t["off"].shape
-    volume = t["g"].shape[1]
+    dy = _dy(t)
+    volume = dy[0, 0].numel()
+    g, yc = (t[name].view(batch * channels, volume) for name in ("g", "yc"))
     gsum, gy = t["gsum"], t["gy"]
-    grad_rows.launch_grad_row_sums(t["g"], gsum, t["yc"], t["off"].view(-1), gy, t["centre"],
-                                   half=half)
+    grad_rows.launch_grad_row_sums(g, gsum, yc, t["off"].view(-1), gy, t["centre"], half=half)
     totals = None
     if group is not None:  # the group's count and A_c
         totals = sync.all_sums(batch * volume, gy.view(batch, channels).sum(dim=0), group)
@@ -333,9 +306,8 @@ def _batch_stats_launches(conv, t: dict, affine: bool, group, half: str = "") ->
         t["centre"].view(batch, channels), t["means"], t["stats"],
         t.get("gamma"), volume, batch * volume, t["a"], t["e"], t["b"].view(batch, channels),
         t["dgamma"] if affine else None, totals)
-    dy = t["dy"]
-    grad_rows.launch_form_grad(t["g"], t["a"], t["b"], dy.view(batch * channels, volume),
-                               t["yc"], t["e"], half=half)
+    grad_rows.launch_form_grad(g, t["a"], t["b"], dy.view(batch * channels, volume), yc,
+                               t["e"], half=half)
     if "dx" in t:
         conv_grads.launch_input_grad(dy, t["weight"], t["dx"], stride, padding, dilation)
     if "dw" in t:

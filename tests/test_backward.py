@@ -267,15 +267,14 @@ def test_training_step_peak_memory_within_eagers(conv_impl, device):
     ids=["all", "weight", "input-gamma"])
 def test_replayed_backward_is_the_launched_one(wants, device, monkeypatch):
     """From the third call of a kind the backward replays its recorded launches with the call's
-    own tensors (named by ``backward._replay_tensors``): every gradient of every call, new
-    inputs and incoming gradients each time, bitwise the gradient of the same call launched
-    afresh."""
+    own tensors (``backward._replayed``): every gradient of every call, new inputs and
+    incoming gradients each time, bitwise the gradient of the same call launched afresh."""
     from numba_deconv import backward
 
-    named = []
-    real = backward._replay_tensors
-    monkeypatch.setattr(backward, "_replay_tensors",
-                        lambda *args: named.append(args) or real(*args))
+    launched = []
+    real = backward._batch_stats_launches
+    monkeypatch.setattr(backward, "_batch_stats_launches",
+                        lambda *args: launched.append(args) or real(*args))
 
     need_x, need_w, need_gamma = wants
     conv, bn = _modules(True, device, dtype=torch.float32)
@@ -298,7 +297,7 @@ def test_replayed_backward_is_the_launched_one(wants, device, monkeypatch):
     backward.clear()
     replayed = [step(seed) for seed in range(3)]  # launched, recorded, replayed
     assert any(isinstance(entry, backward.Replay) for entry in backward._REPLAYS.values())
-    assert len(named) == 1  # the third call
+    assert len(launched) == 2  # launched, recorded; the third call replayed
     for seed, grads in enumerate(replayed):
         backward.clear()  # the first call of its kind: launched
         for ours, fresh in zip(grads, step(seed)):
