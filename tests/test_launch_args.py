@@ -33,6 +33,14 @@ def _fake_kernel(handle: int):
     return SimpleNamespace(overloads=any_key, typeof_pyval=type)
 
 
+def _fake_context(mp) -> None:
+    """A current context for ``_direct_launcher`` to record, where no driver runs."""
+    from cuda.bindings import driver
+
+    mp.setattr(driver, "cuCtxGetCurrent",
+               lambda: (driver.CUresult.CUDA_SUCCESS, driver.CUcontext(0x1234)))
+
+
 def _ints_in_order(v):
     for e in v:
         yield from (_ints_in_order(e) if isinstance(e, tuple) else (e,))
@@ -88,6 +96,56 @@ def test_direct_launches_pass_every_kind_of_parameter():
     assert direct and all(direct)  # launches 2 and 3 took the direct path
 
 
+@pytest.mark.gpu
+def test_direct_launches_from_a_thread_without_a_context(monkeypatch):
+    """A thread that has made no CUDA runtime call has no current context (autograd's device
+    thread for device 0 is one, where the backward launches): a direct launch from it binds the
+    kernel's context, once, and runs, with the same result as from the main thread."""
+    import threading
+
+    import torch
+    from cuda.bindings import driver
+    from numba import cuda
+
+    @cuda.jit
+    def double(x, out):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            out[i] = 2 * x[i]
+
+    x = torch.randn(300, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    for _ in range(2):  # the second launch builds the direct launcher
+        launch.launch(double, 3, 128, (x, out))
+    assert any(v for k, v in launch._DIRECT.items() if k[0] is double)
+    seen = {"binds": 0}
+    bind = launch._Direct._bind
+
+    def counted(self):
+        seen["binds"] += 1
+        bind(self)
+
+    monkeypatch.setattr(launch._Direct, "_bind", counted)
+
+    def run():
+        try:
+            seen["context"] = int(driver.cuCtxGetCurrent()[1])
+            launch.launch(double, 3, 128, (x, out2))
+        except Exception as exc:  # noqa: BLE001 - reported to the test's thread
+            seen["error"] = exc
+
+    out2 = torch.full_like(x, float("nan"))
+    torch.cuda.synchronize()
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert "error" not in seen, seen.get("error")
+    assert seen["context"] == 0  # the thread did start without a context ...
+    assert seen["binds"] == 1  # ... and the direct path bound it
+    torch.cuda.synchronize()
+    assert torch.equal(out2, 2 * x)
+
+
 def test_direct_launcher_writes_the_parameters_numba_would(monkeypatch):
     """The parameter buffer, read back through the pointer array the driver gets: an array's
     (meminfo, parent, size, itemsize, data, *shape, *byte strides), a tuple's ints in order, a
@@ -113,6 +171,7 @@ def test_direct_launcher_writes_the_parameters_numba_would(monkeypatch):
         return (driver.CUresult.CUDA_SUCCESS,)
 
     monkeypatch.setattr(driver, "cuLaunchKernel", fake_launch)
+    _fake_context(monkeypatch)
     views = [_View(a), sizes, 2.5, -7, _View(b)]
     direct = launch._direct_launcher(_fake_kernel(4242), views, (4, 2), 96, 512)
     assert direct is not None
@@ -147,6 +206,7 @@ def test_pinned_tensors_pass_the_fields_read_when_pinned(monkeypatch):
         return (driver.CUresult.CUDA_SUCCESS,)
 
     monkeypatch.setattr(driver, "cuLaunchKernel", fake_launch)
+    _fake_context(monkeypatch)
     direct = launch._direct_launcher(_fake_kernel(5), [_View(a), _View(b), _View(view)], 1, 32, 0)
     direct(7, (a, b, view))
     fields = lambda t: [0, 0, t.numel(), 8, t.data_ptr(), *t.shape,  # noqa: E731
@@ -190,6 +250,7 @@ def test_programmatic_launch_passes_the_attribute_and_the_same_parameters(monkey
 
     monkeypatch.setattr(driver, "cuLaunchKernelEx", fake_launch_ex)
     monkeypatch.setattr(driver, "cuLaunchKernel", no_plain_launch)
+    _fake_context(monkeypatch)
     direct = launch._direct_launcher(_fake_kernel(77), [_View(a), 9], 3, (64, 2), 128,
                                      after_prior=True)
     direct(99, (a, 9))
@@ -276,6 +337,7 @@ def test_a_launcher_passed_other_arguments_passes_their_parameters(calls):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "is_simulator", lambda: False)
         mp.setattr(driver, "cuLaunchKernel", fake_launch)
+        _fake_context(mp)
         pinned = launch.pin(torch.randn(4, 6, dtype=torch.float64))
         tensors = {"pinned": pinned, "pinned2": launch.pin(torch.randn(4, 6, dtype=torch.float64)),
                    "plain": torch.randn(4, 6, dtype=torch.float64), "twin": copy.deepcopy(pinned)}

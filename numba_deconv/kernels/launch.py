@@ -294,9 +294,12 @@ def _direct_launcher(kernel, views, grid, block, smem, after_prior=False):
         function = int(_function(kernel, views).handle)
         config = _pdl_config(cu, grid, block, smem) if after_prior else None
         cufunction = cu.CUfunction(function)
+        err, context = cu.cuCtxGetCurrent()  # (the context the function was loaded in)
+        if err != cu.CUresult.CUDA_SUCCESS or not int(context):
+            return None
     except Exception:  # noqa: BLE001 - any surprise means: use the dispatcher
         return None
-    return _Direct(views, kinds, grid, block, smem, function, cufunction, config, cu)
+    return _Direct(views, kinds, grid, block, smem, function, cufunction, config, cu, context)
 
 
 class _Direct:
@@ -304,7 +307,8 @@ class _Direct:
     the driver reads them through, and the launch shape; ``__call__`` writes the arguments that
     changed and launches, ``write`` and ``fire`` do the two halves (``Replay``)."""
 
-    def __init__(self, views, kinds, grid, block, smem, function, cufunction, config, cu):
+    def __init__(self, views, kinds, grid, block, smem, function, cufunction, config, cu,
+                 context):
         # per argument: its kind and the slots its parameters fill
         self.layout, count = [], 0
         for v, kind in zip(views, kinds):
@@ -318,6 +322,7 @@ class _Direct:
         self.params = ctypes.addressof(self.pointers)
         self.grid, self.block, self.smem = _dim3(grid), _dim3(block), smem
         self.function, self.cufunction, self.config, self.cu = function, cufunction, config, cu
+        self.context = context  # where the function lives: ``fire`` binds it where it is needed
         # Per argument, what its slots hold while that cannot change: a weak reference to a
         # pinned tensor (``pin``: its fields never change) or an int tuple (immutable). Such an
         # argument passed again, the same object, leaves its slots as they are; the others are
@@ -365,7 +370,28 @@ class _Direct:
                 slots[lo] = arg
 
     def fire(self, stream: int) -> None:
-        """Launch with the slots as they are, on the raw stream handle ``stream``."""
+        """Launch with the slots as they are, on the raw stream handle ``stream``.
+
+        A thread that has made no CUDA runtime call has no current context, and the driver
+        refuses its launches: autograd's device thread for device 0, whose ``set_device`` skips
+        the runtime call when the device is already the thread's default, is one. There the
+        context the function lives in (the device's primary context, which PyTorch and numba
+        share) is made current on the thread and the launch retried (``_bind``)."""
+        err = self._launch(stream)
+        if err == self.cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            self._bind()
+            err = self._launch(stream)
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"kernel launch failed: {err!r}")
+
+    def _bind(self) -> None:
+        """Make the launcher's context current on the calling thread."""
+        err, = self.cu.cuCtxSetCurrent(self.context)
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"kernel launch: the calling thread has no CUDA context, and "
+                               f"making the kernel's current failed: {err!r}")
+
+    def _launch(self, stream: int):
         config, cu = self.config, self.cu
         if config is None:
             (gx, gy, gz), (bx, by, bz) = self.grid, self.block
@@ -374,8 +400,7 @@ class _Direct:
         else:
             config.hStream = stream
             err, = cu.cuLaunchKernelEx(config, self.cufunction, self.params, 0)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"kernel launch failed: {err!r}")
+        return err
 
 
 def _pdl_config(cu, grid, block, smem):
