@@ -71,7 +71,7 @@ def stand_in_device() -> None:
 
 def default_gather(mode: str):
     """(kernel, signature, tiling) of the default problem's gather in ``mode`` (eval, train,
-    scaled), at choose_tiling's GPU answer."""
+    scaled), at the tile its GPU launch takes (``gather.tilings``' first)."""
     import numba
     from numba import float32, float64
 
@@ -80,7 +80,7 @@ def default_gather(mode: str):
 
     case = bench.default_case()
     geom = case.geometry()
-    tiling = gather.GatherTiling(4, 2, 2, 16, 128, 128)  # choose_tiling's GPU answer
+    tiling = gather.GatherTiling(4, 2, 2, 16, 128, 128)  # the GPU launch's tile
     out_spatial = tuple(a.output_size(n) for a, n in zip(geom.axes(), case.spatial))
     launch = gather.gather_launch(geom, case.batch, case.spatial, out_spatial, "float32", tiling)
     kernel = gather.gather_kernel(launch, "float32", mode == "train", mode == "scaled")

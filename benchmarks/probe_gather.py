@@ -2,7 +2,7 @@
 
 Answers: how long does the convolution kernel take by itself (no box_sums, no statistics, no
 host), and with how many registers, how much local memory (spills) and which SASS instruction
-mix, for the tiling ``gather.choose_tiling`` picks and for any other tiling given?
+mix, for the tiling ``gather.gather_launch`` picks on this GPU and for any other tiling given?
 
     PYTHONPATH=$PWD python3 benchmarks/probe_gather.py [--tilings NC,MH,QW[,BLOCK[,MAX_REGS]] ...]
         [--only] [--modes eval,scaled,train] [--rounds R] [--sass FILE]
@@ -43,7 +43,7 @@ OPS = ("FFMA", "LDG", "LDGSTS", "LDS", "STG", "LDL", "STL", "BAR", "BRA", "ISETP
 
 
 def parse_tiling(spec: str, qw_n: int) -> gather.GatherTiling:
-    """``NC,MH,QW[,BLOCK[,MAX_REGS]]`` as a tiling, W lanes chosen as ``choose_tiling`` does."""
+    """``NC,MH,QW[,BLOCK[,MAX_REGS]]`` as a tiling, W lanes chosen as ``gather.tilings`` does."""
     values = [int(v) for v in spec.split(",")]
     nc, mh, qw = values[:3]
     block = values[3] if len(values) > 3 else 128
@@ -76,7 +76,7 @@ def run(tiling, mode: str, problem: dict) -> dict:
     geom, case, x, weight, ref = (problem[k] for k in ("geom", "case", "x", "weight", "ref"))
     train, scaled = MODES[mode]
     launch = gather.gather_launch(geom, case.batch, case.spatial, tuple(ref.shape[2:]),
-                                  "float32", tiling)
+                                  "float32", tiling, resident=gather.resident_threads(x.device))
     wph = gather.arrange_weights(weight, gather.phase_weight_index(geom, launch.tiling))
     dev = x.device
     mean = torch.zeros((case.batch, geom.out_channels), dtype=torch.float64, device=dev)
@@ -103,7 +103,7 @@ def run(tiling, mode: str, problem: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tilings", nargs="*", default=[], metavar="NC,MH,QW[,BLOCK[,CAP]]")
-    parser.add_argument("--only", action="store_true", help="skip choose_tiling's tiling")
+    parser.add_argument("--only", action="store_true", help="skip the tiling the launch picks")
     parser.add_argument("--modes", default="eval,scaled,train")
     parser.add_argument("--rounds", type=int, default=1, help="times through the tilings")
     parser.add_argument("--sass", metavar="FILE", help="append every kernel's SASS to FILE")

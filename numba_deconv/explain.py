@@ -297,7 +297,7 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
             out += box_rows
         launch = gather_launch(geom, batch, in_spatial, out_spatial, dtype, pipe.options,
                                pipe.tensor_cores((batch, geom.in_channels, *in_spatial), dtype,
-                                                 tensor_device()))
+                                                 tensor_device()), tensor_device())
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             kernel, blk, smem = _gather_kernel(launch, name, False, True)
             out.append(("conv_transpose3d_gather",

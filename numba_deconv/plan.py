@@ -177,14 +177,16 @@ class CallPlan:
 
 
 def gather_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial, dtype: torch.dtype,
-                  options: Options, tensor_cores: bool):
-    """The gather's launch for these shapes: the tensor-core one (``gather_mma``) or the FFMA
-    one (``gather``). ``build`` and ``explain`` both take it from here."""
+                  options: Options, tensor_cores: bool, device: torch.device):
+    """The gather's launch for these shapes on ``device``: the tensor-core one (``gather_mma``)
+    or the FFMA one (``gather``, its tile sized to the device's SMs: ``gather.resident_threads``).
+    ``build`` and ``explain`` both take it from here."""
     in_spatial, out_spatial = tuple(in_spatial), tuple(out_spatial)
     if tensor_cores:
         return gather_mma.mma_launch(geom, batch, in_spatial, out_spatial)
     return gather.gather_launch(geom, batch, in_spatial, out_spatial, dtypes.name_of(dtype),
-                                heavy_first=options.tail_heavy_first)
+                                heavy_first=options.tail_heavy_first,
+                                resident=gather.resident_threads(device))
 
 
 def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_statistics: bool,
@@ -225,7 +227,7 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
                 lo[a, k], hi[a, k] = axis.box(k, in_spatial[a])
         kd, kh, kw = geom.kernel_size
         launch = gather_launch(geom, batch, in_spatial, out_spatial, x.dtype, options,
-                               tensor_cores)
+                               tensor_cores, x.device)
         wph_index = torch.from_numpy(launch.weight_index(geom)).to(dev)
         if tensor_cores:
             common.update(x_tf32=empty(x.numel(), dtype=x.dtype),

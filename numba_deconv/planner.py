@@ -125,7 +125,7 @@ MMA_EFFICIENCY = 0.1
 #: Threads an SM holds of either gather (128 registers a thread): a launch of fewer than the
 #: device's SMs times this runs at that fraction of the rate, and a partial last wave as a
 #: whole one.
-RESIDENT_THREADS = 512
+RESIDENT_THREADS = gather.RESIDENT_THREADS
 #: A call's host time on the prepared path, µs (evaluation / training; H200 host: the
 #: smallest calls' back-to-back time): a call of less GPU time waits on the host ...
 HOST_US = {False: 40.0, True: 60.0}
@@ -323,6 +323,12 @@ def _box_sums_seconds(geom: ConvGeometry, batch: int, peaks: dict[str, float]) -
 
 
 def _ffma_threads(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> int:
+    """Threads of the FFMA gather's launch with its tile chosen by loads alone: the tile
+    ``FFMA_EFFICIENCY`` is calibrated on. Where the pipeline takes a smaller tile to fill the
+    GPU (``gather.gather_launch``'s ``resident``) the launch runs faster than this predicts;
+    the choice between the paths stays the calibrated one (a smaller tile's rate is not
+    modelled, and on the calls measured where the tile shrinks and tensor cores are chosen,
+    they are the faster: 64 -> 8 channels k3 s1, 64 -> 4 k5 s2; docs/performance.md)."""
     launch = gather.gather_launch(geom, batch, in_spatial, out_spatial, "float32")
     return launch.grid * launch.tiling.block
 

@@ -102,14 +102,16 @@ def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offse
 
 
 def kind_name(key: tuple) -> str:
-    """The name of a kind of call (``kind_key``): its key with the device's capability, the
+    """The name of a kind of call (``kind_key``): its key with the device's capability and the
+    threads its SMs hold (the FFMA gather's tile follows them: ``gather.resident_threads``), the
     compiler's versions and the sources' digest (as the kernel cache's keys), hashed, so that
-    a marker never outlives the code it describes."""
+    a marker never outlives the code it describes nor names another GPU's kernels."""
+    from .kernels.gather import resident_threads
     from .kernels.launch import _compiler_versions
 
     device = key[3]
-    text = repr((key[:3], key[4:], capability(device), _compiler_versions(),
-                 disk_cache.source_digest()))
+    text = repr((key[:3], key[4:], capability(device), resident_threads(device),
+                 _compiler_versions(), disk_cache.source_digest()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -214,3 +214,76 @@ def test_blocks_past_the_output_match_pytorch(training, device):
     assert geom.output_spatial(in_spatial)[0] == 1
     plans = _check_against_pytorch(geom, 2, in_spatial, training, device)
     assert plans
+
+
+def test_launches_that_leave_the_gpu_idle_take_a_smaller_tile():
+    """A call of few outputs and long multiply-add chains (48 -> 4 channels, k2 s1) takes the
+    tile that comes nearest to filling the GPU's resident threads; without a GPU's count
+    (``resident=0``), and where the chains are short or the loads-first tile already fills the
+    GPU, the tile is the first of ``gather.tilings``."""
+    from numba_deconv import testing
+
+    resident = 132 * gather.RESIDENT_THREADS
+
+    def launches(geom, batch, in_spatial):
+        out = geom.output_spatial(in_spatial)
+        return (gather.gather_launch(geom, batch, in_spatial, out, "float32"),
+                gather.gather_launch(geom, batch, in_spatial, out, "float32", resident=resident))
+
+    long_chains = testing.ConvGeometry.create(48, 4, 2, 1, 0)
+    first, filled = launches(long_chains, 4, (15, 11, 5))
+
+    def busy(tiling):  # threads with outputs: one per (sample, channel tile, D, H, W group)
+        return 4 * -(-4 // tiling.nc) * 16 * -(-12 // tiling.mh) * -(-6 // tiling.qw)
+
+    assert busy(first.tiling) < resident
+    assert long_chains.macs(4, (15, 11, 5)) >= gather.MIN_CHAIN_MACS * busy(first.tiling)
+    assert filled.tiling != first.tiling and busy(filled.tiling) > busy(first.tiling)
+    # the tile nearest to filling the GPU, the best-scored (first in ``tilings``) among equals
+    candidates = gather.tilings("float32", 4, first.hpat, first.wpat, 12, 6)
+    fill = max(min(resident, busy(t)) for t in candidates)
+    assert filled.tiling == next(t for t in candidates if min(resident, busy(t)) == fill)
+    # short chains, and the shape suite's rows (whose recorded timings hold for either)
+    from numba_deconv import bench
+
+    kept = [(testing.ConvGeometry.create(3, 4, 2, 2, 1), 2, (8, 5, 9), "float32")] + [
+        (case.geometry(), case.batch, tuple(case.spatial),
+         "float64" if case.dtype == "float64" else "float32")  # (half rows: float32 kernels)
+        for case in bench.suite_cases() + [bench.tiny_case()]]
+    for geom, batch, in_spatial, dtype in kept:
+        out = geom.output_spatial(in_spatial)
+        assert gather.gather_launch(geom, batch, in_spatial, out, dtype, resident=resident) \
+            .tiling == gather.gather_launch(geom, batch, in_spatial, out, dtype).tiling, \
+            (geom, batch, in_spatial, dtype)
+
+
+def test_busy_threads_count_the_threads_with_outputs():
+    """A launch's threads with work: one per (sample, channel tile, output D row, group of H
+    and W quotients), where an output D row is a (phase, quotient) pair inside the output; an
+    output depth that is no multiple of the stride leaves the last quotient of some phases
+    empty."""
+    from numba_deconv import testing
+
+    for stride, out_d in ((2, 5), (3, 7), (2, 6), (1, 4)):
+        geom = testing.ConvGeometry.create(8, 6, 3, (stride, 2, 1), 1, groups=2)
+        tiling = gather.GatherTiling(2, 2, 3, 4, 64)
+        qd_n, qh_n, qw_n = -(-out_d // stride), 5, 7
+        rows = sum(1 for rd in range(stride) for qd in range(qd_n) if qd * stride + rd < out_d)
+        want = 3 * 2 * -(-3 // 2) * rows * -(-qh_n // 2) * -(-qw_n // 3)
+        assert gather._busy_threads(geom, 3, tiling, out_d, qh_n, qw_n) == want
+        assert rows == out_d <= stride * qd_n
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_smaller_tiles_for_a_full_gpu_match_pytorch(training, device, monkeypatch):
+    """The tile a launch takes to fill the GPU (here forced: a GPU of unbounded threads, every
+    chain long enough) against float64 PyTorch."""
+    from numba_deconv import testing
+
+    monkeypatch.setattr(gather, "resident_threads", lambda device: 2**40)
+    monkeypatch.setattr(gather, "MIN_CHAIN_MACS", 0)
+    geom = testing.ConvGeometry.create(6, 5, 3, 2, 1)
+    plans = _check_against_pytorch(geom, 2, (3, 4, 5), training, device)
+    first = gather.tilings("float32", 5, plans[0].hpat, plans[0].wpat, 4, 5)[0]
+    assert plans and all(plan.tiling.nc * plan.tiling.mh * plan.tiling.qw
+                         < first.nc * first.mh * first.qw for plan in plans)

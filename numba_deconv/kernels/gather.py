@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from numba import cuda, float64, int32, int64, uint32, uint64
 
 from ..dtypes import ITEMSIZE, NUMBA
@@ -638,24 +639,24 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
     return conv_transpose3d_gather
 
 
-def choose_tiling(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_n: int,
-                  block: int = 128) -> GatherTiling:
-    """A register tile of at most 64 accumulators (32 in float64) with the most FMAs per load.
+def tilings(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_n: int,
+            block: int = 128) -> list[GatherTiling]:
+    """The register tiles a launch may take, best first: at most 64 accumulators (32 in
+    float64), the most FMAs per load first, ties going to the bigger tile.
 
     Per step a thread loads its input window (one load per cell a tap reads) and its weights,
     ``NHT*NWT*ceil(NC/VEC)`` shared-memory loads since NC consecutive weights come as one 16-byte
-    vector; it does ``NC*MH*QW*NHT*NWT`` FMAs. The tile with the highest ratio wins, ties going
-    to the bigger tile; never more rows, quotients or channels than the output has. On the
-    default problem that is NC=4, MH=2, QW=2 (18 loads per 144 FMAs), also the fastest tile
-    measured (docs/performance.md). float32 kernels are capped at 128 registers (4 blocks of
-    128 threads per SM, docs/design.md §6); float64 keeps the compiler's register choice.
-    """
+    vector; it does ``NC*MH*QW*NHT*NWT`` FMAs. Never more rows, quotients or channels than the
+    output has. On the default problem the first is NC=4, MH=2, QW=2 (18 loads per 144 FMAs),
+    also the fastest tile measured (docs/performance.md). float32 kernels are capped at 128
+    registers (4 blocks of 128 threads per SM, docs/design.md §6); float64 keeps the compiler's
+    register choice. ``gather_launch`` takes the first unless its launch leaves the GPU idle."""
     block = block_size(block)
     budget = 64 if dtype == "float32" else 32
     vec = 16 // ITEMSIZE[dtype]
     per_cell = hpat[0] * wpat[0]
     taps = len(hpat[1]) * len(wpat[1])
-    best = None
+    scored = []
     for nc in (1, 2, 4, 8):
         if nc > 1 and nc // 2 >= opg:
             continue
@@ -671,15 +672,46 @@ def choose_tiling(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_
                         (nc, mh, qw) != (1, 1, 1):
                     continue
                 loads = xin + taps * -(-nc // vec)
-                score = (nc * mh * qw * taps / max(loads, 1), acc)
-                if best is None or score > best[0]:
-                    best = (score, nc, mh, qw)
-    _, nc, mh, qw = best
-    qw_groups = -(-qw_n // qw)
-    lanes = 1
-    while lanes < min(qw_groups, 32):
-        lanes *= 2
-    return GatherTiling(nc, mh, qw, lanes, block, max_regs=128 if dtype == "float32" else 0)
+                scored.append(((nc * mh * qw * taps / max(loads, 1), acc), nc, mh, qw))
+    scored.sort(key=lambda entry: entry[0], reverse=True)  # (stable: ties keep loop order)
+    out = []
+    for _, nc, mh, qw in scored:
+        qw_groups = -(-qw_n // qw)
+        lanes = 1
+        while lanes < min(qw_groups, 32):
+            lanes *= 2
+        out.append(GatherTiling(nc, mh, qw, lanes, block,
+                                max_regs=128 if dtype == "float32" else 0))
+    return out
+
+
+#: Threads an SM holds of either gather (128 registers a thread, 4 blocks of 128): a launch of
+#: fewer than the device's SMs times this leaves SMs or warp slots idle (``gather_launch``).
+#: The float32 kernels' cap; float64 tiles, uncapped, hold fewer, and take the same target.
+RESIDENT_THREADS = 512
+
+
+#: Multiply-adds a busy thread of the first tile does, on average, from which a launch that
+#: leaves the GPU idle takes a smaller tile (``gather_launch``); below it the call is bound by
+#: the host. The threshold sits between the calls measured (H200): 3 -> 4 channels, k2 s2, ~170
+#: a thread, takes 0.042 ms a call on its 4x2x2 tile and 0.062 on 1x1x1; 48 -> 4, k2 s1,
+#: ~18000 a thread, 0.097 on 4x4x4 and 0.045 on 1x1x1.
+MIN_CHAIN_MACS = 4096
+
+
+def resident_threads(device) -> int:
+    """The threads ``device``'s SMs hold of the gather (SMs x ``RESIDENT_THREADS``): what
+    ``gather_launch`` tries to fill; 0 (tiles by loads alone) off a GPU and under the
+    simulator, whose small test shapes then run the register tiles the GPU runs at size."""
+    if getattr(device, "type", None) != "cuda" or is_simulator():
+        return 0
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        * RESIDENT_THREADS
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
@@ -780,9 +812,18 @@ class GatherLaunch:
 
 
 def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
-                  tiling: GatherTiling | None = None, heavy_first: bool = True) -> GatherLaunch:
+                  tiling: GatherTiling | None = None, heavy_first: bool = True,
+                  resident: int = 0) -> GatherLaunch:
     """Grid, tiling and run-time sizes for one input shape (``tiling`` overrides the choice;
-    ``heavy_first``: ``tail_order``'s)."""
+    ``heavy_first``: ``tail_order``'s). The tile is the first of ``tilings`` unless its launch
+    has fewer threads with work (``_busy_threads``) than ``resident`` (``resident_threads``:
+    what the GPU holds) and each of them at least ``MIN_CHAIN_MACS`` multiply-adds: then the
+    tile whose launch comes nearest to filling the GPU, the most FMAs per load among equals. A
+    call of few outputs and many input channels or taps has few threads, each a long chain of
+    multiply-adds; a smaller tile spreads the chains over more threads (H200, 48 -> 4
+    channels, k2 s1, batch 4, 15x11x5 input: the 4x4x4 tile's 384 threads with work take 0.097
+    ms a call, the 1x1x1 tile's 18432 0.045). Where the chains are short the launch is bound
+    by the host and keeps its tile."""
     d_axis, h_axis, w_axis = geom.axes()
     h_plan, w_plan = axis_plan(h_axis), axis_plan(w_axis)
     sd, sh, sw = geom.stride
@@ -790,17 +831,18 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     opg, ipg = geom.out_per_group, geom.in_per_group
     qd_n, qh_n, qw_n = -(-od // sd), -(-oh // sh), -(-ow // sw)
     if tiling is None:
-        tiling = choose_tiling(dtype, opg, h_plan.pattern, w_plan.pattern, qh_n, qw_n)
+        candidates = tilings(dtype, opg, h_plan.pattern, w_plan.pattern, qh_n, qw_n)
+        tiling = candidates[0]
+        busy = _busy_threads(geom, batch, tiling, od, qh_n, qw_n)
+        if resident and busy < resident \
+                and geom.macs(batch, in_spatial) >= MIN_CHAIN_MACS * busy:
+            tiling = max(candidates, key=lambda t: min(
+                resident, _busy_threads(geom, batch, t, od, qh_n, qw_n)))
     if tiling.block % 32 or tiling.block % tiling.lanes or tiling.lanes & (tiling.lanes - 1):
         raise ValueError(f"invalid gather tiling {tiling}: block must be a multiple of 32 and of "
                          "lanes, lanes a power of two")
-    qh_groups = -(-qh_n // tiling.mh)
-    qw_groups = -(-qw_n // tiling.qw)
-    rows_per_block = tiling.block // tiling.lanes
-    row_blocks = -(-(qd_n * qh_groups) // rows_per_block)
-    lane_blocks = -(-qw_groups // tiling.lanes)
-    tiles_per_group = -(-opg // tiling.nc)
-    ctiles = geom.groups * tiles_per_group
+    grid, qh_groups, qw_groups, rows_per_block, row_blocks, lane_blocks, tiles_per_group, \
+        ctiles = _grid(geom, batch, tiling, qd_n, qh_n, qw_n)
     d_taps = d_axis.phase_taps()
     tdmax = max(1, max(len(taps) for taps in d_taps))
     per_ci = tdmax * len(h_plan.taps) * len(w_plan.taps) * tiling.nc
@@ -808,7 +850,6 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))
     d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd
-    grid = batch * slots * ctiles
     tail_start = tail_order(batch, slots * ctiles, d_phases(d_plan.pattern)[1], heavy_first)
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
@@ -829,6 +870,31 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, d_plan.pattern,
                         exact, dims, grid, slots, ci_chunk * per_ci * item, wide,
                         ci_chunk < ipg, patch_edges(tiling, (sh, sw), (oh, ow)))
+
+
+def _grid(geom, batch: int, tiling: GatherTiling, qd_n: int, qh_n: int, qw_n: int) -> tuple:
+    """``(grid, qh_groups, qw_groups, rows_per_block, row_blocks, lane_blocks,
+    tiles_per_group, ctiles)`` of a launch with ``tiling``."""
+    qh_groups = -(-qh_n // tiling.mh)
+    qw_groups = -(-qw_n // tiling.qw)
+    rows_per_block = tiling.block // tiling.lanes
+    row_blocks = -(-(qd_n * qh_groups) // rows_per_block)
+    lane_blocks = -(-qw_groups // tiling.lanes)
+    tiles_per_group = -(-geom.out_per_group // tiling.nc)
+    ctiles = geom.groups * tiles_per_group
+    grid = batch * lane_blocks * row_blocks * geom.stride[0] * ctiles
+    return (grid, qh_groups, qw_groups, rows_per_block, row_blocks, lane_blocks,
+            tiles_per_group, ctiles)
+
+
+def _busy_threads(geom, batch: int, tiling: GatherTiling, od: int, qh_n: int,
+                  qw_n: int) -> int:
+    """Threads of a launch with ``tiling`` that have outputs to compute: one per (sample,
+    channel tile, output D row, group of H and W quotients); a block's rows and lanes past the
+    output's edge have none (a D row is one phase's quotient: the phases' rows add up to the
+    output's ``od``)."""
+    return batch * geom.groups * -(-geom.out_per_group // tiling.nc) * od \
+        * -(-qh_n // tiling.mh) * -(-qw_n // tiling.qw)
 
 
 def gather_kernel(launch: GatherLaunch, dtype: str, train: bool, scaled: bool = False,
