@@ -8,27 +8,35 @@ calibrate the planner's backward (``planner.predict_input_grad``; the backward r
 gradient as ``conv3d(dy, W)``, the same cuDNN forward convolution that
 ``aten.convolution_backward`` runs for a transposed convolution's input gradient).
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_backward.py [--rows NAME ...] [--reps R]
+    PYTHONPATH=$PWD python3 benchmarks/probe_backward.py [--rows NAME ...] [--reps R] [--host]
 
 Rows: the shape suite's float32 rows and a channel sweep at kernel 3, stride 2, padding 1 on a
 16x32x32 input, plus a few other kernels. Each gradient is checked against float64 PyTorch
 first (relative error printed), then its launches captured ``CALLS`` times in one CUDA graph
 and the replay timed with CUDA events (median of ``--reps`` replays, per call): GPU time only.
+
+``--host`` asks instead what each costs the host: µs per call of the kernels' launches and of
+the backward's PyTorch gradients (``backward.input_grad_torch``, ``backward.weight_grad_torch``),
+issued ``HOST_CALLS`` at a time while the GPU sleeps (so no call waits for it), on the caller's
+thread (``st``) and inside an autograd backward, on autograd's device thread (``mt``), where
+the operator's backward runs; median of ``--reps`` batches.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import statistics
 import sys
+import time
 
 import torch
 
 import numba_deconv  # noqa: F401  (compat + backend before numba.cuda compiles)
-from numba_deconv import bench, testing
+from numba_deconv import backward, bench, testing
 from numba_deconv.bench import Case, _conv
 from numba_deconv.kernels import conv_grads
 
 CALLS = 5
+HOST_CALLS = 20
 
 
 def rows() -> list[Case]:
@@ -97,6 +105,64 @@ def run(case: Case, reps: int) -> dict:
     return row
 
 
+def host(case: Case, reps: int) -> dict:
+    """Host µs per call of each gradient's launches (``--host``)."""
+    model, x = case.build("cuda")
+    conv = model.conv_transpose
+    w = conv.weight.detach().contiguous()
+    dy = torch.randn(case.output_shape(), device="cuda")
+    args = (tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation))
+    geometry = (*args, conv.groups)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    scratch = conv_grads.weight_grad_scratch(x, dy, dw, *args, conv.groups)
+    calls = {
+        "ours_dx": lambda: conv_grads.launch_input_grad(dy, w, dx, *args),
+        "ours_dw": lambda: conv_grads.launch_weight_grad(x, dy, dw, *args, conv.groups,
+                                                         scratch=scratch),
+        "torch_dx": lambda: backward.input_grad_torch(dy, w, x.shape, geometry),
+        "torch_dw": lambda: backward.weight_grad_torch(dy, x, w, geometry),
+    }
+    row = dict(name=case.name)
+    for name, fn in calls.items():
+        fn()
+        fn()
+        for thread in ("st", "mt"):
+            row[f"{thread}_{name}"] = statistics.median(
+                _host_us(fn, thread == "mt") for _ in range(reps))
+    return row
+
+
+def _host_us(fn, on_autograd_thread: bool) -> float:
+    """µs per call of ``HOST_CALLS`` calls of ``fn`` issued while the GPU sleeps."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(60_000_000)  # ~30 ms at H200 clocks: longer than the calls' issue
+
+    def timed():
+        start = time.perf_counter_ns()
+        for _ in range(HOST_CALLS):
+            fn()
+        return (time.perf_counter_ns() - start) / HOST_CALLS / 1e3
+
+    if not on_autograd_thread:
+        return timed()
+    seen = []
+
+    class Timed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(timed())
+            return g
+
+    probe = torch.zeros(1, device="cuda", requires_grad=True)
+    Timed.apply(probe).sum().backward()
+    torch.cuda.synchronize()
+    return seen[0]
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -122,10 +188,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", help="row names (default: all)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--host", action="store_true", help="host µs per call instead")
     args = parser.parse_args()
     if not torch.cuda.is_available() or bench.is_simulator():
         sys.exit("probe_backward: needs a GPU")
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    if args.host:
+        return main_host(args)
     table = []
     for case in rows():
         if args.rows and case.name not in args.rows:
@@ -146,6 +215,21 @@ def main() -> None:
               f"{r['tf32_dw']:8.1f} {r['det_dw']:8.1f} | {r['ieee_dx']:8.1f} {r['ieee_dw']:8.1f} | "
               f"{max(r['err_ours_dx'], r['err_ours_dw']):8.1e} "
               f"{max(r['err_tf32_dx'], r['err_tf32_dw']):8.1e}")
+
+
+def main_host(args) -> None:
+    names = ("ours_dx", "ours_dw", "torch_dx", "torch_dw")
+    table = []
+    for case in rows():
+        if args.rows and case.name not in args.rows:
+            continue
+        table.append(host(case, args.reps))
+        print(table[-1], flush=True)
+    print("host µs per call, st: caller's thread / mt: autograd's device thread")
+    print(f"{'row':24} " + " ".join(f"{n:>15}" for n in names))
+    for r in table:
+        print(f"{r['name']:24} " + " ".join(
+            f"{r['st_' + n]:7.1f}/{r['mt_' + n]:7.1f}" for n in names))
 
 
 if __name__ == "__main__":
