@@ -48,10 +48,7 @@ def parse_tiling(spec: str, qw_n: int) -> gather.GatherTiling:
     nc, mh, qw = values[:3]
     block = values[3] if len(values) > 3 else 128
     max_regs = values[4] if len(values) > 4 else 128
-    lanes = 1
-    while lanes < min(-(-qw_n // qw), 32):
-        lanes *= 2
-    return gather.GatherTiling(nc, mh, qw, lanes, block, max_regs)
+    return gather.GatherTiling(nc, mh, qw, gather.w_lanes(qw_n, qw), block, max_regs)
 
 
 def resources(kernel) -> dict:

@@ -674,15 +674,18 @@ def tilings(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_n: int
                 loads = xin + taps * -(-nc // vec)
                 scored.append(((nc * mh * qw * taps / max(loads, 1), acc), nc, mh, qw))
     scored.sort(key=lambda entry: entry[0], reverse=True)  # (stable: ties keep loop order)
-    out = []
-    for _, nc, mh, qw in scored:
-        qw_groups = -(-qw_n // qw)
-        lanes = 1
-        while lanes < min(qw_groups, 32):
-            lanes *= 2
-        out.append(GatherTiling(nc, mh, qw, lanes, block,
-                                max_regs=128 if dtype == "float32" else 0))
-    return out
+    return [GatherTiling(nc, mh, qw, w_lanes(qw_n, qw), block,
+                         max_regs=128 if dtype == "float32" else 0) for _, nc, mh, qw in scored]
+
+
+def w_lanes(qw_n: int, qw: int) -> int:
+    """Threads along W in a block's row: the W quotient groups (``qw`` quotients a thread) up
+    to the next power of two, at most 32."""
+    groups = -(-qw_n // qw)
+    lanes = 1
+    while lanes < min(groups, 32):
+        lanes *= 2
+    return lanes
 
 
 #: Threads an SM holds of either gather (128 registers a thread, 4 blocks of 128): a launch of
@@ -841,8 +844,13 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     if tiling.block % 32 or tiling.block % tiling.lanes or tiling.lanes & (tiling.lanes - 1):
         raise ValueError(f"invalid gather tiling {tiling}: block must be a multiple of 32 and of "
                          "lanes, lanes a power of two")
-    grid, qh_groups, qw_groups, rows_per_block, row_blocks, lane_blocks, tiles_per_group, \
-        ctiles = _grid(geom, batch, tiling, qd_n, qh_n, qw_n)
+    qh_groups = -(-qh_n // tiling.mh)
+    qw_groups = -(-qw_n // tiling.qw)
+    rows_per_block = tiling.block // tiling.lanes
+    row_blocks = -(-(qd_n * qh_groups) // rows_per_block)
+    lane_blocks = -(-qw_groups // tiling.lanes)
+    tiles_per_group = -(-opg // tiling.nc)
+    ctiles = geom.groups * tiles_per_group
     d_taps = d_axis.phase_taps()
     tdmax = max(1, max(len(taps) for taps in d_taps))
     per_ci = tdmax * len(h_plan.taps) * len(w_plan.taps) * tiling.nc
@@ -850,6 +858,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))
     d_plan = axis_plan(d_axis)
     slots = lane_blocks * row_blocks * sd
+    grid = batch * slots * ctiles
     tail_start = tail_order(batch, slots * ctiles, d_phases(d_plan.pattern)[1], heavy_first)
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_w=in_spatial[2], out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
@@ -870,21 +879,6 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, d_plan.pattern,
                         exact, dims, grid, slots, ci_chunk * per_ci * item, wide,
                         ci_chunk < ipg, patch_edges(tiling, (sh, sw), (oh, ow)))
-
-
-def _grid(geom, batch: int, tiling: GatherTiling, qd_n: int, qh_n: int, qw_n: int) -> tuple:
-    """``(grid, qh_groups, qw_groups, rows_per_block, row_blocks, lane_blocks,
-    tiles_per_group, ctiles)`` of a launch with ``tiling``."""
-    qh_groups = -(-qh_n // tiling.mh)
-    qw_groups = -(-qw_n // tiling.qw)
-    rows_per_block = tiling.block // tiling.lanes
-    row_blocks = -(-(qd_n * qh_groups) // rows_per_block)
-    lane_blocks = -(-qw_groups // tiling.lanes)
-    tiles_per_group = -(-geom.out_per_group // tiling.nc)
-    ctiles = geom.groups * tiles_per_group
-    grid = batch * lane_blocks * row_blocks * geom.stride[0] * ctiles
-    return (grid, qh_groups, qw_groups, rows_per_block, row_blocks, lane_blocks,
-            tiles_per_group, ctiles)
 
 
 def _busy_threads(geom, batch: int, tiling: GatherTiling, od: int, qh_n: int,
