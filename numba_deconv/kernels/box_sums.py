@@ -110,9 +110,14 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
       channel count are multiply-high (``fastdiv``, divisors from the host in ``dims``);
     * a thread per quad, not per column, runs the W interval tests and the box sums' adds once
       per quad (4*KH*KW + KD*KH*KW selected adds instead of KD*KH + KD*KH*KW per column) and
-      keeps few enough registers to run well at 128 threads (``plan.Options.box_sums_tail_block``, in
-      ``gram_sums``' tail); a thread per input column walking every plane would spill at the
-      128-register cap;
+      keeps few enough registers to run well at 128 threads
+      (``plan.Options.box_sums_tail_block``, in ``gram_sums``' tail); a thread per input
+      column walking every plane would spill at the 128-register cap;
+    * a kernel of more than 32 taps (k4: 64, k5: 125) walks the plane once per D tap, each
+      pass over the items in that tap's D interval, keeping only its KH*KW box sums
+      (``d_passes``): all of them would be 1 KB of float64 a thread at k5, in local memory,
+      each item's adds and the reduce-scatter round trips to it (H200, 2 x 128 planes of 6^3
+      at k5: 112 us); the input's rows are read up to KD times, from L1 and L2;
     * each plane adds its own share of the means, so the last block only adds ``ipg`` shares
       per channel (eight threads per channel, two loads in flight) instead of a chain of
       dependent round trips at the end of the kernel, which the gather's epilogue waits for;
@@ -126,7 +131,12 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
     n_hw = kh_n * kw_n
     n_vals = rows * QUAD   # literal shapes for the local arrays
     n_sub = kh_n * QUAD
-    n_pad = -(-n_box // WARP_SIZE) * WARP_SIZE  # box sums in groups of 32 for the reduce-scatter
+    # a thread's box sums: all of them, or with more than 32 (k4, k5: 64 and 125 float64, which
+    # 128 registers cannot hold: local memory, most of the kernel's time) one D tap's at a
+    # time, the plane walked once per D tap (``d_passes``)
+    d_passes = kd_n if n_box > WARP_SIZE else 1
+    n_pass = n_hw if d_passes > 1 else n_box
+    n_pad = -(-n_pass // WARP_SIZE) * WARP_SIZE  # in groups of 32 for the reduce-scatter
     n_share = -(-n_box // SHARE)  # weights per thread in one channel's share of the means
     max_warps = MAX_BLOCK // WARP_SIZE  # compile-time constants: shared arrays need literal shapes
 
@@ -170,7 +180,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
         opg = int32(w.shape[1])
         ipg = int32(dims[0])
         partial = cuda.shared.array((max_warps, n_pad), float64)
-        btot = cuda.shared.array(n_pad, float64)  # this plane's box sums
+        btot = cuda.shared.array(n_box, float64)  # this plane's box sums
         last = cuda.shared.array(1, int32)
         # The gather that follows waits for this kernel only in its epilogue (it reads nothing
         # else this kernel writes): let it start as soon as every block of this one has begun.
@@ -216,80 +226,6 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             # for the address (64-bit offsets per row and clamped indices would cost many
             # instructions per value)
             xv = xf[int64(plane) * vol:int64(plane + 1) * vol]
-            box = cuda.local.array(n_pad, float64)
-            for j in range(n_pad):
-                box[j] = 0.0
-            # the same trip count for every thread (a test inside, not a shorter loop), so the
-            # warps are provably converged at the shuffles below: plain SHFL
-            item0 = int32(0)
-            while item0 < items:
-                if item0 + t < items:
-                    part, quad = fast_divmod(item0 + t, dims[3])
-                    i_d, iq = fast_divmod(quad, dims[1])   # (multiply-high divisions)
-                    i_d, iw = int32(i_d), int32(iq) * QUAD
-                    r0 = int32(part) * part_rows
-                    r1 = r0 + min(part_rows, in_h - r0)  # (no 32-bit overflow)
-                    last_u = in_w - 1 - iw  # columns iw + u past it lie outside the input
-                    cbase = off_t(i_d) * plane_h + off_t(iw)
-                    # the quad's column totals over the slice's rows, ``rows`` rows of loads
-                    # in flight; four columns, four independent chains of adds
-                    vals = cuda.local.array(n_vals, elem)
-                    tot = cuda.local.array(QUAD, float64)
-                    for u in range(QUAD):
-                        tot[u] = 0.0
-                    rbase = cbase + off_t(r0) * row_w
-                    ih0 = r0
-                    while ih0 + rows <= r1:
-                        for r in range(rows):
-                            load_quad(vals, r * QUAD, xv, rbase + off_t(r) * row_w, last_u)
-                        for r in range(rows):
-                            for u in range(QUAD):
-                                tot[u] += float64(vals[r * QUAD + u])
-                        rbase += off_t(rows) * row_w
-                        ih0 += rows
-                    if ih0 < r1:  # the last, partial round: rows clamped, values tested
-                        for r in range(rows):
-                            load_quad(vals, r * QUAD, xv,
-                                      cbase + off_t(min(ih0 + r, in_h - 1)) * row_w, last_u)
-                        for r in range(rows):
-                            if ih0 + r < r1:
-                                for u in range(QUAD):
-                                    tot[u] += float64(vals[r * QUAD + u])
-                    # each H tap's interval [lo, hi] (inside the input, or empty) is the total
-                    # less the rows it leaves out, all of them above ``top`` or from ``bottom``
-                    # on: the few edge rows (for the default problem one at each edge), read
-                    # again (from L1) by the slice that holds them, each once, with a test per
-                    # tap. Slices add up: so do their interval sums.
-                    sub = cuda.local.array(n_sub, float64)
-                    for b in range(n_sub):
-                        sub[b] = 0.0
-                    edge = cuda.local.array(QUAD, elem)
-                    for ih in range(r0, min(top, r1)):
-                        load_quad(edge, 0, xv, cbase + off_t(ih) * row_w, last_u)
-                        leave_out(sub, edge, ih, hlo, hhi)
-                    for ih in range(max(max(top, bottom), r0), r1):
-                        load_quad(edge, 0, xv, cbase + off_t(ih) * row_w, last_u)
-                        leave_out(sub, edge, ih, hlo, hhi)
-                    # which box sums the quad's KH interval sums go to: per W tap the sum over
-                    # the quad's columns inside its interval (a column past the input is inside
-                    # none), then per D tap all of them or none (32-bit tests and selects). Per
-                    # quad 4*KH*KW + KD*KH*KW selected adds, where a thread per column did
-                    # KD*KH + KD*KH*KW per column
-                    rq = cuda.local.array(n_hw, float64)
-                    for j in range(n_hw):
-                        rq[j] = 0.0
-                    for u in range(QUAD):
-                        wu = iw + u
-                        for c in range(kw_n):
-                            inw = (wu >= wlo[c]) & (wu <= whi[c])
-                            for b in range(kh_n):
-                                run = tot[u] - sub[b * QUAD + u] if hlo[b] <= hhi[b] else 0.0
-                                rq[b * kw_n + c] += run if inw else 0.0
-                    for a in range(kd_n):
-                        ind = (i_d >= dlo[a]) & (i_d <= dhi[a])
-                        for j in range(n_hw):
-                            box[a * n_hw + j] += rq[j] if ind else 0.0
-                item0 += bs
             # The weights of this thread's first share of the means (below: channel t // 8, taps
             # t % 8, t % 8 + 8, ...), loaded now so that their round trip passes during the
             # reduction instead of after it.
@@ -299,33 +235,116 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                 k = (t & SHARE_MASK) + SHARE * i
                 if oc_pre < opg and k < n_box:
                     wpre[i] = w[uint32(ci), uint32(oc_pre), uint32(k)]
-            # Reduce-scatter over the warp, 32 box sums at a time: at the step of width h each
-            # lane keeps half of its sums (the upper half if its bit h is set), adds the
-            # partner's (lane ^ h) copy of that half and sends the other half. After the steps
-            # 16, 8, 4, 2, 1 lane l holds the warp's total of box sum base + l: 31 shuffles per
-            # 32 sums, where one warp_sum per sum took 5 each (and the simulator emulates every
-            # shuffle). Fixed order: deterministic.
-            for base in range(0, n_pad, WARP_SIZE):
-                for step in range(5):
-                    h = 16 >> step
-                    upper = (lane & h) != 0
-                    for i in range(h):
-                        low_v = box[base + i]
-                        high_v = box[base + i + h]
-                        send = low_v if upper else high_v
-                        keep = high_v if upper else low_v
-                        box[base + i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, h)
-                partial[warp, base + lane] = box[base]
-            cuda.syncthreads()  # every warp's partials are in shared memory
-            j = t
-            while j < n_box:
-                total = 0.0
-                for v in range(warps):
-                    total += partial[v, j]
-                out[n, ci * n_box + j] = total
-                btot[j] = total
-                j += bs
-            cuda.syncthreads()  # btot is complete (and partial is free again)
+            for dp in range(d_passes):
+                # (with one pass, every D tap's box sums; else D tap dp's, from its interval)
+                d_lo, d_hi = lo[0, dp], hi[0, dp]
+                box = cuda.local.array(n_pad, float64)
+                for j in range(n_pad):
+                    box[j] = 0.0
+                # the same trip count for every thread (a test inside, not a shorter loop), so the
+                # warps are provably converged at the shuffles below: plain SHFL
+                item0 = int32(0)
+                while item0 < items:
+                    if item0 + t < items:
+                        part, quad = fast_divmod(item0 + t, dims[3])
+                        i_d, iq = fast_divmod(quad, dims[1])   # (multiply-high divisions)
+                        i_d, iw = int32(i_d), int32(iq) * QUAD
+                        if d_passes == 1 or (d_lo <= i_d and i_d <= d_hi):
+                            r0 = int32(part) * part_rows
+                            r1 = r0 + min(part_rows, in_h - r0)  # (no 32-bit overflow)
+                            last_u = in_w - 1 - iw  # columns iw + u past it lie outside the input
+                            cbase = off_t(i_d) * plane_h + off_t(iw)
+                            # the quad's column totals over the slice's rows, ``rows`` rows of loads
+                            # in flight; four columns, four independent chains of adds
+                            vals = cuda.local.array(n_vals, elem)
+                            tot = cuda.local.array(QUAD, float64)
+                            for u in range(QUAD):
+                                tot[u] = 0.0
+                            rbase = cbase + off_t(r0) * row_w
+                            ih0 = r0
+                            while ih0 + rows <= r1:
+                                for r in range(rows):
+                                    load_quad(vals, r * QUAD, xv, rbase + off_t(r) * row_w, last_u)
+                                for r in range(rows):
+                                    for u in range(QUAD):
+                                        tot[u] += float64(vals[r * QUAD + u])
+                                rbase += off_t(rows) * row_w
+                                ih0 += rows
+                            if ih0 < r1:  # the last, partial round: rows clamped, values tested
+                                for r in range(rows):
+                                    load_quad(vals, r * QUAD, xv,
+                                              cbase + off_t(min(ih0 + r, in_h - 1)) * row_w, last_u)
+                                for r in range(rows):
+                                    if ih0 + r < r1:
+                                        for u in range(QUAD):
+                                            tot[u] += float64(vals[r * QUAD + u])
+                            # each H tap's interval [lo, hi] (inside the input, or empty) is the
+                            # total less the rows it leaves out, all of them above ``top`` or from
+                            # ``bottom`` on: the few edge rows (for the default problem one at each
+                            # edge), read again (from L1) by the slice that holds them, each once,
+                            # with a test per tap. Slices add up: so do their interval sums.
+                            sub = cuda.local.array(n_sub, float64)
+                            for b in range(n_sub):
+                                sub[b] = 0.0
+                            edge = cuda.local.array(QUAD, elem)
+                            for ih in range(r0, min(top, r1)):
+                                load_quad(edge, 0, xv, cbase + off_t(ih) * row_w, last_u)
+                                leave_out(sub, edge, ih, hlo, hhi)
+                            for ih in range(max(max(top, bottom), r0), r1):
+                                load_quad(edge, 0, xv, cbase + off_t(ih) * row_w, last_u)
+                                leave_out(sub, edge, ih, hlo, hhi)
+                            # which box sums the quad's KH interval sums go to: per W tap the sum
+                            # over the quad's columns inside its interval (a column past the input
+                            # is inside none), then per D tap all of them or none (32-bit tests and
+                            # selects). Per quad 4*KH*KW + KD*KH*KW selected adds, where a thread
+                            # per column did KD*KH + KD*KH*KW per column
+                            rq = cuda.local.array(n_hw, float64)
+                            for j in range(n_hw):
+                                rq[j] = 0.0
+                            for u in range(QUAD):
+                                wu = iw + u
+                                for c in range(kw_n):
+                                    inw = (wu >= wlo[c]) & (wu <= whi[c])
+                                    for b in range(kh_n):
+                                        run = (tot[u] - sub[b * QUAD + u]
+                                               if hlo[b] <= hhi[b] else 0.0)
+                                        rq[b * kw_n + c] += run if inw else 0.0
+                            if d_passes == 1:
+                                for a in range(kd_n):
+                                    ind = (i_d >= dlo[a]) & (i_d <= dhi[a])
+                                    for j in range(n_hw):
+                                        box[a * n_hw + j] += rq[j] if ind else 0.0
+                            else:   # (the item lies in this pass's D interval)
+                                for j in range(n_hw):
+                                    box[j] += rq[j]
+                    item0 += bs
+                # Reduce-scatter over the warp, 32 box sums at a time: at the step of width h each
+                # lane keeps half of its sums (the upper half if its bit h is set), adds the
+                # partner's (lane ^ h) copy of that half and sends the other half. After the steps
+                # 16, 8, 4, 2, 1 lane l holds the warp's total of box sum base + l: 31 shuffles per
+                # 32 sums, where one warp_sum per sum took 5 each (and the simulator emulates every
+                # shuffle). Fixed order: deterministic.
+                for base in range(0, n_pad, WARP_SIZE):
+                    for step in range(5):
+                        h = 16 >> step
+                        upper = (lane & h) != 0
+                        for i in range(h):
+                            low_v = box[base + i]
+                            high_v = box[base + i + h]
+                            send = low_v if upper else high_v
+                            keep = high_v if upper else low_v
+                            box[base + i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, h)
+                    partial[warp, base + lane] = box[base]
+                cuda.syncthreads()  # every warp's partials are in shared memory
+                j = t
+                while j < n_pass:
+                    total = 0.0
+                    for v in range(warps):
+                        total += partial[v, j]
+                    out[n, ci * n_box + dp * n_pass + j] = total
+                    btot[dp * n_pass + j] = total
+                    j += bs
+                cuda.syncthreads()  # the pass's box sums are in btot (and partial is free again)
             # This plane's share of its group's means, contrib[n, ci, oc] = sum_k w[ci, oc, k]
             # * B[n, ci, k]: eight threads per output channel (consecutive lanes), each over
             # every eighth tap, then three shuffles inside each group of eight.
