@@ -206,10 +206,12 @@ def _box_sums_flops(geom, batch: int, in_spatial) -> int:
 def _gather_label(launch, variant: str) -> str:
     """The gather's row label: its register tile, the patch stored without tests, ``variant``;
     for the tensor-core gather its m16-tiles of channels and n8-tiles of quotients per W phase
-    a warp, and its warps (output rows) a block."""
+    a warp, its output rows a block and (split K) the warps sharing a row's chunks and D taps."""
     t = launch.tiling
     if isinstance(launch, gather_mma.MmaLaunch):
-        return f"conv_transpose3d_gather_mma[tf32,mt={t.mt},nq={t.nq},rows={t.rows}{variant}]"
+        split = f",split={t.chunk_split}x{t.tap_split}" if t.splits > 1 else ""
+        return (f"conv_transpose3d_gather_mma[tf32,mt={t.mt},nq={t.nq},rows={t.rows}{split}"
+                f"{variant}]")
     rows, cols = launch.edges
     return f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},edges={rows}x{cols}{variant}]"
 

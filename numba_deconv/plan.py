@@ -178,12 +178,14 @@ class CallPlan:
 
 def gather_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial, dtype: torch.dtype,
                   options: Options, tensor_cores: bool, device: torch.device):
-    """The gather's launch for these shapes on ``device``: the tensor-core one (``gather_mma``)
-    or the FFMA one (``gather``, its tile sized to the device's SMs: ``gather.resident_threads``).
-    ``build`` and ``explain`` both take it from here."""
+    """The gather's launch for these shapes on ``device``: the tensor-core one (``gather_mma``,
+    its K split over more warps where the launch is small) or the FFMA one (``gather``, its tile
+    sized to the device's SMs), both sized by ``gather.resident_threads``. ``build`` and
+    ``explain`` both take it from here."""
     in_spatial, out_spatial = tuple(in_spatial), tuple(out_spatial)
     if tensor_cores:
-        return gather_mma.mma_launch(geom, batch, in_spatial, out_spatial)
+        return gather_mma.mma_launch(geom, batch, in_spatial, out_spatial,
+                                     gather.resident_threads(device))
     return gather.gather_launch(geom, batch, in_spatial, out_spatial, dtypes.name_of(dtype),
                                 heavy_first=options.tail_heavy_first,
                                 resident=gather.resident_threads(device))

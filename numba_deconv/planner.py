@@ -343,14 +343,16 @@ def _ffma_taps_factor(geom: ConvGeometry, flops: float, outputs: int) -> float:
     return min(1.0, (taps / FFMA_TAPS) ** FFMA_TAPS_EXPONENT) * _taps_factor(geom)
 
 
-def _mma_work(geom: ConvGeometry, batch: int, in_spatial, out_spatial):
-    """``(padding, reuse, threads)`` of the tensor-core gather's launch: its multiply-adds over
-    the useful ones (channel tiles of 16, chunks of 8 input channels, row segments), the
-    fragment reuse of its tiling and its threads; None where it does not take the geometry."""
+def _mma_work(geom: ConvGeometry, batch: int, in_spatial, out_spatial, resident: int):
+    """``(padding, reuse, threads)`` of the tensor-core gather's launch on a device holding
+    ``resident`` threads (its K split where the launch is small: ``gather_mma.split_k``): its
+    multiply-adds over the useful ones (channel tiles of 16, chunks of 8 input channels, row
+    segments), the fragment reuse of its tiling and its threads; None where it does not take
+    the geometry."""
     if gather_mma.unsupported(geom, "float32") is not None:
         return None
     try:
-        launch = gather_mma.mma_launch(geom, batch, in_spatial, out_spatial)
+        launch = gather_mma.mma_launch(geom, batch, in_spatial, out_spatial, resident)
     except ValueError:
         return None
     t = launch.tiling
@@ -367,7 +369,7 @@ def _mma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial:
     """Seconds of the tensor-core gather's multiply-adds: its padded work (``_mma_work``) at
     ``MMA_EFFICIENCY`` of the TF32 peak per unit of fragment reuse, over its waves; None where
     it does not take the geometry."""
-    mma = _mma_work(geom, batch, in_spatial, out_spatial)
+    mma = _mma_work(geom, batch, in_spatial, out_spatial, int(peaks["sms"]) * RESIDENT_THREADS)
     if mma is None:
         return None
     padded, reuse, threads = mma

@@ -16,7 +16,8 @@ import torch
 
 from numba_deconv import Pipeline, precision
 from numba_deconv.geometry import ConvGeometry
-from numba_deconv.kernels import gather_mma, mma
+from numba_deconv.kernels import gather, gather_mma, mma
+from numba_deconv.kernels.gather_mma import MODES
 from numba_deconv.plan import Options
 from numba_deconv.reference import Model
 from numba_deconv.testing import reference, relative_error
@@ -51,7 +52,7 @@ def _pad_with_zeros(launch, x_pad):
     rows[:, launch.lpad + launch.in_w:] = 0
 
 
-def _kernel_run(device, case, mode: str, zero_mean: bool = False):
+def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int = 0):
     ci, co, k, s, p, op, d, g, batch, spatial = case
     geom = ConvGeometry.create(ci, co, k, s, p, op, g, False, d)
     gen = torch.Generator().manual_seed(7)
@@ -62,7 +63,7 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False):
     y = conv(_tf32(x).double(), _tf32(w).double())
     bound_y = conv(_tf32(x).double().abs(), _tf32(w).double().abs())
     out_spatial = tuple(y.shape[2:])
-    launch = gather_mma.mma_launch(geom, batch, spatial, out_spatial)
+    launch = gather_mma.mma_launch(geom, batch, spatial, out_spatial, resident)
     wmm = gather_mma.arrange_weights(w, torch.from_numpy(launch.weight_index(geom)).to(device))
     mean = (torch.randn(batch, co, generator=gen, dtype=torch.float64) * 3).to(device)
     if zero_mean:
@@ -84,7 +85,7 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False):
         want, bound = (y - mu) * a, 2.0**-20 * (bound_y + mu.abs()) * a
     else:
         want, bound = y * a - mu, 2.0**-20 * (bound_y * a + mu.abs())
-    return out, ss, want, bound
+    return out, ss, want, bound, launch
 
 
 # the second pass's modes (``sums``, ``rescaled``: the epilogues' other arithmetic) on the
@@ -97,7 +98,11 @@ SECOND_PASS_CASES = [KERNEL_CASES[0], KERNEL_CASES[1], KERNEL_CASES[6]]
     *((case, mode) for case in SECOND_PASS_CASES for mode in ("sums", "rescaled"))],
     ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c[:2])))
 def test_kernel_against_the_tf32_convolution(device, case, mode):
-    out, ss, want, bound = _kernel_run(device, case, mode)
+    out, ss, want, bound, _ = _kernel_run(device, case, mode)
+    _check(out, ss, want, bound, mode)
+
+
+def _check(out, ss, want, bound, mode: str) -> None:
     if mode == "sums":  # the partials alone: the output is not written
         assert torch.isnan(out).all()
     else:
@@ -110,10 +115,32 @@ def test_kernel_against_the_tf32_convolution(device, case, mode):
         assert torch.allclose(got, exp, rtol=1e-5, atol=1e-9)
 
 
+# split K (``split_k``), forced (a GPU of 132 SMs, any chain worth splitting): chunks and D taps
+# with a ragged last chunk; groups, dilation, odd strides and output padding (every D tap in one
+# phase, none in the other); chunks alone, two m-tiles of 16 channels
+SPLIT_CASES = [
+    ((20, 12, 3, 1, 1, 0, 1, 1, 1, (2, 2, 3)), (3, 3)),
+    ((34, 10, (3, 2, 4), (2, 2, 1), (1, 0, 2), (1, 1, 0), (2, 1, 2), 2, 2, (2, 2, 3)), (3, 3)),
+    ((12, 40, 2, 2, 0, 0, 1, 1, 1, (2, 1, 3)), (2, 1)),
+]
+
+
+@pytest.mark.parametrize("case, mode", [(case, mode) for case in SPLIT_CASES for mode in MODES],
+                         ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c[0][:2])))
+def test_split_k_against_the_tf32_convolution(device, case, mode, monkeypatch):
+    monkeypatch.setattr(gather_mma, "MIN_SPLIT_MMA", 1)
+    case, splits = case
+    out, ss, want, bound, launch = _kernel_run(device, case, mode, resident=132 * 512)
+    t = launch.tiling
+    assert (t.chunk_split, t.tap_split, t.rows) == (*splits, 1)
+    assert launch.block == 32 * t.chunk_split * t.tap_split
+    _check(out, ss, want, bound, mode)
+
+
 def test_the_kernel_rounds_to_tf32(device):
     """Not float32 arithmetic: the kernel's convolution is the TF32 one, ~1e-4 away from the
     exact convolution of the same (unrounded) operands."""
-    out, _, want, _ = _kernel_run(device, KERNEL_CASES[0], "eval", zero_mean=True)
+    out, _, want, _, _ = _kernel_run(device, KERNEL_CASES[0], "eval", zero_mean=True)
     ci, co, k, s, p, op, d, g, batch, spatial = KERNEL_CASES[0]
     gen = torch.Generator().manual_seed(7)  # _kernel_run's draws, in its order
     x = torch.randn(batch, ci, *spatial, generator=gen).double()
@@ -164,8 +191,9 @@ def test_arranged_weights_are_tf32(device):
 @pytest.mark.parametrize("opg", [1, 3, 8, 16, 17, 24, 64, 128])
 @pytest.mark.parametrize("stride", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("out_hw", [(1, 1), (7, 9), (63, 63), (200, 40)])
-def test_tiling_fits(opg, stride, out_hw):
-    geom = ConvGeometry.create(8, opg, 3, stride, 1, 0, 1, False, 1)
+@pytest.mark.parametrize("ipg", [8, 200])
+def test_tiling_fits(opg, stride, out_hw, ipg):
+    geom = ConvGeometry.create(ipg, opg, 3, stride, 1, 0, 1, False, 1)
     launch = gather_mma.mma_launch(geom, 2, (4, 4, 4), (3, *out_hw))
     t = launch.tiling
     assert stride * t.nq * t.mt <= gather_mma.MAX_ACC_TILES
@@ -175,6 +203,36 @@ def test_tiling_fits(opg, stride, out_hw):
     assert t.nq <= max(1, -(-qw // 8))  # no n8-tile wholly past the row's end
     assert launch.block == 32 * min(gather_mma.ROWS, out_hw[0])
     assert gather_mma.smem_bytes(t, stride) <= 48 * 1024
+    # on a GPU of 132 SMs: the same tile, its K split or not, within a block's limits
+    split = gather_mma.mma_launch(geom, 2, (4, 4, 4), (3, *out_hw), 132 * 512).tiling
+    assert (split.mt, split.nq) == (t.mt, t.nq)
+    assert split == t or split.rows == 1 < split.splits <= gather_mma.MAX_SPLITS
+    assert gather_mma.smem_bytes(split, stride) <= 48 * 1024
+
+
+def test_split_k_takes_the_largest_split_of_one_wave():
+    """128 -> 16 channels, k5 s1 p2, batch 2 on 6^3 (72 output rows of one segment and one
+    channel tile, 16 chunks of input channels): 16 warps a row on a GPU of 132 SMs, 72 blocks
+    of 512 threads; on 8 SMs (9 rows an SM) the largest split of which an SM holds 9 blocks, 1;
+    on 4 SMs, none (the launch fills the GPU as it is). Not off a GPU (``resident`` 0), nor
+    where a warp would be left fewer than MIN_SPLIT_MMA mma, nor on small reductions."""
+    geom = ConvGeometry.create(128, 16, 5, 1, 2, 0, 1, False, 1)
+    out = geom.output_spatial((6, 6, 6))
+
+    def tiling(resident, g=geom, spatial=(6, 6, 6), o=out):
+        return gather_mma.mma_launch(g, 2, spatial, o, resident).tiling
+
+    assert tiling(0).splits == 1 and tiling(0).rows == 4
+    launch = gather_mma.mma_launch(geom, 2, (6, 6, 6), out, 132 * 512)
+    assert launch.tiling == gather_mma.MmaTiling(1, 1, 1, 16, 1)
+    assert (launch.grid, launch.block) == (72, 512)
+    assert tiling(8 * 512).splits == 1   # 72 rows on 8 SMs: 9 blocks an SM, 1 warp each
+    assert tiling(5 * 512).splits == 1
+    # 72 rows on 36 SMs: 2 an SM, 8 warps each; 24 SMs: 3, 5 each
+    assert tiling(36 * 512).splits == 8 and tiling(24 * 512).splits == 5
+    # k3 s1 with 8 input channels: one chunk, a warp's 3 D taps of 9 mma each, under 32
+    small = ConvGeometry.create(8, 16, 3, 1, 1, 0, 1, False, 1)
+    assert tiling(132 * 512, small, (6, 6, 6), (6, 6, 6)).splits == 1
 
 
 def test_what_it_does_not_take():
@@ -232,6 +290,31 @@ def test_pipeline_in_tf32(device, train, variance):
         err, own = relative_error(got, want), _tf32_operator_error(model, x)
         assert 1e-5 < err <= 3 * own, (offset, err, own)
     assert any("TF32 tensor cores" in note for note in pipe.explain(tuple(x.shape)).notes)
+
+
+@pytest.mark.parametrize("train", [pytest.param(False, id="eval"),
+                                   pytest.param(True, marks=pytest.mark.gpu, id="train")])
+def test_pipeline_with_split_k(device, train, monkeypatch):
+    """The pipeline on a split K (forced: a GPU of 132 SMs, any chain worth splitting; 20 input
+    channels, k3 s2: chunks and D taps), a large per-channel offset, against float64."""
+    monkeypatch.setattr(gather, "resident_threads", lambda device: 132 * gather.RESIDENT_THREADS)
+    monkeypatch.setattr(gather_mma, "MIN_SPLIT_MMA", 1)
+    torch.manual_seed(5)
+    model = Model(20, 12, 3, 2, 1)
+    with torch.no_grad():
+        model.batch_norm.weight.uniform_(0.5, 1.5)
+    model = model.to(device).train(train)
+    x = torch.randn(2, 20, 2, 3, 2, device=device) + 40.0
+    want = reference(*(copy.deepcopy(m).double() for m in (model.conv_transpose,
+                                                           model.batch_norm)), x.double())
+    pipe = Pipeline.from_torch(copy.deepcopy(model), precision="tf32", specialize=True)
+    with torch.no_grad():
+        got = pipe(x)
+    rows = [r for r in pipe.explain(tuple(x.shape)).rows if "gather_mma" in r.kernel]
+    assert rows and all("rows=1,split=3x2" in r.kernel and r.block == 6 * 32 for r in rows), \
+        [(r.kernel, r.block) for r in rows]   # 3 chunks x 2 D taps
+    err, own = relative_error(got, want), _tf32_operator_error(model, x)
+    assert 1e-5 < err <= 3 * own, (err, own)
 
 
 # (on the GPU profile only, ~30 s a mode under the simulator: precision="tf32" runs only on

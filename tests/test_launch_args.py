@@ -87,6 +87,7 @@ def test_direct_launches_pass_every_kind_of_parameter():
         out = torch.full_like(x, float("nan"))
         scale, shift = 2.0 ** (step - 1), 3 - step
         stream = torch.cuda.Stream() if step == 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # x and out were made on that one
         with torch.cuda.stream(stream):
             launch.launch(affine, (4, 2), 128, (x, out, (n, 7 * step), scale, shift, table))
         stream.synchronize()

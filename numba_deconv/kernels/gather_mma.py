@@ -28,6 +28,13 @@ accumulators: sw x NQ x MT tiles of 4 float32. A block is ROWS warps on consecut
 rows of one (n, od, segment, channel tile). Nothing is staged for the multiply-adds: no
 barrier, and every warp runs on its own.
 
+Split K (``split_k``): a launch too small to fill the GPU (few outputs of many input channels
+and taps: a few hundred warps, each a chain of thousands of dependent loads and mma) shares each
+output row's reduction among up to ``MAX_SPLITS`` warps of one block, each taking every
+``chunk_split``-th chunk of input channels and every ``tap_split``-th D tap. They hand their
+accumulators to the row's first warp through shared memory, which adds them in a fixed order
+(deterministic) and runs the epilogue alone.
+
 Epilogue as ``gather``'s (§2.3, §2.4, §2.7): ``acc - mean`` (evaluation: scale folded into the
 weights), ``acc * scale - mean`` (``scaled``: training's Gram path), or with ``train`` the
 centred output plus one centred sum of squares per (n, channel, block), reduced over the quad's
@@ -84,15 +91,33 @@ _DIVISORS = ("ctiles", "segs", "row_blocks", "out_d", "tiles_per_group")
 @dataclass(frozen=True)
 class MmaTiling:
     """A warp's work: MT m16-tiles of channels, NQ n8-tiles of quotients per W phase; ROWS
-    warps a block."""
+    output rows a block. With a split K (``split_k``), each row's reduction is shared by
+    ``chunk_split`` x ``tap_split`` warps: every ``chunk_split``-th chunk of 8 input channels and
+    every ``tap_split``-th D tap of the phase, from its own first."""
 
     mt: int
     nq: int
     rows: int
+    chunk_split: int = 1
+    tap_split: int = 1
 
     def seg(self, sw: int) -> int:
         """Outputs of a warp's row segment at W stride ``sw``."""
         return 8 * self.nq * sw
+
+    @property
+    def splits(self) -> int:
+        """Warps sharing one output row's reduction."""
+        return self.chunk_split * self.tap_split
+
+    @property
+    def warps(self) -> int:
+        """Warps of a block."""
+        return self.rows * self.splits
+
+    def acc_floats(self, sw: int) -> int:
+        """A lane's float32 accumulators at W stride ``sw``."""
+        return sw * self.nq * self.mt * 4
 
 
 def _phase_ranges(taps: tuple, stride: int) -> tuple[tuple, tuple]:
@@ -113,9 +138,11 @@ def _tile_stride(seg: int) -> int:
 
 
 def smem_bytes(tiling: MmaTiling, sw: int, train: bool = True) -> int:
-    """A block's static shared memory: the warps' tiles, (train) the per-warp partials."""
+    """A block's static shared memory: the rows' tiles, (train) the per-row partials, (split K)
+    the accumulators of every warp but each row's first."""
     tile = tiling.rows * 16 * _tile_stride(tiling.seg(sw)) * 4
-    return tile + (8 * tiling.rows * 16 * tiling.mt if train else 0)
+    red = tiling.rows * (tiling.splits - 1) * WARP_SIZE * tiling.acc_floats(sw) * 4
+    return tile + (8 * tiling.rows * 16 * tiling.mt if train else 0) + red
 
 
 def device_supports(device) -> bool:
@@ -150,6 +177,46 @@ def choose_tiling(opg: int, sw: int, qw_n: int, out_h: int) -> MmaTiling:
     mt = 1 if opg <= 16 or 2 * sw > MAX_ACC_TILES else 2
     nq = max(1, min(MAX_ACC_TILES // (sw * mt), MAX_SEG // (8 * sw), -(-qw_n // 8)))
     return MmaTiling(mt, nq, min(ROWS, out_h))
+
+
+#: Warps a split block holds at most: 512 threads of ``MAX_REGS`` registers, an SM's register
+#: file (the H100's and H200's 64K).
+MAX_SPLITS = 16
+#: Threads an SM holds of this kernel (128 registers a thread): ``gather.RESIDENT_THREADS``.
+RESIDENT_THREADS = gather.RESIDENT_THREADS
+#: A split warp's least share of its row's mma: shorter chains are not worth the reduction.
+MIN_SPLIT_MMA = 32
+#: Shared memory for the split warps' accumulators, bytes.
+SPLIT_SMEM = 32 * 1024
+
+
+def split_k(tiling: MmaTiling, sw: int, units: int, chunks: int, tdmax: int,
+            mma_per_row: int, resident: int) -> MmaTiling:
+    """The tiling with its K split over more warps where the launch is too small to fill the
+    GPU: ``units`` output rows (warps unsplit, one row a block), each of ``mma_per_row`` mma in
+    sequence over ``chunks`` chunks and at most ``tdmax`` D taps, on a device holding
+    ``resident`` threads (0: never split). Small launches of long reductions (many input
+    channels and taps, few outputs) otherwise leave most SMs idle while each warp's chain of
+    dependent loads and mma runs its whole length.
+
+    The split is the largest that still runs in one wave (an SM holds ``MAX_SPLITS`` warps,
+    blocks of ``splits`` warps), leaves each warp ``MIN_SPLIT_MMA`` mma and keeps the partial
+    accumulators within ``SPLIT_SMEM``; chunks first (a warp keeps its D taps' loads in one
+    input channel plane), then D taps. A split block holds one output row."""
+    if resident <= 0:
+        return tiling
+    sms = resident // RESIDENT_THREADS
+    cap = min(MAX_SPLITS, chunks * tdmax, mma_per_row // MIN_SPLIT_MMA,
+              1 + SPLIT_SMEM // (WARP_SIZE * tiling.acc_floats(sw) * 4))
+    best = 1
+    for s in range(2, cap + 1):
+        if units <= sms * (MAX_SPLITS // s):
+            best = s
+    if best == 1:
+        return tiling
+    chunk_split = min(chunks, best)
+    tap_split = min(tdmax, best // chunk_split)
+    return MmaTiling(tiling.mt, tiling.nq, 1, chunk_split, tap_split)
 
 
 @dataclass(frozen=True)
@@ -195,27 +262,36 @@ class MmaLaunch:
         launch_round_input(x, x_tf32, x_pad, self.in_w, self.padded_w, self.lpad)
 
 
-def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> MmaLaunch:
-    """Grid, tiling and run-time sizes for one input shape."""
+def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
+               resident: int = 0) -> MmaLaunch:
+    """Grid, tiling and run-time sizes for one input shape, on a device holding ``resident``
+    threads of the kernel (``gather.resident_threads``; 0: the tiling alone, no split K)."""
     d_axis, h_axis, w_axis = geom.axes()
     d_plan, h_plan, w_plan = axis_plan(d_axis), axis_plan(h_axis), axis_plan(w_axis)
     sw = geom.stride[2]
     od, oh, ow = out_spatial
     tiling = choose_tiling(geom.out_per_group, sw, -(-ow // sw), oh)
-    row_blocks = -(-oh // tiling.rows)
     segs = -(-ow // tiling.seg(sw))
+    tiles_per_group = -(-geom.out_per_group // (16 * tiling.mt))
+    chunks = -(-geom.in_per_group // KC)
+    tdmax = max(1, max(len(taps) for taps in d_axis.phase_taps()))
+    # a row's mma: per chunk and tap of the largest phases, one per W tap, n8-tile and m-tile
+    hmax = max(1, max(len(taps) for taps in h_axis.phase_taps()))
+    mma_per_row = chunks * tdmax * hmax * max(1, len(w_plan.taps)) * tiling.nq * tiling.mt
+    tiling = split_k(tiling, sw, batch * geom.groups * tiles_per_group * od * oh * segs, chunks,
+                     tdmax, mma_per_row, resident)
+    row_blocks = -(-oh // tiling.rows)
     # the columns the B loads reach: quotients 0 .. segs * 8 * NQ - 1, tap offsets 0 .. window - 1
     in_w = in_spatial[2]
     lpad = max(0, -w_plan.shift)
     padded_w = lpad + max(in_w, segs * 8 * tiling.nq - 1 + w_plan.shift + w_plan.window)
-    tiles_per_group = -(-geom.out_per_group // (16 * tiling.mt))
     ctiles = geom.groups * tiles_per_group
     sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
                  in_wp=padded_w, out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
                  ipg=geom.in_per_group, opg=geom.out_per_group, shift_d=d_plan.shift,
                  shift_h=h_plan.shift, shift_wp=w_plan.shift + lpad, row_blocks=row_blocks,
                  segs=segs, ctiles=ctiles, tiles_per_group=tiles_per_group,
-                 chunks=-(-geom.in_per_group // KC))
+                 chunks=chunks)
     slots = od * row_blocks * segs
     grid = batch * ctiles * slots
     if grid >= fastdiv.LIMIT:
@@ -226,7 +302,7 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> MmaLa
     dims = (tuple(int(sizes[k]) for k in _SIZES),
             tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
     return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern, dims, grid,
-                     WARP_SIZE * tiling.rows, slots, wide, in_w, lpad, padded_w, padded_numel,
+                     WARP_SIZE * tiling.warps, slots, wide, in_w, lpad, padded_w, padded_numel,
                      geom.in_per_group % KC != 0)
 
 
@@ -272,10 +348,12 @@ def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
 
 @kernel_factory
 def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat: tuple,
-                    mode: str, wide: bool, ragged: bool, store: str = ""):
+                    mode: str, wide: bool, ragged: bool, store: str = "", chunk_split: int = 1,
+                    tap_split: int = 1):
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
-    the module docstring says what a block and a warp own. ``wide``: the input or the output
-    has 2**31 elements or more, so offsets are 64-bit (otherwise 32-bit). ``ragged``: a
+    the module docstring says what a block and a warp own, ``MmaTiling`` what the splits do.
+    ``wide``: the input or the output has 2**31 elements or more, so offsets are 64-bit
+    (otherwise 32-bit). ``ragged``: a
     group's input channels are not a whole number of chunks (the B fragments test them).
     ``store``: "" writes float32; "bfloat16" or "float16" writes each value rounded to that
     dtype into a ``uint16`` view of a half-precision output (evaluation only: a half-precision
@@ -310,7 +388,10 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     n_a = 4 * mt
     n_sq = 2 * mt
     part_shape = (rows, nct) if train else (1, 1)
-    block = WARP_SIZE * rows
+    splits = chunk_split * tap_split
+    block = WARP_SIZE * rows * splits
+    # split K: every warp's accumulators but each row's first, lane-minor (no bank conflicts)
+    red_shape = (rows, splits - 1, n_acc, WARP_SIZE) if splits > 1 else (1, 1, 1, 1)
 
     # the simulator's jit takes no register cap (and has no registers)
     @cuda.jit(**({} if is_simulator() else {"max_registers": MAX_REGS}))
@@ -326,6 +407,7 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     ):
         tile = cuda.shared.array((rows, 16, stride), float32)
         part = cuda.shared.array(part_shape, float64)
+        red = cuda.shared.array(red_shape, float32)
         (in_ch, in_d, in_h, in_wp, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
          shift_wp, row_blocks, segs, ctiles, tiles_per_group, chunks) = sizes
         if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
@@ -343,7 +425,10 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         c0 = int32(ct * nct)
         qd = int32(od // sd)
         rd = int32(od - qd * sd)
-        warp = t // WARP_SIZE
+        warp = t // WARP_SIZE % rows           # the warp's row in the block
+        ks = t // (WARP_SIZE * rows)           # its share of the row's K (split K)
+        ks_c = ks // tap_split                 # its first chunk
+        ks_d = ks - ks_c * tap_split           # and first D tap
         lane = t % WARP_SIZE
         g = lane >> 2
         tq = lane & 3
@@ -364,14 +449,14 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         # the group's first input channel, at this lane's first column (quotient q0 + g)
         xg = idx(idx((n * in_ch + grp * ipg) * ci_stride) + q0 + g + shift_wp)
         if row_ok:
-            for chunk_ in range(chunks):
+            for chunk_ in range(ks_c, chunks, chunk_split):
                 chunk = int32(chunk_)
                 ci = int32(chunk * KC + tq)
                 ok0 = ci < ipg
                 ok1 = ci + 4 < ipg
                 x0 = idx(xg + min(ci, last_ci) * ci_stride)
                 x1 = idx(xg + min(ci + 4, last_ci) * ci_stride)
-                for td_ in range(d_counts[rd]):
+                for td_ in range(ks_d, d_counts[rd], tap_split):
                     td = int32(td_)
                     idd = int32(qd + shift_d + d_first[rd] - td * d_step)
                     if uint32(idd) >= uint32(in_d):   # the whole warp: a plane of zeros
@@ -417,6 +502,11 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         # ---- epilogue: centre (and scale), the shared tile, stores of whole segments --------
         # This lane's channels: c0 + 16m + 8h + g, h in (0, 1) (the C fragment's rows); its
         # columns: quotients q0 + 8u + 2*tq + e, e in (0, 1), of every W phase.
+        if splits > 1:   # the row's other warps hand their sums to its first
+            if ks > 0:
+                for k in range(n_acc):
+                    red[warp, ks - 1, k, lane] = acc[k]
+            cuda.syncthreads()
         wait_prior_grid()   # box_sums (or gram_statistics) wrote the means (and the scale)
         co_last = int32(grp * opg + opg - 1)
         oplane = idx(out_h * out_w)
@@ -424,60 +514,66 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         w_out = int32(out_w)
         ow0 = int32(q0 * sw)
         sq = cuda.local.array(n_sq, float64)
-        for m in range(mt):
-            for h in range(2):
-                c = int32(c0 + 16 * m + 8 * h + g)
-                co = min(int32(grp * opg) + c, co_last)
-                mu = float32(mean[n, co])
-                sc = scale[co] if scaled or rescaled else float32(1)
-                s = float64(0)
-                for rw in range(sw):
-                    for u in range(nq):
-                        for e in range(2):
-                            v = acc[((rw * nq + u) * mt + m) * 4 + 2 * h + e]
-                            if scaled:
-                                v = v * sc - mu
-                            elif rescaled:
-                                v = (v - mu) * sc
-                            else:
-                                v = v - mu
-                            wl = int32((8 * u + 2 * tq + e) * sw + rw)
-                            if stores:
-                                tile[warp, 8 * h + g, wl] = v
-                            if train and ow0 + wl < w_out:
-                                s += float64(v) * float64(v)
-                sq[2 * m + h] = s
-            if stores:
-                cuda.syncwarp()
-                if row_ok:
-                    # the m-tile's first channel row at the segment's start, one channel plane
-                    # apart from row to row; its channels in the group (the last tile's may end
-                    # early). One store a row and pass, its offset 32-bit unless ``wide`` (numba
-                    # widens integer arithmetic to 64 bits: hence the casts)
-                    orow = idx(((n * out_ch + grp * opg + c0 + 16 * m) * out_d + od) * oplane
-                               + oh * w_out + ow0)
-                    crows = int32(opg - (c0 + 16 * m))
-                    for p in range(passes):
-                        wl = int32(p * WARP_SIZE + lane)
-                        if wl < seg and ow0 + wl < w_out:
-                            o = idx(orow + wl)
-                            for r in range(16):
-                                if int32(r) < crows:
-                                    if half:
-                                        out[uint64(o)] = to_bits(tile[warp, r, wl])
-                                    else:
-                                        out[uint64(o)] = tile[warp, r, wl]
-                                o = idx(o + cplane)
-                cuda.syncwarp()
+        if ks == 0:   # the row's first warp (the only one unless K is split) finishes it
+            for sp in range(splits - 1):   # the other warps' sums, in a fixed order
+                for k in range(n_acc):
+                    acc[k] += red[warp, sp, k, lane]
+            for m in range(mt):
+                for h in range(2):
+                    c = int32(c0 + 16 * m + 8 * h + g)
+                    co = min(int32(grp * opg) + c, co_last)
+                    mu = float32(mean[n, co])
+                    sc = scale[co] if scaled or rescaled else float32(1)
+                    s = float64(0)
+                    for rw in range(sw):
+                        for u in range(nq):
+                            for e in range(2):
+                                v = acc[((rw * nq + u) * mt + m) * 4 + 2 * h + e]
+                                if scaled:
+                                    v = v * sc - mu
+                                elif rescaled:
+                                    v = (v - mu) * sc
+                                else:
+                                    v = v - mu
+                                wl = int32((8 * u + 2 * tq + e) * sw + rw)
+                                if stores:
+                                    tile[warp, 8 * h + g, wl] = v
+                                if train and ow0 + wl < w_out:
+                                    s += float64(v) * float64(v)
+                    sq[2 * m + h] = s
+                if stores:
+                    cuda.syncwarp()
+                    if row_ok:
+                        # the m-tile's first channel row at the segment's start, one channel
+                        # plane apart from row to row; its channels in the group (the last
+                        # tile's may end early). One store a row and pass, its offset 32-bit
+                        # unless ``wide`` (numba widens integer arithmetic to 64 bits: hence
+                        # the casts)
+                        orow = idx(((n * out_ch + grp * opg + c0 + 16 * m) * out_d + od) * oplane
+                                   + oh * w_out + ow0)
+                        crows = int32(opg - (c0 + 16 * m))
+                        for p in range(passes):
+                            wl = int32(p * WARP_SIZE + lane)
+                            if wl < seg and ow0 + wl < w_out:
+                                o = idx(orow + wl)
+                                for r in range(16):
+                                    if int32(r) < crows:
+                                        if half:
+                                            out[uint64(o)] = to_bits(tile[warp, r, wl])
+                                        else:
+                                            out[uint64(o)] = tile[warp, r, wl]
+                                    o = idx(o + cplane)
+                    cuda.syncwarp()
         if train:
             # the quad's lanes (one g) hold the same channels: add over tq (lane bits 0-1),
             # then one partial per (warp, channel), then the warps' in a fixed order
-            for k in range(n_sq):
-                s = sq[k] if row_ok else float64(0)
-                s += cuda.shfl_xor_sync(FULL_MASK, s, 1)
-                s += cuda.shfl_xor_sync(FULL_MASK, s, 2)
-                if tq == 0:
-                    part[warp, 8 * k + g] = s
+            if ks == 0:
+                for k in range(n_sq):
+                    s = sq[k] if row_ok else float64(0)
+                    s += cuda.shfl_xor_sync(FULL_MASK, s, 1)
+                    s += cuda.shfl_xor_sync(FULL_MASK, s, 2)
+                    if tq == 0:
+                        part[warp, 8 * k + g] = s
             cuda.syncthreads()
             slot = (od * row_blocks + rb) * segs + sg
             c = t
@@ -496,7 +592,7 @@ def mma_kernel(launch: MmaLaunch, mode: str, store: str = ""):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_mma_kernel(t.mt, t.nq, t.rows, launch.dpat, launch.hpat, launch.wpat, mode,
-                           launch.wide, launch.ragged, store)
+                           launch.wide, launch.ragged, store, t.chunk_split, t.tap_split)
 
 
 def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, scale=None,
