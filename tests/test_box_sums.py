@@ -32,10 +32,12 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
     # with 32 threads (a whole and a partial round of loads at rows=4), 8 slices of 3 with 64
     # (the last one past the input: no rows), 20 of one row with 256
     ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (2, 20, 16)),
-    # more than 32 taps: a pass over the plane per D tap (k4 s2 p1: 64 taps; 60 taps with odd
-    # strides, a D padding past the kernel's reach from the input's first rows, D dilation)
+    # k4 s2 p1 (64 taps: one pass); more than 64 taps, a pass over the plane per D tap: k5 s2
+    # p2, and 80 taps with odd strides, a D padding past the kernel's reach from the input's
+    # first rows, D dilation
     ((4, 4, 4), (2, 2, 2), (1, 1, 1), (0, 0, 0), (1, 1, 1), (3, 5, 6)),
-    ((5, 3, 4), (2, 1, 3), (4, 0, 1), (1, 0, 2), (2, 1, 1), (4, 3, 9)),
+    ((5, 5, 5), (2, 2, 2), (2, 2, 2), (0, 0, 0), (1, 1, 1), (3, 4, 6)),
+    ((5, 4, 4), (2, 1, 3), (4, 0, 1), (1, 0, 2), (2, 1, 1), (4, 3, 9)),
 ]
 
 
@@ -55,7 +57,7 @@ SETTINGS = [
 # under the simulator, each case's setting: the one its comment is about (cases 5 and 7: the
 # simulator's 64-thread blocks and ``ROWS``; case 9: 32 threads at rows=4), every setting
 # at least once
-SIM_SETTING = [1, 2, 3, 5, 0, 0, 3, 1, 2, 4, 0, 3]
+SIM_SETTING = [1, 2, 3, 5, 0, 0, 3, 1, 2, 4, 0, 1, 3]
 
 
 def _case_settings():

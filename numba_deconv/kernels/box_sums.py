@@ -113,11 +113,12 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
       keeps few enough registers to run well at 128 threads
       (``plan.Options.box_sums_tail_block``, in ``gram_sums``' tail); a thread per input
       column walking every plane would spill at the 128-register cap;
-    * a kernel of more than 32 taps (k4: 64, k5: 125) walks the plane once per D tap, each
-      pass over the items in that tap's D interval, keeping only its KH*KW box sums
-      (``d_passes``): all of them would be 1 KB of float64 a thread at k5, in local memory,
-      each item's adds and the reduce-scatter round trips to it (H200, 2 x 128 planes of 6^3
-      at k5: 112 us); the input's rows are read up to KD times, from L1 and L2;
+    * a kernel of more than 64 taps (k5: 125) walks the plane once per D tap, each pass over
+      the items in that tap's D interval, keeping only its KH*KW box sums (``d_passes``): all
+      of them would be 1 KB of float64 a thread at k5, in local memory, each item's adds and
+      the reduce-scatter round trips to it (H200, 2 x 128 planes of 6^3 at k5: 112 us in one
+      pass, 28 in five); the input's rows are read up to KD times, from L1 and L2. At k4 (64
+      taps) one pass is the faster (96 planes of 6^3: 12 us against 15 in four);
     * each plane adds its own share of the means, so the last block only adds ``ipg`` shares
       per channel (eight threads per channel, two loads in flight) instead of a chain of
       dependent round trips at the end of the kernel, which the gather's epilogue waits for;
@@ -131,10 +132,10 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
     n_hw = kh_n * kw_n
     n_vals = rows * QUAD   # literal shapes for the local arrays
     n_sub = kh_n * QUAD
-    # a thread's box sums: all of them, or with more than 32 (k4, k5: 64 and 125 float64, which
-    # 128 registers cannot hold: local memory, most of the kernel's time) one D tap's at a
-    # time, the plane walked once per D tap (``d_passes``)
-    d_passes = kd_n if n_box > WARP_SIZE else 1
+    # a thread's box sums: all of them, or with more than 64 (k5: 125 float64, which 128
+    # registers cannot hold: local memory, most of the kernel's time) one D tap's at a time,
+    # the plane walked once per D tap (``d_passes``)
+    d_passes = kd_n if n_box > 2 * WARP_SIZE else 1
     n_pass = n_hw if d_passes > 1 else n_box
     n_pad = -(-n_pass // WARP_SIZE) * WARP_SIZE  # in groups of 32 for the reduce-scatter
     n_share = -(-n_box // SHARE)  # weights per thread in one channel's share of the means
