@@ -48,16 +48,18 @@ CASES = [  # kernel, stride, padding, output padding, dilation, input size
 # means' share and the last block loop twice), more than eight input channels per group
 # wide: the 64-bit offsets of volumes of 2**32 elements or more, forced on small ones
 # shift: x starts this many elements into its buffer (1: not 16-byte aligned, element loads)
+# ipg=65: the last block's threads add 8 or 9 shares each, LAST_LOADS at a time and the rest
 SETTINGS = [
     (1, 5, 2, 65535, box_sums.ROWS, None, False, 0), (3, 3, 2, 65535, 3, None, False, 0),
     (1, 2, 2, 65535, 3, box_sums.MAX_BLOCK, False, 0), (1, 4, 2, 3, 3, None, False, 1),
-    (1, 9, 5, 65535, 4, 32, False, 0), (1, 3, 2, 65535, 3, None, True, 0)]
+    (1, 9, 5, 65535, 4, 32, False, 0), (1, 3, 2, 65535, 3, None, True, 0),
+    (1, 65, 2, 65535, 3, 32, False, 0)]
 
 
 # under the simulator, each case's setting: the one its comment is about (cases 5 and 7: the
 # simulator's 64-thread blocks and ``ROWS``; case 9: 32 threads at rows=4), every setting
 # at least once
-SIM_SETTING = [1, 2, 3, 5, 0, 0, 3, 1, 2, 4, 0, 1, 3]
+SIM_SETTING = [1, 2, 6, 5, 0, 0, 3, 1, 2, 4, 0, 1, 3]
 
 
 def _case_settings():

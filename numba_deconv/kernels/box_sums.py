@@ -42,6 +42,7 @@ SHARE = 8  # threads per output channel in the means' shares and their sums
 SHARE_SHIFT = SHARE.bit_length() - 1
 SHARE_MASK = SHARE - 1
 assert SHARE == 1 << SHARE_SHIFT, "SHARE is a power of two"
+LAST_LOADS = 8  # loads in flight per thread in the last block's sum of the planes' shares
 QUAD = 4  # input columns per thread: one 16-byte load per row where the rows are aligned
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
@@ -120,7 +121,7 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
       pass, 28 in five); the input's rows are read up to KD times, from L1 and L2. At k4 (64
       taps) one pass is the faster (96 planes of 6^3: 12 us against 15 in four);
     * each plane adds its own share of the means, so the last block only adds ``ipg`` shares
-      per channel (eight threads per channel, two loads in flight) instead of a chain of
+      per channel (eight threads per channel, ``LAST_LOADS`` loads in flight) instead of a chain of
       dependent round trips at the end of the kernel, which the gather's epilogue waits for;
     * the first share's weights are loaded before the reduction, so their round trip passes
       during it.
@@ -227,15 +228,8 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             # for the address (64-bit offsets per row and clamped indices would cost many
             # instructions per value)
             xv = xf[int64(plane) * vol:int64(plane + 1) * vol]
-            # The weights of this thread's first share of the means (below: channel t // 8, taps
-            # t % 8, t % 8 + 8, ...), loaded now so that their round trip passes during the
-            # reduction instead of after it.
             wpre = cuda.local.array(n_share, elem)
             oc_pre = t >> SHARE_SHIFT
-            for i in range(n_share):
-                k = (t & SHARE_MASK) + SHARE * i
-                if oc_pre < opg and k < n_box:
-                    wpre[i] = w[uint32(ci), uint32(oc_pre), uint32(k)]
             for dp in range(d_passes):
                 # (with one pass, every D tap's box sums; else D tap dp's, from its interval)
                 d_lo, d_hi = lo[0, dp], hi[0, dp]
@@ -297,8 +291,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                             # which box sums the quad's KH interval sums go to: per W tap the sum
                             # over the quad's columns inside its interval (a column past the input
                             # is inside none), then per D tap all of them or none (32-bit tests and
-                            # selects). Per quad 4*KH*KW + KD*KH*KW selected adds, where a thread
-                            # per column did KD*KH + KD*KH*KW per column
+                            # selects; with D passes, the pass's tap only). Per quad 4*KH*KW +
+                            # KD*KH*KW selected adds (KH*KW a pass), where a thread per column
+                            # did KD*KH + KD*KH*KW per column
                             rq = cuda.local.array(n_hw, float64)
                             for j in range(n_hw):
                                 rq[j] = 0.0
@@ -319,6 +314,14 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                                 for j in range(n_hw):
                                     box[j] += rq[j]
                     item0 += bs
+                if dp == d_passes - 1:
+                    # The weights of this thread's first share of the means (below: channel
+                    # t // 8, taps t % 8, t % 8 + 8, ...), loaded now so that their round trip
+                    # passes during the (last pass's) reduction instead of after it.
+                    for i in range(n_share):
+                        k = (t & SHARE_MASK) + SHARE * i
+                        if oc_pre < opg and k < n_box:
+                            wpre[i] = w[uint32(ci), uint32(oc_pre), uint32(k)]
                 # Reduce-scatter over the warp, 32 box sums at a time: at the step of width h each
                 # lane keeps half of its sums (the upper half if its bit h is set), adds the
                 # partner's (lane ^ h) copy of that half and sends the other half. After the steps
@@ -360,12 +363,12 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                         k = (t & SHARE_MASK) + SHARE * i
                         if k < n_box:
                             acc += wpre[i] * btot[k]
-                elif oc < opg:
+                elif oc < opg:   # (unrolled: the weights' loads all in flight at once)
                     wrow = w[uint32(ci), uint32(oc)]
-                    k = t & SHARE_MASK
-                    while k < n_box:
-                        acc += wrow[uint32(k)] * btot[k]
-                        k += SHARE
+                    for i in range(n_share):
+                        k = (t & SHARE_MASK) + SHARE * i
+                        if k < n_box:
+                            acc += wrow[uint32(k)] * btot[k]
                 for h in (4, 2, 1):
                     acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
                 if (t & SHARE_MASK) == 0 and oc < opg:
@@ -380,9 +383,10 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
             if last[0]:
                 cuda.threadfence()
                 # eight threads per output channel, each adding every eighth input channel's
-                # share (ipg / 8 loads: two at the default problem), then three shuffles, where
-                # a thread per channel with four loads in flight took ipg / 4 round trips at
-                # the end of the kernel, which the gather's epilogue waits for
+                # share (ipg / 8 loads: two at the default problem, sixteen at 128 input
+                # channels, in rounds of LAST_LOADS), then three shuffles, where a thread per
+                # channel with four loads in flight took ipg / 4 round trips at the end of the
+                # kernel, which the gather's epilogue waits for
                 co0 = int32(0)
                 while co0 < out_ch:  # block-uniform trip count
                     co = co0 + (t >> SHARE_SHIFT)
@@ -393,14 +397,17 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
                         oc = co - g * opg
                         cl = g * ipg + (t & SHARE_MASK)
                         end = (g + 1) * ipg
-                        while cl + SHARE < end:  # two loads in flight, added in order
-                            a0 = contrib[n, cl, oc]
-                            a1 = contrib[n, cl + SHARE, oc]
-                            acc += a0
-                            acc += a1
-                            cl += 2 * SHARE
-                        if cl < end:
+                        while cl + (LAST_LOADS - 1) * SHARE < end:
+                            # LAST_LOADS loads in flight, then added in order
+                            part_v = cuda.local.array(LAST_LOADS, float64)
+                            for i in range(LAST_LOADS):
+                                part_v[i] = contrib[n, cl + i * SHARE, oc]
+                            for i in range(LAST_LOADS):
+                                acc += part_v[i]
+                            cl += LAST_LOADS * SHARE
+                        while cl < end:
                             acc += contrib[n, cl, oc]
+                            cl += SHARE
                     for h in (4, 2, 1):
                         acc += cuda.shfl_xor_sync(FULL_MASK, acc, h)
                     if (t & SHARE_MASK) == 0 and co < out_ch:
