@@ -230,6 +230,9 @@ def test_split_k_takes_the_largest_split_of_one_wave():
     assert tiling(5 * 512).splits == 1
     # 72 rows on 36 SMs: 2 an SM, 8 warps each; 24 SMs: 3, 5 each
     assert tiling(36 * 512).splits == 8 and tiling(24 * 512).splits == 5
+    # 3 chunks and 3 D taps, room for 4 warps a row (397 rows on 132 SMs): 2 x 2, not 3 x 1
+    assert gather_mma.split_k(gather_mma.MmaTiling(1, 1, 4), 1, 397, 3, 3, 10**4, 132 * 512) \
+        == gather_mma.MmaTiling(1, 1, 1, 2, 2)
     # k3 s1 with 8 input channels: one chunk, a warp's 3 D taps of 9 mma each, under 32
     small = ConvGeometry.create(8, 16, 3, 1, 1, 0, 1, False, 1)
     assert tiling(132 * 512, small, (6, 6, 6), (6, 6, 6)).splits == 1

@@ -26,7 +26,8 @@ What a warp owns: one output row, every W phase of it, NQ n8-tiles of quotients 
 segment of SEG = 8 * NQ * sw consecutive outputs), and 16 * MT channels of one group; its
 accumulators: sw x NQ x MT tiles of 4 float32. A block is ROWS warps on consecutive output
 rows of one (n, od, segment, channel tile). Nothing is staged for the multiply-adds: no
-barrier, and every warp runs on its own.
+barrier, and every warp runs on its own (but for split K, below, whose warps meet once after
+their multiply-adds).
 
 Split K (``split_k``): a launch too small to fill the GPU (few outputs of many input channels
 and taps: a few hundred warps, each a chain of thousands of dependent loads and mma) shares each
@@ -77,7 +78,7 @@ from .warp import FULL_MASK, WARP_SIZE
 
 KC = 8                    # input channels per K step (the mma's k)
 ROWS = 4                  # warps (output rows) per block
-MAX_REGS = 128            # registers per thread: four blocks of 128 threads per SM
+MAX_REGS = 128            # registers per thread: 512 threads per SM (4 blocks of ROWS warps)
 MAX_ACC_TILES = 16        # sw * NQ * MT: 64 float32 accumulators per thread
 MAX_SEG = 64              # outputs of a warp's row segment (its shared tile's width)
 MODES = ("eval", "train", "scaled", "sums", "rescaled")
@@ -201,8 +202,9 @@ def split_k(tiling: MmaTiling, sw: int, units: int, chunks: int, tdmax: int,
 
     The split is the largest that still runs in one wave (an SM holds ``MAX_SPLITS`` warps,
     blocks of ``splits`` warps), leaves each warp ``MIN_SPLIT_MMA`` mma and keeps the partial
-    accumulators within ``SPLIT_SMEM``; chunks first (a warp keeps its D taps' loads in one
-    input channel plane), then D taps. A split block holds one output row."""
+    accumulators within ``SPLIT_SMEM``; as many of those warps as chunks x D taps can use, the
+    most chunks among equals (a warp keeps its D taps' loads in one input channel plane). A
+    split block holds one output row."""
     if resident <= 0:
         return tiling
     sms = resident // RESIDENT_THREADS
@@ -214,8 +216,9 @@ def split_k(tiling: MmaTiling, sw: int, units: int, chunks: int, tdmax: int,
             best = s
     if best == 1:
         return tiling
-    chunk_split = min(chunks, best)
-    tap_split = min(tdmax, best // chunk_split)
+    # the most warps within ``best``, the most chunks among equals
+    pairs = [(c, min(tdmax, best // c)) for c in range(1, min(chunks, best) + 1)]
+    chunk_split, tap_split = max(pairs, key=lambda ct: (ct[0] * ct[1], ct[0]))
     return MmaTiling(tiling.mt, tiling.nq, 1, chunk_split, tap_split)
 
 
