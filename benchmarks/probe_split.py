@@ -5,7 +5,7 @@ Answers: where ``gather_mma.split_k`` shares each output row's reduction among m
 outputs of many input channels and taps), how much faster is the call, and is it then ahead of
 the FFMA gather, of PyTorch's convolution with this package's finish and of eager PyTorch?
 
-    PYTHONPATH=$PWD python3 benchmarks/probe_split.py [--warm K/P]
+    PYTHONPATH=$PWD python3 benchmarks/probe_split.py [--warm K/P] [--random N [--seed S]]
 
 Variants per shape and mode (``Pipeline.from_torch``, specialised kernels): ``auto`` (the
 planner free), ``mma`` (the tensor-core gather: ``precision="tf32"``), ``unsplit`` (the same
@@ -14,13 +14,17 @@ with ``gather_mma.MAX_SPLITS = 1`` while its plans are built), ``ffma`` (``preci
 KernelBench-style (``bench.time_gpu``, ``bench.time_kernelbench``: medians of 60 calls after
 10), forward calls under ``torch.no_grad()``. ``--warm K/P`` makes the first calls of part K of
 P of the (shape, variant, mode) list and times nothing: P processes at once fill the kernel
-cache, on a machine's cores, before the one that times.
+cache, on a machine's cores, before the one that times. ``--random N``: N small calls drawn from
+``--seed`` (16-128 input and 4-128 output channels, kernels 1-5, strides 1-3, batches 1-4,
+inputs of 3-10 a side) instead of ``SHAPES``: does the planner (``auto``) pick the fastest of
+the others where the calls are small and its models least sure?
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import random
 
 import torch
 
@@ -45,6 +49,19 @@ SHAPES = [
 VARIANTS = {"auto": dict(conv_impl="auto"), "mma": dict(conv_impl="gather", precision="tf32"),
             "unsplit": dict(conv_impl="gather", precision="tf32"),
             "ffma": dict(conv_impl="gather", precision="ieee"), "torch": dict(conv_impl="torch")}
+
+
+def random_shapes(n: int, seed: int) -> list[tuple]:
+    """``n`` valid small calls, as ``SHAPES``' tuples."""
+    rng, shapes = random.Random(seed), []
+    while len(shapes) < n:
+        cin, cout = rng.choice([16, 32, 48, 64, 96, 128]), rng.choice([4, 8, 16, 32, 64, 128])
+        k, s = rng.randint(1, 5), rng.randint(1, 3)
+        p = rng.randint(0, k - 1) if k > 1 else 0
+        spatial = tuple(rng.randint(3, 10) for _ in range(3))
+        if min((n_ - 1) * s - 2 * p + k for n_ in spatial) >= 1:
+            shapes.append((cin, cout, k, s, p, rng.choice([1, 2, 4]), spatial))
+    return shapes
 
 
 @contextlib.contextmanager
@@ -103,10 +120,13 @@ def main() -> None:
     parser.add_argument("--warm", metavar="K/P", help="first calls of part K of P, no timing")
     parser.add_argument("--profile", action="store_true",
                         help="each kernel's GPU time per call (torch.profiler) instead")
+    parser.add_argument("--random", type=int, metavar="N", help="N random small calls instead")
+    parser.add_argument("--seed", type=int, default=20261130)
     args = parser.parse_args()
+    shapes = random_shapes(args.random, args.seed) if args.random else SHAPES
     if not torch.cuda.is_available() or bench.is_simulator():
         raise SystemExit("probe_split: needs a GPU")
-    jobs = [(shape, variant, mode) for shape in SHAPES for mode in ("eval", "train")
+    jobs = [(shape, variant, mode) for shape in shapes for mode in ("eval", "train")
             for variant in (*VARIANTS, "eager")]
     if args.warm:
         k, p = map(int, args.warm.split("/"))
@@ -117,14 +137,14 @@ def main() -> None:
         return
     print(f"device: {torch.cuda.get_device_name()}")
     if args.profile:
-        for shape in SHAPES:
+        for shape in shapes:
             base, x = case_of(shape).build("cuda")
             for mode in ("eval", "train"):
                 for variant in ("mma", "unsplit", "ffma", "torch"):
                     profile(case_of(shape).describe(), base, x, variant, mode)
         return
     print(f"{'shape':48s} {'mode':5s} " + " ".join(f"{v:>13s}" for v in (*VARIANTS, "eager")))
-    for shape in SHAPES:
+    for shape in shapes:
         case = case_of(shape)
         base, x = case.build("cuda")
         for mode in ("eval", "train"):

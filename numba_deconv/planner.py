@@ -43,7 +43,7 @@ PyTorch's convolution is taken only where predicted ``MARGIN`` faster than the f
 and with at least ``MIN_OUTPUTS`` outputs, or where ``box_sums``' rounds of dependent loads
 alone (hundreds of channels on a small input) outlast its whole call; and for a float32 call of
 at most ``WIDE_VOLUME`` output voxels per (sample, channel) past ``WIDE_LIBRARY_WORK`` steps of
-``gather_wide``'s warps (``few_voxels_past``). Synchronized statistics and ``variance="gram"``
+``gather_wide``'s warps or ``WIDE_LIBRARY_CHAIN`` a warp (``few_voxels_past``). Synchronized statistics and ``variance="gram"``
 keep the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
 input's shape, dtype and device, the mode and PyTorch's flags, so it is the same for every call
 of a kind.
@@ -79,8 +79,9 @@ where a channel's mean dwarfs its spread, up to 17x PyTorch's error (docs/perfor
 limits"). Such a call's convolution is ``gather_wide``'s (a warp per (sample, channel), each product
 and sum in float64, each (sample, channel) centred in float64), then, in training, the
 statistics and the scale into the float32 output: one rounding at the end. Only where that
-kernel's warps take at most ``WIDE_WORK`` steps in all, or ``WIDE_LIBRARY_WORK`` where PyTorch's
-convolution is a candidate: past that PyTorch's convolution and the float64 finish run
+kernel's warps take at most ``WIDE_WORK`` steps in all, or ``WIDE_LIBRARY_WORK`` (and
+``WIDE_LIBRARY_CHAIN`` a warp) where PyTorch's convolution is a candidate: past that PyTorch's
+convolution and the float64 finish run
 (faster there; its cost: docs/performance.md, "Known limits").
 """
 
@@ -186,6 +187,13 @@ WIDE_WORK = 1 << 22
 #: 512 -> 256 channels at one input voxel, 0.216 ms on ``gather_wide`` against 0.101; 2^18 steps,
 #: 256 -> 256, 0.070 against 0.144)
 WIDE_LIBRARY_WORK = 1 << 19
+#: ... or where one warp's steps pass this many: its chain of dependent loads then outlasts
+#: PyTorch's whole call however few the warps (H200, ``probe_split.py --random``: 128 -> 32
+#: channels, k3 s1 p2, batch 2 on 3x4x6, 8 voxels: 64 warps of 872 steps, 0.131 / 0.164 ms
+#: against 0.097 / 0.101 on PyTorch's convolution and the finish, eager 0.137 / 0.136; ~0.15 µs a
+#: step, so 512 steps take about a small call's host time on that path; the calls measured
+#: faster on the float64 kernel had at most 136)
+WIDE_LIBRARY_CHAIN = 512
 
 
 def wide(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
@@ -194,48 +202,56 @@ def wide(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
     """``(wide, why)``: whether a call on an input of ``shape`` and ``dtype`` computes its
     convolution and finish in float64 and rounds its output to float32 once (the module
     docstring): float32, at most ``WIDE_VOLUME`` output voxels per (sample, channel), at most
-    ``WIDE_WORK`` steps of ``gather_wide``'s warps, or ``WIDE_LIBRARY_WORK`` where PyTorch's
-    convolution is a candidate (``library``, and its TF32 allowed on ``device`` at
-    ``precision``): ``convolution`` then takes it (``few_voxels_past``)."""
+    ``WIDE_WORK`` steps of ``gather_wide``'s warps, or ``WIDE_LIBRARY_WORK`` in all and
+    ``WIDE_LIBRARY_CHAIN`` a warp where PyTorch's convolution is a candidate (``library``, and
+    its TF32 allowed on ``device`` at ``precision``): ``convolution`` then takes it
+    (``few_voxels_past``)."""
     if dtype != torch.float32:
         return False, f"{str(dtype).replace('torch.', '')}: computed in its own dtype"
-    volume, steps = _wide_steps(geom, shape)
+    volume, steps, chain = _wide_steps(geom, shape)
     if volume > WIDE_VOLUME:
         return False, f"{volume} output voxels per (sample, channel), more than {WIDE_VOLUME}"
     if steps > WIDE_WORK:
         return False, (f"{volume} output voxels per (sample, channel), but {steps} steps of the "
                        f"float64 gather's warps, more than {WIDE_WORK}")
-    if steps > WIDE_LIBRARY_WORK and library and device is not None \
-            and not _tf32_refusal(dtype, device, precision):
-        return False, _PAST_LIBRARY_WORK.format(volume=volume, steps=steps)
+    if (steps > WIDE_LIBRARY_WORK or chain > WIDE_LIBRARY_CHAIN) and library \
+            and device is not None and not _tf32_refusal(dtype, device, precision):
+        return False, _past_library(volume, steps, chain)
     return True, (f"{volume} output voxel(s) per (sample, channel): the convolution and its "
                   "finish in float64, the output rounded to float32 once")
 
 
-_PAST_LIBRARY_WORK = ("{volume} output voxels per (sample, channel), {steps} steps of the "
-                      f"float64 gather's warps, more than {WIDE_LIBRARY_WORK}: PyTorch's "
-                      "convolution, then the float64 finish (its mean subtraction cancels "
-                      "PyTorch's own rounding, where the gathers' float32 sums keep theirs)")
+def _past_library(volume: int, steps: int, chain: int) -> str:
+    """Why a few-voxel call past the float64 kernel's library bounds takes PyTorch's
+    convolution."""
+    past = (f"{steps} steps of the float64 gather's warps, more than {WIDE_LIBRARY_WORK}"
+            if steps > WIDE_LIBRARY_WORK else
+            f"{chain} steps a warp of the float64 gather, more than {WIDE_LIBRARY_CHAIN}")
+    return (f"{volume} output voxels per (sample, channel), {past}: PyTorch's convolution, "
+            "then the float64 finish (its mean subtraction cancels PyTorch's own rounding, "
+            "where the gathers' float32 sums keep theirs)")
 
 
-def _wide_steps(geom: ConvGeometry, shape: tuple) -> tuple[int, int]:
-    """(output voxels per (sample, channel), ``gather_wide``'s warps' steps) of a call."""
+def _wide_steps(geom: ConvGeometry, shape: tuple) -> tuple[int, int, int]:
+    """(output voxels per (sample, channel), ``gather_wide``'s warps' steps, one warp's steps)
+    of a call."""
     volume = math.prod(geom.output_spatial(tuple(shape[2:])))
     if volume > WIDE_VOLUME:
-        return volume, 0
+        return volume, 0, 0
     row_steps = gather_wide.reaching(geom, tuple(shape[2:])) \
         * -(-geom.in_per_group // gather_wide.WARP_SIZE) + volume
-    return volume, shape[0] * geom.out_channels * row_steps
+    return volume, shape[0] * geom.out_channels * row_steps, row_steps
 
 
 def few_voxels_past(geom: ConvGeometry, shape: tuple) -> str:
     """Why a float32 call of at most ``WIDE_VOLUME`` output voxels per (sample, channel) runs
     PyTorch's convolution and the float64 finish where that is a candidate (past
-    ``WIDE_LIBRARY_WORK`` steps of ``gather_wide``'s warps), or ''."""
-    volume, steps = _wide_steps(geom, shape)
-    if volume > WIDE_VOLUME or steps <= WIDE_LIBRARY_WORK:
+    ``WIDE_LIBRARY_WORK`` steps of ``gather_wide``'s warps, or ``WIDE_LIBRARY_CHAIN`` a warp),
+    or ''."""
+    volume, steps, chain = _wide_steps(geom, shape)
+    if volume > WIDE_VOLUME or (steps <= WIDE_LIBRARY_WORK and chain <= WIDE_LIBRARY_CHAIN):
         return ""
-    return _PAST_LIBRARY_WORK.format(volume=volume, steps=steps)
+    return _past_library(volume, steps, chain)
 
 
 def device_peaks(name: str | None = None) -> tuple[str, dict[str, float]]:

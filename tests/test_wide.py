@@ -83,6 +83,27 @@ def test_large_calls_take_pytorchs_convolution_where_it_is_a_candidate(monkeypat
     assert note and "8 output voxel(s)" in note[0]
 
 
+def test_long_warp_chains_take_pytorchs_convolution_where_it_is_a_candidate(monkeypatch):
+    """A few warps of many input channels and taps (128 -> 32 channels, k3 s1 p2, batch 2 on
+    3x4x6: 8 voxels, 64 warps) are fewer steps in all than ``WIDE_LIBRARY_WORK`` but each a
+    chain past ``WIDE_LIBRARY_CHAIN``: PyTorch's convolution and the float64 finish where it is
+    a candidate, the float64 kernel elsewhere and up to the chain's bound."""
+    monkeypatch.setattr(planner, "_tf32_refusal", lambda *args: "")
+    cuda = torch.device("cuda", 0)  # (a device object only: nothing runs on it here)
+    geom, shape = GEOM(128, 32, 3, 1, 2), (2, 128, 3, 4, 6)
+    volume, steps, chain = planner._wide_steps(geom, shape)
+    assert volume == 8 and steps <= planner.WIDE_LIBRARY_WORK
+    assert chain > planner.WIDE_LIBRARY_CHAIN
+    for library, wide in ((True, False), (False, True)):
+        assert planner.wide(geom, shape, torch.float32, cuda, None, library)[0] == wide
+        choice, why = planner.convolution(geom, shape, torch.float32, cuda, None, False, library)
+        assert (choice == "torch") == (not wide), why
+        assert wide or f"{chain} steps a warp" in why
+    assert planner.wide(geom, shape, torch.float32)[0]   # no device: the float64 kernel
+    monkeypatch.setattr(planner, "WIDE_LIBRARY_CHAIN", chain)
+    assert planner.wide(geom, shape, torch.float32, cuda, None, True)[0]
+
+
 @pytest.mark.parametrize("geom,spatial", [
     (GEOM(3, 4, 2, 2, 0), (1, 1, 1)),
     # (8 voxels: one with no tap, one with two; the input channels of each group)
