@@ -129,6 +129,10 @@ class AxisGeometry:
             for r in range(s)
         )
 
+    def most_phase_taps(self) -> int:
+        """The most taps any phase has (at least 1): the tap slots a per-phase table reserves."""
+        return max(1, max(len(taps) for taps in self.phase_taps()))
+
     def delta_range(self) -> tuple[int, int]:
         """``(min delta, max delta)`` over all taps of all phases: the input halo a tile of
         quotients ``q`` needs is ``[q_lo + min, q_hi + max]``."""

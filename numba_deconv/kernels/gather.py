@@ -726,7 +726,7 @@ def phase_weight_index(geom, tiling: GatherTiling) -> np.ndarray:
     """
     d_axis, h_axis, w_axis = geom.axes()
     d_taps = d_axis.phase_taps()
-    tdmax = max(1, max(len(taps) for taps in d_taps))
+    tdmax = d_axis.most_phase_taps()
     h_plan, w_plan = axis_plan(h_axis), axis_plan(w_axis)
     nht, nwt = len(h_plan.taps), len(w_plan.taps)
     ipg, opg = geom.in_per_group, geom.out_per_group
@@ -851,8 +851,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     lane_blocks = -(-qw_groups // tiling.lanes)
     tiles_per_group = -(-opg // tiling.nc)
     ctiles = geom.groups * tiles_per_group
-    d_taps = d_axis.phase_taps()
-    tdmax = max(1, max(len(taps) for taps in d_taps))
+    tdmax = d_axis.most_phase_taps()
     per_ci = tdmax * len(h_plan.taps) * len(w_plan.taps) * tiling.nc
     item = ITEMSIZE[dtype]
     ci_chunk = max(1, min(ipg, SMEM_WEIGHT_BYTES // (per_ci * item)))

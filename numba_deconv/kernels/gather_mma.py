@@ -180,11 +180,11 @@ def choose_tiling(opg: int, sw: int, qw_n: int, out_h: int) -> MmaTiling:
     return MmaTiling(mt, nq, min(ROWS, out_h))
 
 
-#: Warps a split block holds at most: 512 threads of ``MAX_REGS`` registers, an SM's register
-#: file (the H100's and H200's 64K).
-MAX_SPLITS = 16
 #: Threads an SM holds of this kernel (128 registers a thread): ``gather.RESIDENT_THREADS``.
 RESIDENT_THREADS = gather.RESIDENT_THREADS
+#: Warps a split block holds at most: an SM's resident threads (512 of ``MAX_REGS`` registers,
+#: the H100's and H200's 64K register file), 16 warps.
+MAX_SPLITS = RESIDENT_THREADS // WARP_SIZE
 #: A split warp's least share of its row's mma: shorter chains are not worth the reduction.
 MIN_SPLIT_MMA = 32
 #: Shared memory for the split warps' accumulators, bytes.
@@ -277,10 +277,10 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
     segs = -(-ow // tiling.seg(sw))
     tiles_per_group = -(-geom.out_per_group // (16 * tiling.mt))
     chunks = -(-geom.in_per_group // KC)
-    tdmax = max(1, max(len(taps) for taps in d_axis.phase_taps()))
+    tdmax = d_axis.most_phase_taps()
     # a row's mma: per chunk and tap of the largest phases, one per W tap, n8-tile and m-tile
-    hmax = max(1, max(len(taps) for taps in h_axis.phase_taps()))
-    mma_per_row = chunks * tdmax * hmax * max(1, len(w_plan.taps)) * tiling.nq * tiling.mt
+    mma_per_row = chunks * tdmax * h_axis.most_phase_taps() * max(1, len(w_plan.taps)) \
+        * tiling.nq * tiling.mt
     tiling = split_k(tiling, sw, batch * geom.groups * tiles_per_group * od * oh * segs, chunks,
                      tdmax, mma_per_row, resident)
     row_blocks = -(-oh // tiling.rows)
@@ -319,7 +319,7 @@ def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
     input or output channel past the group's end)."""
     d_axis, h_axis, w_axis = geom.axes()
     d_taps = d_axis.phase_taps()
-    tdmax = max(1, max(len(taps) for taps in d_taps))
+    tdmax = d_axis.most_phase_taps()
     h_taps, w_taps = axis_plan(h_axis).taps, axis_plan(w_axis).taps
     ipg, opg = geom.in_per_group, geom.out_per_group
     nct = 16 * mt
@@ -356,8 +356,8 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
     the module docstring says what a block and a warp own, ``MmaTiling`` what the splits do.
     ``wide``: the input or the output has 2**31 elements or more, so offsets are 64-bit
-    (otherwise 32-bit). ``ragged``: a
-    group's input channels are not a whole number of chunks (the B fragments test them).
+    (otherwise 32-bit). ``ragged``: a group's input channels are not a whole number of chunks
+    (the B fragments test them).
     ``store``: "" writes float32; "bfloat16" or "float16" writes each value rounded to that
     dtype into a ``uint16`` view of a half-precision output (evaluation only: a half-precision
     call's, whose output this epilogue writes last), as the FFMA gather's does."""
