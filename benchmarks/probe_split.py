@@ -17,7 +17,8 @@ P of the (shape, variant, mode) list and times nothing: P processes at once fill
 cache, on a machine's cores, before the one that times. ``--random N``: N small calls drawn from
 ``--seed`` (16-128 input and 4-128 output channels, kernels 1-5, strides 1-3, batches 1-4,
 inputs of 3-10 a side) instead of ``SHAPES``: does the planner (``auto``) pick the fastest of
-the others where the calls are small and its models least sure?
+the others where the calls are small and its models least sure? The last column names the path
+``auto`` takes (``choice``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from numba_deconv.kernels import gather_mma
 from numba_deconv.pipeline import Pipeline
 
 # (in, out, kernel, stride, padding, batch, input): the calls split K takes (many input channels
-# and taps, few outputs), and the suite's tiny problem, which it leaves as it is
+# and taps, few outputs), others it leaves as they are, and two calls of the planner's sweep
+# near the gathers' crossover (tests/test_planner.py's SWEEP: c64to32 k2s2, c64 k1s1)
 SHAPES = [
     (128, 16, 5, 1, 2, 2, (6, 6, 6)),
     (64, 4, 5, 2, 4, 2, (16, 8, 19)),
@@ -45,6 +47,8 @@ SHAPES = [
     (24, 4, 5, 2, 2, 2, (9, 7, 5)),
     (32, 32, 3, 1, 1, 4, (8, 8, 8)),
     (48, 4, 2, 1, 0, 4, (15, 11, 5)),
+    (64, 32, 2, 2, 0, 4, (16, 16, 16)),
+    (64, 64, 1, 1, 0, 8, (16, 16, 16)),
 ]
 VARIANTS = {"auto": dict(conv_impl="auto"), "mma": dict(conv_impl="gather", precision="tf32"),
             "unsplit": dict(conv_impl="gather", precision="tf32"),
@@ -95,6 +99,20 @@ def caller(base, x, variant: str, mode: str):
     return call
 
 
+def choice(base, x, mode: str) -> str:
+    """The planner's path for ``auto``: ``wide``, ``torch``, ``gather`` (FFMA) or
+    ``gather_mma`` (``+2`` where training runs the convolution twice)."""
+    pipe = Pipeline.from_torch(base, specialize=True).train(mode == "train")
+    shape = tuple(x.shape)
+    path = pipe.path(shape, x.dtype, x.device)
+    if path in ("wide", "torch"):
+        return path
+    conv = pipe.convolution(shape, x.dtype, x.device)
+    if conv == "gather_mma" and mode == "train" and pipe.second_pass(shape, x.device)[0]:
+        conv += "+2"
+    return conv
+
+
 def profile(name: str, base, x, variant: str, mode: str, calls: int = 20) -> None:
     """Each CUDA kernel's mean time per call over ``calls`` calls."""
     from torch.profiler import ProfilerActivity
@@ -143,7 +161,8 @@ def main() -> None:
                 for variant in ("mma", "unsplit", "ffma", "torch"):
                     profile(case_of(shape).describe(), base, x, variant, mode)
         return
-    print(f"{'shape':48s} {'mode':5s} " + " ".join(f"{v:>13s}" for v in (*VARIANTS, "eager")))
+    print(f"{'shape':48s} {'mode':5s} " + " ".join(f"{v:>13s}" for v in (*VARIANTS, "eager"))
+          + "  auto's path")
     for shape in shapes:
         case = case_of(shape)
         base, x = case.build("cuda")
@@ -157,8 +176,8 @@ def main() -> None:
                 b2b = bench.time_gpu(call, warmup=10, reps=60).median_ms
                 kb = bench.time_kernelbench(call, warmup=10, reps=60).median_ms
                 cells.append(f"{b2b:.3f}/{kb:.3f}")
-            print(f"{case.describe():48s} {mode:5s} " + " ".join(f"{c:>13s}" for c in cells),
-                  flush=True)
+            print(f"{case.describe():48s} {mode:5s} " + " ".join(f"{c:>13s}" for c in cells)
+                  + f"  {choice(base, x, mode)}", flush=True)
 
 
 if __name__ == "__main__":

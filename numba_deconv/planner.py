@@ -32,9 +32,13 @@ factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
   (measured: about 1 TFLOP/s per channel from 32 to 256 channels), and its output's write;
   plus the finish (the moments, then centring and scaling in place; training's centred
   squares too), measured at ``FINISH_PASSES`` times the output's bytes at the bandwidth;
-* no call takes less than its host time (``HOST_US``): the tensor-core gather's adds its
-  input's rounding launch (``MMA_HOST_US``), PyTorch's convolution its dispatch
-  (``TORCH_HOST_US``), which decides small calls.
+* the host: a call's host time (``HOST_US``), to which the tensor-core gather adds its
+  input's rounding launch (``MMA_HOST_US``) and PyTorch's convolution its dispatch
+  (``TORCH_HOST_US``). A candidate costs its time called both ways (``_call_cost``): back to
+  back, the larger of its host and GPU times; synchronized after every call, its GPU time after
+  its host's (less the host time every path spends before its first launch, which no choice
+  changes). So on small calls, bound by the host back to back, the GPU times still count, and
+  a path's extra host time counts in both.
 
 A training call on the tensor-core gather writes its output in a second pass of the convolution
 where that is predicted faster than scaling the stored output in place (``second_pass``).
@@ -413,8 +417,9 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     pipeline leaves the choice to the planner (``precision=None``): ``"gather"`` (the FFMA
     gather, exact in float32), ``"gather_mma"`` (TF32 tensor cores) or ``"torch"`` (PyTorch's
     convolution and this package's finish; only with ``library``). Where PyTorch's convolution
-    would run in TF32 the fastest predicted wins, each taking at least its host time
-    (``HOST_US`` and what its path adds); PyTorch's only ``MARGIN`` faster, and with
+    would run in TF32 the cheapest predicted wins, back to back and synchronized together
+    (``_call_cost``: its host time, ``HOST_US`` and what its path adds, and its GPU time);
+    PyTorch's only ``MARGIN`` cheaper, and with
     ``MIN_OUTPUTS`` outputs or ``box_sums``' rounds outlasting its call; and always for a call
     of a few output voxels past ``WIDE_LIBRARY_WORK`` (``few_voxels_past``). Elsewhere the
     FFMA gather."""
@@ -429,19 +434,19 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
         return "torch", f"{CANDIDATES['torch']}: {past}"
     t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
     host = HOST_US[bool(training)]
-    cost = {"gather": max(host, t["gather"])}
+    cost = {"gather": _call_cost(host, t["gather"])}
     if "gather_mma" in t:
-        cost["gather_mma"] = max(host + MMA_HOST_US, t["gather_mma"])
+        cost["gather_mma"] = _call_cost(host, t["gather_mma"], MMA_HOST_US)
     choice = min(cost, key=cost.get)
     outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
-    torch_cost = max(host + TORCH_HOST_US, t["torch"])
+    torch_cost = _call_cost(host, t["torch"], TORCH_HOST_US)
     box = _box_sums_seconds(geom, shape[0], peaks_of(device)) * 1e6
     costs = "predicted " + ", ".join(f"{cost[name]:.0f} us on {SHORT[name]}" for name in cost) \
-        + f", {torch_cost:.0f} us on cuDNN"
+        + f", {torch_cost:.0f} us on cuDNN (back to back and synchronized together)"
     # (on fewer outputs the gathers' rates are those of calls bound by the host, which the
     # model has only as its floor: there PyTorch's convolution wins only where box_sums' rounds
-    # alone outlast its whole call)
-    settled = outputs >= MIN_OUTPUTS or box >= torch_cost
+    # alone outlast its whole call, back to back)
+    settled = outputs >= MIN_OUTPUTS or box >= max(host + TORCH_HOST_US, t["torch"])
     if library and settled and cost[choice] >= MARGIN * torch_cost:
         return "torch", f"{CANDIDATES['torch']}: {costs}, {box:.0f} us of them box_sums'"
     if not library:
@@ -452,6 +457,19 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     else:
         reason = f"cuDNN taken from {MARGIN}x"
     return choice, f"{CANDIDATES[choice]}: {costs} ({reason})"
+
+
+def _call_cost(host: float, gpu: float, extra: float = 0.0) -> float:
+    """A candidate's µs called back to back and synchronized after every call, together: the
+    larger of its host time (``host``, and the ``extra`` its path adds) and its GPU time
+    (``gpu``), plus its GPU time and that ``extra`` (the synchronized call's host time before
+    its first launch is the same on every path). On 48 small calls in both modes (H200, 16-128
+    channels, kernels 1-5, batches 1-4; ``benchmarks/probe_split.py --random``) this picks a
+    path within 3% of the faster gather's time on average, against 4% for the larger of host
+    and GPU time alone, which let the FFMA gather's long chains of few threads hide under the
+    host's floor (48 -> 128 channels, k5 s2, one sample on 7x4x6: 0.084 / 0.106 ms b2b / KB
+    against the tensor-core gather's 0.060 / 0.061)."""
+    return max(host + extra, gpu) + gpu + extra
 
 
 def second_pass(geom: ConvGeometry, shape: tuple, device: torch.device) -> tuple[bool, str]:
