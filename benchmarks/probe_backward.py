@@ -15,8 +15,10 @@ Rows: the shape suite's float32 rows and a channel sweep at kernel 3, stride 2, 
 first (relative error printed), then its launches captured ``CALLS`` times in one CUDA graph
 and the replay timed with CUDA events (median of ``--reps`` replays, per call): GPU time only.
 
+``det both``: both gradients in one deterministic call, as ``backward.grads_torch`` makes it.
 ``--host`` asks instead what each costs the host: µs per call of the kernels' launches and of
-the backward's PyTorch gradients (``backward.input_grad_torch``, ``backward.weight_grad_torch``),
+the backward's PyTorch gradients (``backward.input_grad_torch``, ``backward.weight_grad_torch``,
+``backward.grads_torch``),
 issued ``HOST_CALLS`` at a time while the GPU sleeps (so no call waits for it), on the caller's
 thread (``st``) and inside an autograd backward, on autograd's device thread (``mt``), where
 the operator's backward runs; median of ``--reps`` batches.
@@ -102,6 +104,9 @@ def run(case: Case, reps: int) -> dict:
                 row[f"err_{label}_{what}"] = testing.relative_error(got, ref[i])
                 row[f"{label}_{what}"] = bench.graph_time_us(
                     lambda m=mask: cudnn(dy, x, w, conv, m), calls=CALLS, reps=reps)
+    with _deterministic():  # both in one call, as backward.grads_torch
+        row["det_both"] = bench.graph_time_us(
+            lambda: cudnn(dy, x, w, conv, [True, True, False]), calls=CALLS, reps=reps)
     return row
 
 
@@ -121,6 +126,7 @@ def host(case: Case, reps: int) -> dict:
                                                          scratch=scratch),
         "torch_dx": lambda: backward.input_grad_torch(dy, w, x.shape, geometry),
         "torch_dw": lambda: backward.weight_grad_torch(dy, x, w, geometry),
+        "torch_both": lambda: backward.grads_torch(dy, x, w, geometry),
     }
     row = dict(name=case.name)
     for name, fn in calls.items():
@@ -207,18 +213,19 @@ def main() -> None:
         print(r, flush=True)
         table.append(r)
     print(f"{'row':24} {'c':>6} {'GMAC':>6} {'Mout':>6} | {'ours dx':>8} {'ours dw':>8} | "
-          f"{'tf32 dx':>8} {'tf32 dw':>8} {'det dw':>8} | {'ieee dx':>8} {'ieee dw':>8} | "
-          f"{'err ours':>8} {'err tf32':>8}  (us)")
+          f"{'tf32 dx':>8} {'tf32 dw':>8} {'det dx':>8} {'det dw':>8} {'det both':>8} | "
+          f"{'ieee dx':>8} {'ieee dw':>8} | {'err ours':>8} {'err tf32':>8}  (us)")
     for r in table:
         print(f"{r['name']:24} {r['c']:6.1f} {r['macs'] / 1e9:6.2f} {r['outputs'] / 1e6:6.2f} | "
               f"{r['ours_dx']:8.1f} {r['ours_dw']:8.1f} | {r['tf32_dx']:8.1f} "
-              f"{r['tf32_dw']:8.1f} {r['det_dw']:8.1f} | {r['ieee_dx']:8.1f} {r['ieee_dw']:8.1f} | "
+              f"{r['tf32_dw']:8.1f} {r['det_dx']:8.1f} {r['det_dw']:8.1f} {r['det_both']:8.1f} | "
+              f"{r['ieee_dx']:8.1f} {r['ieee_dw']:8.1f} | "
               f"{max(r['err_ours_dx'], r['err_ours_dw']):8.1e} "
               f"{max(r['err_tf32_dx'], r['err_tf32_dw']):8.1e}")
 
 
 def main_host(args) -> None:
-    names = ("ours_dx", "ours_dw", "torch_dx", "torch_dw")
+    names = ("ours_dx", "ours_dw", "torch_dx", "torch_dw", "torch_both")
     table = []
     for case in rows():
         if args.rows and case.name not in args.rows:

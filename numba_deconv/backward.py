@@ -23,7 +23,8 @@ Given the incoming gradient ``g`` (the output's shape) and what the forward kept
    space; or PyTorch's (cuDNN's deterministic algorithms), run after the launches, where the
    pipeline says (``Pipeline.torch_weight_grad``, ``planner.torch_weight_grad``). In
    evaluation it is ``V`` (the weight gradient of ``P g``): ``dL/dW = k1 * V`` and
-   ``A_c = <w_c, V_c>``, so evaluation never needs ``y``.
+   ``A_c = <w_c, V_c>``, so evaluation never needs ``y``. With batch statistics, where both
+   gradients are PyTorch's, one call gives both (``grads_torch``).
 
 ``dL/dgamma = A_c / sigma_c`` in both modes (no division by gamma: a zero gamma keeps its
 gradient). The convolution's bias and batch norm's beta get zeros (``autograd``): the mean
@@ -119,10 +120,13 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
             _replayed(key, t,
                       lambda: _batch_stats_launches(conv, t, gamma is not None, None, half))
         dx, dw = t.get("dx"), t.get("dw")
-        # (PyTorch's after the replay: they are not among its launches)
-        if torch_dx:
+        # (PyTorch's after the replay: they are not among its launches; both in one call
+        # where both are PyTorch's)
+        if torch_dx and torch_dw:
+            dx, dw = grads_torch(_dy(t), x.detach(), weight.detach(), conv)
+        elif torch_dx:
             dx = input_grad_torch(_dy(t), weight.detach(), x.shape, conv)
-        if torch_dw:
+        elif torch_dw:
             dw = weight_grad_torch(_dy(t), x.detach(), weight.detach(), conv)
         return dx, dw, t["dgamma"] if need_gamma else None
     volume = g[0, 0].numel()
@@ -180,13 +184,28 @@ def weight_grad_torch(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     restricted to cuDNN's deterministic algorithms (``torch.backends.cudnn.deterministic`` for
     the call), so the gradient is the same bits at every run. The output padding is what the
     shapes say it was. Never under autocast, as ``input_grad_torch``."""
+    return _torch_grads(dy, x, weight, conv, [False, True, False])[1]
+
+
+def grads_torch(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                conv: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dL/dx, dL/dW)`` by one ``aten.convolution_backward`` call, as ``weight_grad_torch``
+    (cuDNN's deterministic algorithms, never under autocast): where both gradients are
+    PyTorch's, one dispatch of the host's instead of two (``input_grad_torch``'s
+    convolution and ``weight_grad_torch``'s); ``dL/dx`` is the same convolution of ``dy``
+    with the weights, in ``x``'s shape."""
+    dx, dw, _ = _torch_grads(dy, x, weight, conv, [True, True, False])
+    return dx.contiguous(), dw
+
+
+def _torch_grads(dy, x, weight, conv: tuple, mask: list) -> tuple:
     stride, padding, dilation, groups = conv
     out_pad = [o - output_length(i, k, s, p, 0, d) for o, i, s, p, d, k in zip(
         dy.shape[2:], x.shape[2:], stride, padding, dilation, weight.shape[2:])]
     with torch.no_grad(), no_autocast(dy.device.type), _cudnn_deterministic():
         return _convolution_backward(
             dy, x, weight, None, list(stride), list(padding), list(dilation), True, out_pad,
-            groups, [False, True, False])[1]
+            groups, mask)
 
 
 _convolution_backward = torch.ops.aten.convolution_backward

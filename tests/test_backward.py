@@ -311,8 +311,9 @@ def test_replayed_backward_is_the_launched_one(wants, device, monkeypatch):
 def test_gradients_by_pytorchs_convolution(kernel, stride, padding, out_pad, dilation, groups,
                                            device):
     """``backward.input_grad_torch``: conv3d of dy with the weights is the transposed
-    convolution's input gradient; ``backward.weight_grad_torch`` its weight gradient (both
-    autograd's, float64), output padding included."""
+    convolution's input gradient; ``backward.weight_grad_torch`` its weight gradient, and
+    ``backward.grads_torch`` both in one call (all autograd's, float64), output padding
+    included."""
     from numba_deconv import backward
 
     torch.manual_seed(5)
@@ -329,6 +330,10 @@ def test_gradients_by_pytorchs_convolution(kernel, stride, padding, out_pad, dil
     dw = backward.weight_grad_torch(dy, x.detach(), conv.weight.detach(), geometry)
     assert dw.shape == conv.weight.shape
     torch.testing.assert_close(dw, expected_dw, rtol=1e-12, atol=1e-12)
+    both = backward.grads_torch(dy, x.detach(), conv.weight.detach(), geometry)
+    assert both[0].shape == x.shape and both[0].is_contiguous()
+    for got, expected in zip(both, (expected_dx, expected_dw)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_replayed_backward_with_pytorchs_gradients(device):
