@@ -5,8 +5,9 @@ Answers: per geometry, how long do ``conv_grads.launch_input_grad`` (``dL/dx``) 
 ``aten.convolution_backward`` take for each, in TF32 (PyTorch's default for cuDNN), in TF32
 restricted to cuDNN's deterministic algorithms (``det``), and in strict float32? The numbers
 calibrate the planner's backward (``planner.predict_input_grad``; the backward runs the input
-gradient as ``conv3d(dy, W)``, the same cuDNN forward convolution that
-``aten.convolution_backward`` runs for a transposed convolution's input gradient).
+gradient alone as ``conv3d(dy, W)``, the same cuDNN forward convolution that
+``aten.convolution_backward`` runs for a transposed convolution's input gradient, and both
+gradients as one ``aten.convolution_backward`` call, ``backward.grads_torch``).
 
     PYTHONPATH=$PWD python3 benchmarks/probe_backward.py [--rows NAME ...] [--reps R] [--host]
 
@@ -105,6 +106,8 @@ def run(case: Case, reps: int) -> dict:
                 row[f"{label}_{what}"] = bench.graph_time_us(
                     lambda m=mask: cudnn(dy, x, w, conv, m), calls=CALLS, reps=reps)
     with _deterministic():  # both in one call, as backward.grads_torch
+        both = cudnn(dy, x, w, conv, [True, True, False])
+        row["err_det_both"] = max(testing.relative_error(both[i], ref[i]) for i in (0, 1))
         row["det_both"] = bench.graph_time_us(
             lambda: cudnn(dy, x, w, conv, [True, True, False]), calls=CALLS, reps=reps)
     return row

@@ -448,7 +448,8 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     # alone outlast its whole call, back to back)
     settled = outputs >= MIN_OUTPUTS or box >= max(host + TORCH_HOST_US, t["torch"])
     if library and settled and cost[choice] >= MARGIN * torch_cost:
-        return "torch", f"{CANDIDATES['torch']}: {costs}, {box:.0f} us of them box_sums'"
+        return "torch", (f"{CANDIDATES['torch']}: {costs}; box_sums' rounds {box:.0f} us of "
+                         "each gather's GPU time")
     if not library:
         reason = "PyTorch's convolution not a candidate here"
     elif not settled:
@@ -463,12 +464,9 @@ def _call_cost(host: float, gpu: float, extra: float = 0.0) -> float:
     """A candidate's µs called back to back and synchronized after every call, together: the
     larger of its host time (``host``, and the ``extra`` its path adds) and its GPU time
     (``gpu``), plus its GPU time and that ``extra`` (the synchronized call's host time before
-    its first launch is the same on every path). On 48 small calls in both modes (H200, 16-128
-    channels, kernels 1-5, batches 1-4; ``benchmarks/probe_split.py --random``) this picks a
-    path within 3% of the faster gather's time on average, against 4% for the larger of host
-    and GPU time alone, which let the FFMA gather's long chains of few threads hide under the
-    host's floor (48 -> 128 channels, k5 s2, one sample on 7x4x6: 0.084 / 0.106 ms b2b / KB
-    against the tensor-core gather's 0.060 / 0.061)."""
+    its first launch is the same on every path, so it is left out). On a call bound by the host
+    back to back the GPU times still decide between paths; docs/performance.md ("Small calls:
+    the planner's cost") has the measurements."""
     return max(host + extra, gpu) + gpu + extra
 
 

@@ -148,7 +148,7 @@ def test_the_choice_against_the_sweep(row, training, on_h200, gpu_blocks):
     assert why.startswith(planner.CANDIDATES[choice])
 
 
-# H200, ms back to back / KernelBench-style (benchmarks/probe_split.py --random,
+# H200, ms back to back / KernelBench-style (benchmarks/probe_split.py, its SHAPES and --random;
 # results/h200x2_split.log): (in, out, kernel, stride, padding, batch, input, training, the FFMA
 # gather's, the tensor-core gather's): small calls, most of them bound by the host, where one
 # gather is clearly the faster
