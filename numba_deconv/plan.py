@@ -21,9 +21,9 @@ Paths (``PATHS``):
 * ``"scatter"``  - the teaching baseline, either statistics.
 * ``"wide"``     - a float32 call of a few output voxels per (sample, channel), whatever the
   strategy but ``"torch"``, up to a size (``planner.wide``; past ``WIDE_LIBRARY_WORK`` or
-  ``WIDE_LIBRARY_CHAIN``, where PyTorch's convolution is a candidate, the ``"torch"`` path): ``gather_wide`` in float64,
-  writing the output centred (evaluation: final), then, with batch statistics,
-  batch_statistics and a scale pass from its float64 convolution.
+  ``WIDE_LIBRARY_CHAIN``, where PyTorch's convolution is a candidate, the ``"torch"`` path):
+  ``gather_wide`` in float64, writing the output centred (evaluation: final), then, with batch
+  statistics, batch_statistics and a scale pass from its float64 convolution.
 """
 
 from __future__ import annotations

@@ -43,12 +43,12 @@ factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
 A training call on the tensor-core gather writes its output in a second pass of the convolution
 where that is predicted faster than scaling the stored output in place (``second_pass``).
 
-PyTorch's convolution is taken only where predicted ``MARGIN`` faster than the faster gather
+PyTorch's convolution is taken only where predicted ``MARGIN`` cheaper than the cheaper gather
 and with at least ``MIN_OUTPUTS`` outputs, or where ``box_sums``' rounds of dependent loads
 alone (hundreds of channels on a small input) outlast its whole call; and for a float32 call of
 at most ``WIDE_VOLUME`` output voxels per (sample, channel) past ``WIDE_LIBRARY_WORK`` steps of
-``gather_wide``'s warps or ``WIDE_LIBRARY_CHAIN`` a warp (``few_voxels_past``). Synchronized statistics and ``variance="gram"``
-keep the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
+``gather_wide``'s warps or ``WIDE_LIBRARY_CHAIN`` a warp (``few_voxels_past``). Synchronized
+statistics and ``variance="gram"`` keep the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
 input's shape, dtype and device, the mode and PyTorch's flags, so it is the same for every call
 of a kind.
 
