@@ -9,14 +9,16 @@ tensor-core gather, cuDNN's with this package's finish) is the fastest on a spre
 geometries, and does the planner pick it?
 
     PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py [--rows default,tiny] [--modes eval,train]
-        [--tilings ROWS,ACC_TILES ...]
-    PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py --sweep [--jobs 14]
+        [--tilings ROWS,ACC_TILES[,phase|mixed] ...]
+    PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py --sweep [--jobs 14] [--rows c4 k3s2,...]
 
-Per float32 suite row (``bench --suite``'s) and mode: ``Pipeline(precision="tf32")`` on the
-gather (per ``--tilings`` entry: ``gather_mma.ROWS`` warps a block, ``MAX_ACC_TILES``
-accumulator tiles a warp; default: the module's), the package's default call (``ModelNew``:
-``precision=None``) and eager, each called under ``torch.no_grad()``; medians of 100 calls per
-method after 10 untimed (``bench.time_back_to_back``, ``bench.time_kernelbench``), and each
+Per float32 suite row (``bench --suite``'s, or geometries of :data:`SWEEP` named in
+``--rows``) and mode: ``Pipeline(precision="tf32")`` on the gather (per ``--tilings`` entry:
+``gather_mma.ROWS`` warps a block, ``MAX_ACC_TILES`` accumulator tiles a warp, and blocks of
+one H phase's rows or of consecutive rows forced; default: the module's and its rule), the
+package's default call (``ModelNew``: ``precision=None``) and eager, each called under
+``torch.no_grad()``; medians of 100 calls per method after 10 untimed
+(``bench.time_back_to_back``, ``bench.time_kernelbench``), and each
 output's relative error against the float64 model.
 
 ``--sweep``: per geometry of :data:`SWEEP` (channels 3 to 128, kernels 1 to 5, strides 1 to 4,
@@ -85,6 +87,8 @@ SWEEP = [case for case in bench.suite_cases() if case.dtype == "float32"] + [
     _case("c12to20 odd", 12, 20, 3, 2, 1, 3, (7, 9, 11)),
     _case("c3to5 k3s2", 3, 5, 3, 2, 0, 2, (10, 10, 10)),
     _case("c24 d2 k3s2", 24, 24, 3, 2, 2, 4, (12, 16, 16), dilation=2),
+    _case("c128 k3s2 b4 32", 128, 128, 3, 2, 1, 4, (16, 32, 32)),
+    _case("c96to16 k2s2 small", 96, 16, 2, 2, 0, 4, (8, 3, 10)),
 ]
 
 
@@ -107,15 +111,18 @@ def _compile(index: int) -> str:
     return case.name
 
 
-def sweep(jobs: int) -> None:
+def sweep(jobs: int, names: list[str] | None = None) -> None:
+    """The sweep's table, over the geometries ``names`` (default: all)."""
+    cases = select(names) if names else SWEEP
+    indices = [SWEEP.index(case) for case in cases]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        for name in pool.map(_compile, range(len(SWEEP))):
+        for name in pool.map(_compile, indices):
             print(f"compiled {name}", flush=True)
     print("| geometry | mode | outputs | MACs/output | ffma b2b / KB | tf32 b2b / KB | "
           "cudnn b2b / KB | eager b2b / KB | fastest (b2b) | planner | tf32 error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case in SWEEP:
+    for case in cases:
         geom = case.geometry()
         outputs = case.batch * geom.out_channels * math.prod(geom.output_spatial(case.spatial))
         macs = geom.macs(case.batch, case.spatial) / outputs
@@ -141,12 +148,29 @@ def planned(pipe, x) -> str:
     return "tf32" if pipe.tensor_cores(x.shape, x.dtype, x.device) else "ffma"
 
 
+def select(names: list[str]) -> list[bench.Case]:
+    """Suite rows or :data:`SWEEP` geometries by name."""
+    known = {case.name: case for case in SWEEP}
+    missing = [name for name in names if name not in known]
+    if missing:
+        raise SystemExit(f"probe_tf32: unknown rows {missing}; known: {sorted(known)}")
+    return [known[name] for name in names]
+
+
+def parse_tiling(spec: str) -> tuple[int, int, bool | None]:
+    """``ROWS,ACC_TILES[,phase|mixed]``: warps a block, accumulator tiles a warp and whether a
+    block's rows are all of one H phase (default: ``gather_mma.rows_by_phase``'s rule)."""
+    rows, acc, *how = spec.split(",")
+    return int(rows), int(acc), (how[0] == "phase") if how else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", help="float32 suite rows, comma-separated (default: all)")
+    parser.add_argument("--rows", help="float32 suite rows or sweep geometries, comma-separated "
+                        "(default: the suite's)")
     parser.add_argument("--modes", default="eval,train")
     parser.add_argument("--tilings", nargs="*", default=[],
-                        help="ROWS,ACC_TILES pairs for the tensor-core gather")
+                        help="ROWS,ACC_TILES[,phase|mixed] for the tensor-core gather")
     parser.add_argument("--sweep", action="store_true",
                         help="the three convolutions and the planner's choice over SWEEP")
     parser.add_argument("--jobs", type=int, default=8, help="--sweep's compiling processes")
@@ -154,11 +178,11 @@ def main() -> None:
     if not torch.cuda.is_available() or bench.is_simulator():
         raise SystemExit("probe_tf32: needs a GPU")
     if args.sweep:
-        return sweep(args.jobs)
-    cases = bench.select_cases(args.rows.split(",")) if args.rows else bench.suite_cases()
+        return sweep(args.jobs, args.rows.split(",") if args.rows else None)
+    cases = select(args.rows.split(",")) if args.rows else bench.suite_cases()
     cases = [case for case in cases if case.dtype == "float32"]
-    tilings = [tuple(int(v) for v in spec.split(",")) for spec in args.tilings] or \
-        [(gather_mma.ROWS, gather_mma.MAX_ACC_TILES)]
+    tilings = [parse_tiling(spec) for spec in args.tilings] or \
+        [(gather_mma.ROWS, gather_mma.MAX_ACC_TILES, gather_mma.PHASE_ROWS)]
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     print("| row | mode | provider | b2b / KB ms | eager / it b2b / KB | error |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -170,12 +194,16 @@ def main() -> None:
             rows = [("eager (TF32)", eager),
                     ("numba_deconv", time_call(bench.make_provider("numba_deconv", base, mode),
                                                x, reference))]
-            default = gather_mma.ROWS, gather_mma.MAX_ACC_TILES
-            for rows_per_block, acc_tiles in tilings:
-                gather_mma.ROWS, gather_mma.MAX_ACC_TILES = rows_per_block, acc_tiles
-                rows.append((f"tf32 rows={rows_per_block} acc={acc_tiles}",
+            names = ("ROWS", "MAX_ACC_TILES", "PHASE_ROWS")
+            default = tuple(getattr(gather_mma, name) for name in names)
+            for tiling in tilings:
+                for name, value in zip(names, tiling):
+                    setattr(gather_mma, name, value)
+                how = {None: "", True: " by phase", False: " mixed"}[tiling[2]]
+                rows.append((f"tf32 rows={tiling[0]} acc={tiling[1]}{how}",
                              time_call(provider(base, mode), x, reference)))
-            gather_mma.ROWS, gather_mma.MAX_ACC_TILES = default  # the next row's default call
+            for name, value in zip(names, default):  # the next row's default call
+                setattr(gather_mma, name, value)
             for name, (b2b, kb, error) in rows:
                 print(f"| {case.name} | {mode} | {name} | {b2b:.3f} / {kb:.3f} | "
                       f"{eager[0] / b2b:.2f}x / {eager[1] / kb:.2f}x | {error:.1e} |", flush=True)

@@ -126,7 +126,8 @@ class Scratch:
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
     # the tensor-core gather's operands rounded to TF32 (input, weights): box_sums sums them,
     # so its means are those of the convolution the tensor cores compute; the gather reads the
-    # input from a copy in rows padded with zeros (``gather_mma.MmaLaunch.padded_w``)
+    # input from a copy of chunks of 8 channels side by side, in rows padded with zeros
+    # (``gather_mma.round_input``, which writes all of it)
     x_tf32: torch.Tensor | None = None
     w_tf32: torch.Tensor | None = None
     x_pad: torch.Tensor | None = None

@@ -18,6 +18,7 @@ from numba_deconv import Pipeline, precision
 from numba_deconv.geometry import ConvGeometry
 from numba_deconv.kernels import gather, gather_mma, mma
 from numba_deconv.kernels.gather_mma import MODES
+from numba_deconv.kernels.launch import launch as launch_kernel
 from numba_deconv.plan import Options
 from numba_deconv.reference import Model
 from numba_deconv.testing import reference, relative_error
@@ -44,12 +45,18 @@ def _tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(mma.round_tf32(t.detach().cpu().float().numpy())).to(t.device)
 
 
-def _pad_with_zeros(launch, x_pad):
-    """Zeros where ``round_input`` does not write (the plan's buffer starts as zeros): the
-    rest stays NaN, so a row ``round_input`` missed would poison the output."""
-    rows = x_pad.view(-1, launch.padded_w)
-    rows[:, :launch.lpad] = 0
-    rows[:, launch.lpad + launch.in_w:] = 0
+def _expected_copy(x: torch.Tensor, launch, groups: int) -> np.ndarray:
+    """``round_input``'s copy built in numpy: (N, groups, chunks, ID, IH, padded_w, 8), each
+    column's slots ``chunk_slot(k)`` holding the group's channel ``8 * chunk + k`` at input
+    column ``col - lpad``, TF32-rounded, zeros elsewhere."""
+    n, ci, d, h, w = x.shape
+    ipg, chunks = ci // groups, -(-(ci // groups) // gather_mma.KC)
+    copy = np.zeros((n, groups, chunks, d, h, launch.padded_w, gather_mma.KC), np.float32)
+    xr = mma.round_tf32(x.cpu().numpy()).reshape(n, groups, ipg, d, h, w)
+    for c in range(ipg):
+        slot = gather_mma.chunk_slot(c % gather_mma.KC)
+        copy[:, :, c // gather_mma.KC, :, :, launch.lpad:launch.lpad + w, slot] = xr[:, :, c]
+    return copy.reshape(-1)
 
 
 def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int = 0):
@@ -72,10 +79,10 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int 
     out = torch.full((batch, co, *out_spatial), float("nan"), device=device)
     ss = torch.full((batch, co, launch.slots), float("nan"), dtype=torch.float64, device=device)
     x_tf32 = torch.empty(x.numel(), device=device)
-    x_pad = torch.full((launch.padded_numel,), float("nan"), device=device)
-    _pad_with_zeros(launch, x_pad)
+    x_pad = torch.full((launch.padded_numel,), float("nan"), device=device)   # poisoned
     launch.round_input(x.view(-1), x_tf32, x_pad)
     assert torch.equal(x_tf32, _tf32(x).view(-1))
+    assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, g))  # every element
     launch.run("float32", mode in ("train", "sums"), x_pad, wmm, mean, out.view(-1), ss,
                scale=scale if mode in ("scaled", "rescaled") else None, mode=mode)
     a = scale.double().view(1, -1, 1, 1, 1) if mode in ("scaled", "rescaled") else 1.0
@@ -100,6 +107,41 @@ SECOND_PASS_CASES = [KERNEL_CASES[0], KERNEL_CASES[1], KERNEL_CASES[6]]
 def test_kernel_against_the_tf32_convolution(device, case, mode):
     out, ss, want, bound, _ = _kernel_run(device, case, mode)
     _check(out, ss, want, bound, mode)
+
+
+@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[1]],
+                         ids=lambda c: "x".join(map(str, c[:2])))
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_rows_by_phase_against_the_tf32_convolution(device, case, mode, monkeypatch):
+    """Blocks of one H phase's rows, forced (``rows_by_phase`` takes them at more input
+    channels), two rows a block: the default problem's pattern (a phase of more rows than a
+    block has, and a block of none) and odd strides with groups and dilation."""
+    monkeypatch.setattr(gather_mma, "PHASE_ROWS", True)
+    monkeypatch.setattr(gather_mma, "ROWS", 2)
+    out, ss, want, bound, launch = _kernel_run(device, case, mode)
+    assert launch.tiling.by_phase
+    _check(out, ss, want, bound, mode)
+
+
+def test_rows_by_phase_where_the_phases_chains_differ():
+    """Rows by H phase where a block's warps would differ by ``PHASE_ROWS_MIN_STEPS`` chunk
+    taps: k3 s2 p1 (H phases of 1 and 2 taps) from 25 input channels (4 chunks), never where
+    the phases' taps are equal (k4 s2 p1, k2 s2) or there is one phase."""
+    def launch(ci, k, s, p, co=32):
+        geom = ConvGeometry.create(ci, co, k, s, p, 0, 1, False, 1)
+        return gather_mma.mma_launch(geom, 2, (4, 8, 8), geom.output_spatial((4, 8, 8)))
+
+    assert not launch(16, 3, 2, 1).tiling.by_phase       # the default problem: 2 chunks
+    assert not launch(24, 3, 2, 1).tiling.by_phase
+    assert launch(25, 3, 2, 1).tiling.by_phase
+    assert launch(64, 3, 2, 1).tiling.by_phase
+    for k, s, p in ((4, 2, 1), (2, 2, 0), (3, 1, 1)):
+        assert not launch(128, k, s, p).tiling.by_phase
+    # 15 output rows, phases of 8 and 7: two blocks of 4 rows each, 7 D planes, one segment
+    t = launch(64, 3, 2, 1)
+    assert t.block == 32 * gather_mma.ROWS
+    assert dict(zip(gather_mma._SIZES, t.dims[0]))["row_blocks"] == 4
+    assert t.slots == 7 * 4 * 1
 
 
 def _check(out, ss, want, bound, mode: str) -> None:
@@ -154,6 +196,25 @@ def test_the_kernel_rounds_to_tf32(device):
     assert relative_error(out, exact) > 1e-5
 
 
+def test_the_input_copys_64_bit_form(device):
+    """``round_input``'s form for copies of 2**31 elements or more (64-bit divisions) writes the
+    copy and the rounded input as the 32-bit form does: groups, channels not a whole chunk,
+    row padding on both sides."""
+    geom = ConvGeometry.create(12, 4, 3, 1, 0, 0, 2, False, 1)
+    spatial = (2, 3, 5)
+    launch = gather_mma.mma_launch(geom, 2, spatial, geom.output_spatial(spatial))
+    assert launch.lpad > 0 and launch.padded_w > launch.lpad + spatial[2]
+    x = torch.randn(2, 12, *spatial, generator=torch.Generator().manual_seed(3)).to(device)
+    sizes, divs = launch.copy_sizes
+    for wide in (False, True):
+        x_tf32 = torch.full((x.numel(),), float("nan"), device=device)
+        x_pad = torch.full((launch.padded_numel,), float("nan"), device=device)
+        launch_kernel(gather_mma.make_round_input(wide), 2, 64,
+                      (x.view(-1), x_tf32, x_pad, sizes, divs))
+        assert torch.equal(x_tf32, _tf32(x).view(-1))
+        assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, 2))
+
+
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:2])))
 def test_weight_index_places_every_weight_once(case):
     ci, co, k, s, p, op, d, g, batch, spatial = case
@@ -205,7 +266,8 @@ def test_tiling_fits(opg, stride, out_hw, ipg):
     assert t.seg(stride) <= gather_mma.MAX_SEG
     qw = -(-out_hw[1] // stride)
     assert t.nq <= max(1, -(-qw // 8))  # no n8-tile wholly past the row's end
-    assert launch.block == 32 * min(gather_mma.ROWS, out_hw[0])
+    rows = -(-out_hw[0] // stride) if t.by_phase else out_hw[0]   # a phase's or the output's
+    assert launch.block == 32 * min(gather_mma.ROWS, rows)
     assert gather_mma.smem_bytes(t, stride) <= 48 * 1024
     # on a GPU of 132 SMs: the same tile, its K split or not, within a block's limits
     split = gather_mma.mma_launch(geom, 2, (4, 4, 4), (3, *out_hw), 132 * 512).tiling

@@ -12,22 +12,23 @@ channels per step, one ``mma`` per tap. The weights are the same for every row o
 the host arranges them in fragment order (``weight_index``): a lane's four A registers of one
 (tap, chunk of 8 input channels, m-tile) are 16 consecutive bytes, one ``load4``, and a warp's
 512 bytes are contiguous (read through L1, where a block's rows find them again). The B
-fragments are the input's rows: lane (g, t) reads input channels t and t + 4 at quotient g of
-the tile, 8 consecutive floats per channel. Both operands come rounded to TF32, so the kernel
-moves their bit patterns straight into the fragments (``mma.f32_bits``): the weights as
-``arrange_weights`` leaves them, the input as ``launch_round_input`` copies it, into rows padded
-with zeros on both sides as far as any tap of any segment reaches (``MmaLaunch.lpad``,
-``padded_w``). So a B load needs no test: its address is the row's plus a constant per (W tap,
-n8-tile), and only D and H taps outside the input (the same for the whole warp) are skipped.
-Input channels past a group's end (a group of fewer than a multiple of 8) read a clamped
-channel and are set to zero (``ragged``).
+fragments are the input's: lane (g, t) needs input channels t and t + 4 at quotient g of the
+tile. Both operands come rounded to TF32, so the kernel moves their bit patterns straight into
+the fragments (``mma.f32_bits``): the weights as ``arrange_weights`` leaves them, the input as
+``round_input`` copies it, a column of each chunk's 8 channels side by side in fragment order
+(``chunk_slot``: channels t and t + 4 adjacent), in rows padded with zeros on both sides as far
+as any tap of any segment reaches (``MmaLaunch.lpad``, ``padded_w``), and zeros for channels past
+a group's end. So a lane's two B registers are one 8-byte load at the row's address plus a
+constant per (W tap, n8-tile), a warp's 256 contiguous bytes, with no test; only D and H taps
+outside the input (the same for the whole warp) are skipped.
 
 What a warp owns: one output row, every W phase of it, NQ n8-tiles of quotients per phase (a
 segment of SEG = 8 * NQ * sw consecutive outputs), and 16 * MT channels of one group; its
-accumulators: sw x NQ x MT tiles of 4 float32. A block is ROWS warps on consecutive output
-rows of one (n, od, segment, channel tile). Nothing is staged for the multiply-adds: no
-barrier, and every warp runs on its own (but for split K, below, whose warps meet once after
-their multiply-adds).
+accumulators: sw x NQ x MT tiles of 4 float32. A block is ROWS warps on rows of one (n, od,
+segment, channel tile): consecutive rows, or, where the H phases' taps differ enough that a
+block's warps would run unequal chains (``rows_by_phase``), consecutive rows of one H phase.
+Nothing is staged for the multiply-adds: no barrier, and every warp runs on its own (but for
+split K, below, whose warps meet once after their multiply-adds).
 
 Split K (``split_k``): a launch too small to fill the GPU (few outputs of many input channels
 and taps: a few hundred warps, each a chain of thousands of dependent loads and mma) shares each
@@ -73,11 +74,15 @@ from .half import KINDS, store_bits
 from .launch import block_size, grid_for, launch as launch_kernel
 from ..simulator import is_simulator
 from .mma import FRAGMENTS, MIN_CC, f32_bits, mma_tf32, to_tf32
-from .vecload import load4
+from .vecload import load2, load4
 from .warp import FULL_MASK, WARP_SIZE
 
 KC = 8                    # input channels per K step (the mma's k)
 ROWS = 4                  # warps (output rows) per block
+#: A block's rows are all of one H phase (``rows_by_phase``) where a block of consecutive rows
+#: would hold warps whose K steps differ by this many (chunks of 8 input channels times H taps)
+PHASE_ROWS_MIN_STEPS = 4
+PHASE_ROWS = None         # None: ``rows_by_phase`` decides; True / False: forced (probes)
 MAX_REGS = 128            # registers per thread: 512 threads per SM (4 blocks of ROWS warps)
 MAX_ACC_TILES = 16        # sw * NQ * MT: 64 float32 accumulators per thread
 MAX_SEG = 64              # outputs of a warp's row segment (its shared tile's width)
@@ -85,7 +90,7 @@ MODES = ("eval", "train", "scaled", "sums", "rescaled")
 
 _SIZES = ("in_ch", "in_d", "in_h", "in_wp", "out_ch", "out_d", "out_h", "out_w", "ipg", "opg",
           "shift_d", "shift_h", "shift_wp", "row_blocks", "segs", "ctiles", "tiles_per_group",
-          "chunks")
+          "chunks", "gchunks")
 _DIVISORS = ("ctiles", "segs", "row_blocks", "out_d", "tiles_per_group")
 
 
@@ -101,6 +106,7 @@ class MmaTiling:
     rows: int
     chunk_split: int = 1
     tap_split: int = 1
+    by_phase: bool = False
 
     def seg(self, sw: int) -> int:
         """Outputs of a warp's row segment at W stride ``sw``."""
@@ -171,13 +177,27 @@ def unsupported(geom: ConvGeometry, dtype: str) -> str | None:
     return None
 
 
-def choose_tiling(opg: int, sw: int, qw_n: int, out_h: int) -> MmaTiling:
+def rows_by_phase(h_taps: tuple, chunks: int) -> bool:
+    """Whether a block's rows should all be of one H phase. Where the H phases' tap counts
+    ``h_taps`` differ, a block of consecutive rows holds warps of unequal K steps (``chunks``
+    per H tap), and its shorter rows' warps idle until its longest ends; rows of one phase
+    leave each row's neighbours in H to other blocks, which costs the input rows' reuse in L1
+    and whole runs of rows' stores. Where the difference is at least ``PHASE_ROWS_MIN_STEPS``
+    steps the first cost is the larger (docs/performance.md)."""
+    if PHASE_ROWS is not None:
+        return PHASE_ROWS
+    return chunks * (max(h_taps) - min(h_taps)) >= PHASE_ROWS_MIN_STEPS
+
+
+def choose_tiling(opg: int, sw: int, qw_n: int, out_h: int, sh: int = 1,
+                  by_phase: bool = False) -> MmaTiling:
     """Channels: one m16-tile up to 16 of a group, else two. Quotients: as many n8-tiles per W
     phase as the accumulators and the segment allow, no more than the output row has; rows: as
-    many as the output has, up to ``ROWS``."""
+    many as the output has (``by_phase``: an H phase, at H stride ``sh``), up to ``ROWS``."""
     mt = 1 if opg <= 16 or 2 * sw > MAX_ACC_TILES else 2
     nq = max(1, min(MAX_ACC_TILES // (sw * mt), MAX_SEG // (8 * sw), -(-qw_n // 8)))
-    return MmaTiling(mt, nq, min(ROWS, out_h))
+    rows = -(-out_h // sh) if by_phase else out_h
+    return MmaTiling(mt, nq, min(ROWS, rows), by_phase=by_phase)
 
 
 #: Threads an SM holds of this kernel (128 registers a thread): ``gather.RESIDENT_THREADS``.
@@ -219,7 +239,7 @@ def split_k(tiling: MmaTiling, sw: int, units: int, chunks: int, tdmax: int,
     # the most warps within ``best``, the most chunks among equals
     pairs = [(c, min(tdmax, best // c)) for c in range(1, min(chunks, best) + 1)]
     chunk_split, tap_split = max(pairs, key=lambda ct: (ct[0] * ct[1], ct[0]))
-    return MmaTiling(tiling.mt, tiling.nq, 1, chunk_split, tap_split)
+    return MmaTiling(tiling.mt, tiling.nq, 1, chunk_split, tap_split, tiling.by_phase)
 
 
 @dataclass(frozen=True)
@@ -239,7 +259,6 @@ class MmaLaunch:
     lpad: int      # the zeros before each row of the kernel's input copy,
     padded_w: int  # and that copy's row length
     padded_numel: int  # elements of that copy
-    ragged: bool   # a group's input channels are not a whole number of chunks of 8
 
     @property
     def arrangement(self) -> tuple:
@@ -261,8 +280,18 @@ class MmaLaunch:
                           after_prior=after_prior, store=store, mode=mode)
 
     def round_input(self, x, x_tf32, x_pad) -> None:
-        """``launch_round_input`` for this launch's row padding."""
-        launch_round_input(x, x_tf32, x_pad, self.in_w, self.padded_w, self.lpad)
+        """``launch_round_input`` into this launch's copy."""
+        launch_round_input(x, x_tf32, x_pad, self.copy_sizes)
+
+    @functools.cached_property
+    def copy_sizes(self) -> tuple:
+        """``round_input``'s sizes: (in_w, lpad, ipg, in_ch) and the divisors of the copy's
+        padded_w, in_h, in_d, chunks and groups."""
+        sizes = dict(zip(_SIZES, self.dims[0]))
+        return ((self.in_w, self.lpad, sizes["ipg"], sizes["in_ch"]),
+                tuple(fastdiv.divisor(v) for v in (
+                    self.padded_w, sizes["in_h"], sizes["in_d"], sizes["chunks"],
+                    sizes["gchunks"] // sizes["chunks"])))
 
 
 def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
@@ -273,17 +302,21 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
     d_plan, h_plan, w_plan = axis_plan(d_axis), axis_plan(h_axis), axis_plan(w_axis)
     sw = geom.stride[2]
     od, oh, ow = out_spatial
-    tiling = choose_tiling(geom.out_per_group, sw, -(-ow // sw), oh)
+    sh = geom.stride[1]
+    chunks = -(-geom.in_per_group // KC)
+    by_phase = rows_by_phase(tuple(len(t) for t in h_axis.phase_taps()), chunks)
+    tiling = choose_tiling(geom.out_per_group, sw, -(-ow // sw), oh, sh, by_phase)
     segs = -(-ow // tiling.seg(sw))
     tiles_per_group = -(-geom.out_per_group // (16 * tiling.mt))
-    chunks = -(-geom.in_per_group // KC)
     tdmax = d_axis.most_phase_taps()
     # a row's mma: per chunk and tap of the largest phases, one per W tap, n8-tile and m-tile
     mma_per_row = chunks * tdmax * h_axis.most_phase_taps() * max(1, len(w_plan.taps)) \
         * tiling.nq * tiling.mt
     tiling = split_k(tiling, sw, batch * geom.groups * tiles_per_group * od * oh * segs, chunks,
                      tdmax, mma_per_row, resident)
-    row_blocks = -(-oh // tiling.rows)
+    # blocks of ``rows`` rows of one H phase, the phases of one quotient range side by side
+    row_blocks = sh * -(-(-(-oh // sh)) // tiling.rows) if tiling.by_phase \
+        else -(-oh // tiling.rows)
     # the columns the B loads reach: quotients 0 .. segs * 8 * NQ - 1, tap offsets 0 .. window - 1
     in_w = in_spatial[2]
     lpad = max(0, -w_plan.shift)
@@ -294,19 +327,18 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
                  ipg=geom.in_per_group, opg=geom.out_per_group, shift_d=d_plan.shift,
                  shift_h=h_plan.shift, shift_wp=w_plan.shift + lpad, row_blocks=row_blocks,
                  segs=segs, ctiles=ctiles, tiles_per_group=tiles_per_group,
-                 chunks=chunks)
+                 chunks=chunks, gchunks=geom.groups * chunks)
     slots = od * row_blocks * segs
     grid = batch * ctiles * slots
     if grid >= fastdiv.LIMIT:
         raise ValueError(f"tensor-core gather grid of {grid} blocks exceeds the 2**31 - 1 a "
                          "launch allows")
-    padded_numel = batch * geom.in_channels * in_spatial[0] * in_spatial[1] * padded_w
+    padded_numel = batch * geom.groups * chunks * KC * in_spatial[0] * in_spatial[1] * padded_w
     wide = max(padded_numel, batch * geom.out_channels * math.prod(out_spatial)) >= fastdiv.LIMIT
     dims = (tuple(int(sizes[k]) for k in _SIZES),
             tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
     return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern, dims, grid,
-                     WARP_SIZE * tiling.warps, slots, wide, in_w, lpad, padded_w, padded_numel,
-                     geom.in_per_group % KC != 0)
+                     WARP_SIZE * tiling.warps, slots, wide, in_w, lpad, padded_w, padded_numel)
 
 
 def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
@@ -351,13 +383,12 @@ def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
 
 @kernel_factory
 def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat: tuple,
-                    mode: str, wide: bool, ragged: bool, store: str = "", chunk_split: int = 1,
-                    tap_split: int = 1):
+                    mode: str, wide: bool, store: str = "", chunk_split: int = 1,
+                    tap_split: int = 1, by_phase: bool = False):
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
     the module docstring says what a block and a warp own, ``MmaTiling`` what the splits do.
     ``wide``: the input or the output has 2**31 elements or more, so offsets are 64-bit
-    (otherwise 32-bit). ``ragged``: a group's input channels are not a whole number of chunks
-    (the B fragments test them).
+    (otherwise 32-bit). ``by_phase``: a block's rows are of one H phase (``rows_by_phase``).
     ``store``: "" writes float32; "bfloat16" or "float16" writes each value rounded to that
     dtype into a ``uint16`` view of a half-precision output (evaluation only: a half-precision
     call's, whose output this epilogue writes last), as the FFMA gather's does."""
@@ -412,7 +443,7 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         part = cuda.shared.array(part_shape, float64)
         red = cuda.shared.array(red_shape, float32)
         (in_ch, in_d, in_h, in_wp, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
-         shift_wp, row_blocks, segs, ctiles, tiles_per_group, chunks) = sizes
+         shift_wp, row_blocks, segs, ctiles, tiles_per_group, chunks, gchunks) = sizes
         if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
             allow_dependents()
         # The block's coordinates by multiply-high divisions (``fastdiv``), 32-bit: a 64-bit
@@ -435,30 +466,35 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         lane = t % WARP_SIZE
         g = lane >> 2
         tq = lane & 3
-        oh = int32(rb * rows + warp)
+        if by_phase:   # the block's rows: quotients qb * rows + warp of H phase rh
+            qb = int32(rb) // sh
+            rh = int32(rb) - qb * sh
+            qh = int32(qb * rows + warp)
+            oh = int32(qh * sh + rh)
+        else:
+            oh = int32(rb * rows + warp)
+            qh = int32(oh // sh)
+            rh = int32(oh - qh * sh)
         row_ok = oh < out_h                    # the same for every lane of the warp
-        qh = int32(oh // sh)
-        rh = int32(oh - qh * sh)
         q0 = int32(sg * 8 * nq)                # the segment's first quotient
 
         acc = cuda.local.array(n_acc, float32)
         for k in range(n_acc):
             acc[k] = float32(0)
         a = cuda.local.array(n_a, uint32)
-        plane = idx(in_h * in_wp)
-        ci_stride = idx(in_d * plane)
-        wp = int32(in_wp)
-        last_ci = int32(ipg - 1)
-        # the group's first input channel, at this lane's first column (quotient q0 + g)
-        xg = idx(idx((n * in_ch + grp * ipg) * ci_stride) + q0 + g + shift_wp)
+        # element strides of the input copy (``round_input``): a row of columns of 8 floats
+        # (a chunk's channels), a plane, a chunk
+        wp = int32(in_wp * KC)
+        plane = idx(in_h * wp)
+        chunk_stride = idx(in_d * plane)
+        # the group's first chunk, at this lane's first column (quotient q0 + g) and its
+        # channels t and t + 4 (side by side: its two B registers, one 8-byte load)
+        xg = idx(idx((n * gchunks + grp * chunks) * chunk_stride)
+                 + (q0 + g + shift_wp) * KC + 2 * tq)
         if row_ok:
             for chunk_ in range(ks_c, chunks, chunk_split):
                 chunk = int32(chunk_)
-                ci = int32(chunk * KC + tq)
-                ok0 = ci < ipg
-                ok1 = ci + 4 < ipg
-                x0 = idx(xg + min(ci, last_ci) * ci_stride)
-                x1 = idx(xg + min(ci + 4, last_ci) * ci_stride)
+                xc = idx(xg + chunk * chunk_stride)
                 for td_ in range(ks_d, d_counts[rd], tap_split):
                     td = int32(td_)
                     idd = int32(qd + shift_d + d_first[rd] - td * d_step)
@@ -473,8 +509,7 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                         # 64-bit element offsets, so that each load's constant part (the tap's
                         # column offset, the n8-tile's, the W tap's and m-tile's fragments)
                         # folds into its address
-                        r0 = uint64(idx(x0 + row))
-                        r1 = uint64(idx(x1 + row))
+                        r0 = uint64(idx(xc + row))
                         base = uint64(uint32(((((rd * tdmax + td) * nht + hi) * ctiles + ctile)
                                               * chunks + chunk) * (nwt * mt * frag) + lane * 4))
                         for wi in range(n_wt):
@@ -487,11 +522,9 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                                 a[4 * m + 2] = f32_bits(f2)
                                 a[4 * m + 3] = f32_bits(f3)
                             for u in range(nq):
-                                b0 = f32_bits(x[r0 + uint64(e + 8 * u)])
-                                b1 = f32_bits(x[r1 + uint64(e + 8 * u)])
-                                if ragged:
-                                    b0 = b0 if ok0 else uint32(0)
-                                    b1 = b1 if ok1 else uint32(0)
+                                v0, v1 = load2(x, r0 + uint64((e + 8 * u) * KC))
+                                b0 = f32_bits(v0)
+                                b1 = f32_bits(v1)
                                 for m in range(mt):
                                     k = ((rw * nq + u) * mt + m) * 4
                                     d0, d1, d2, d3 = mma_tf32(
@@ -595,7 +628,7 @@ def mma_kernel(launch: MmaLaunch, mode: str, store: str = ""):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_mma_kernel(t.mt, t.nq, t.rows, launch.dpat, launch.hpat, launch.wpat, mode,
-                           launch.wide, launch.ragged, store, t.chunk_split, t.tap_split)
+                           launch.wide, store, t.chunk_split, t.tap_split, t.by_phase)
 
 
 def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, scale=None,
@@ -626,39 +659,72 @@ def arrange_weights(weight, index, out=None):
     return arranged
 
 
+ROUND_BLOCK = 256
+
+
+def chunk_slot(k):
+    """The slot of a chunk's input channel ``k`` (0-7) in a column of the interleaved copy: the
+    B fragment's channels t and t + 4 side by side (0, 4, 1, 5, 2, 6, 3, 7)."""
+    return 2 * (k % 4) + k // 4
+
+
 @kernel_factory
 def make_round_input(wide: bool):
-    """``round_input``: ``dst[i]`` and the padded copy's element of ``src[i]`` (1-D float32)
-    = ``src[i]`` rounded to TF32 (``mma.to_tf32``), grid-stride. ``wide``: ``src`` has 2**31
-    elements or more (a 64-bit division per element; otherwise ``fastdiv``'s)."""
+    """``round_input``: the tensor-core gather's input copy, element by element, grid-stride: ``padded`` of
+    shape (N, groups, chunks, ID, IH, padded_w, 8), slot ``chunk_slot(k)`` of a column holding
+    input channel ``chunk * 8 + k`` of the group at input column ``col - lpad``, rounded to TF32
+    (``mma.to_tf32``), zero where that channel or column does not exist; ``dst`` (the input's
+    shape, flattened) gets the same rounded values. ``wide``: 64-bit divisions (``padded`` has
+    2**31 elements or more; otherwise ``fastdiv``'s). The copy is written in order (whole
+    sectors), the input read 4 columns of 8 channels a warp."""
 
     @cuda.jit
-    def round_input(src, dst, padded, width, padded_w, lpad):
-        # width: fastdiv.divisor(the input's width) (its first element the width itself)
+    def round_input(src, dst, padded, sizes, divs):
+        in_w, lpad, ipg, in_ch = sizes
+        pw_d, h_d, d_d, chunks_d, groups_d = divs
         i = cuda.grid(1)
         step = cuda.gridsize(1)
-        while i < src.size:
-            v = to_tf32(src[i])
-            dst[i] = v
+        while i < padded.size:
+            slot = i & 7
+            k = (slot >> 1) + 4 * (slot & 1)
             if wide:
-                r = i // width[0]
-                c = i - r * width[0]
+                rest = i >> 3
+                col = rest % pw_d[0]
+                rest //= pw_d[0]
+                h = rest % h_d[0]
+                rest //= h_d[0]
+                d = rest % d_d[0]
+                rest //= d_d[0]
+                chunk = rest % chunks_d[0]
+                rest //= chunks_d[0]
+                grp = rest % groups_d[0]
+                n = rest // groups_d[0]
             else:
-                r, c = fast_divmod(uint32(i), width)
-            padded[uint64(r) * uint64(padded_w) + uint64(lpad + c)] = v
+                rest, col = fast_divmod(uint32(i >> 3), pw_d)
+                rest, h = fast_divmod(rest, h_d)
+                rest, d = fast_divmod(rest, d_d)
+                rest, chunk = fast_divmod(rest, chunks_d)
+                n, grp = fast_divmod(rest, groups_d)
+            ci = int64(chunk) * 8 + k
+            w = int64(col) - lpad
+            v = float32(0)
+            if ci < ipg and w >= 0 and w < in_w:
+                j = (((int64(n) * in_ch + int64(grp) * ipg + ci) * d_d[0] + int64(d)) * h_d[0]
+                     + int64(h)) * in_w + w
+                v = to_tf32(src[j])
+                dst[j] = v
+            padded[i] = v
             i += step
 
     return round_input
 
 
-ROUND_BLOCK = 256
-
-
-def launch_round_input(x, x_tf32, x_pad, in_w: int, padded_w: int, lpad: int) -> None:
-    """``x`` (1-D float32, rows of ``in_w``) rounded to TF32 into ``x_tf32`` (box_sums sums it:
-    the means of this TF32 convolution, docs/design.md §2.9) and into the rows of ``x_pad``
-    (``padded_w`` long, from column ``lpad``; the padding is the caller's zeros)."""
-    wide = x.numel() >= fastdiv.LIMIT
+def launch_round_input(x, x_tf32, x_pad, copy_sizes: tuple) -> None:
+    """``x`` (1-D float32, the input flattened) rounded to TF32 into ``x_tf32`` (box_sums sums
+    it: the means of this TF32 convolution, docs/design.md §2.9) and into the gather's copy
+    ``x_pad`` (``MmaLaunch.copy_sizes``), every element of which it writes."""
+    wide = x_pad.numel() >= fastdiv.LIMIT
     block = block_size(ROUND_BLOCK)
-    launch_kernel(make_round_input(wide), grid_for(x.numel(), block), block,
-                  (x, x_tf32, x_pad, fastdiv.divisor(in_w), padded_w, lpad))
+    sizes, divs = copy_sizes
+    launch_kernel(make_round_input(wide), grid_for(x_pad.numel(), block), block,
+                  (x, x_tf32, x_pad, sizes, divs))
