@@ -8,9 +8,10 @@ backward's gradients) read or write out of bounds, and do their shared-memory ac
     PYTHONPATH=$PWD $CS --tool racecheck --racecheck-report hazard python3 benchmarks/sanitize_calls.py
         [NAME ...]
 
-Per geometry of :data:`GEOMETRIES` (ragged channel tiles, a W stride of 5, groups with dilation, 8
-output voxels per (sample, channel): ``"ieee"`` takes the float64 ``"wide"`` path there, 27 such
-voxels; small, as the sanitizer slows kernels by 10-100x; only those named, where names are
+Per geometry of :data:`GEOMETRIES` (ragged channel tiles, rows of one H phase a block, a W
+stride of 5, groups with dilation, 8 output voxels per (sample, channel): ``"ieee"`` takes the
+float64 ``"wide"`` path there, 27 such voxels; small, as the sanitizer slows kernels by
+10-100x; only those named, where names are
 given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather), evaluation, and
 training with an input that requires grad and a backward (and, on tensor cores, a training forward
 whose output a second pass of the convolution writes: ``Options(second_pass=True)``): one
@@ -34,6 +35,9 @@ from numba_deconv.plan import Options
 
 GEOMETRIES = [
     bench.Case("ragged", bench._conv(12, 20, 3, 2, 1), 2, (5, 7, 9)),
+    # 36 input channels, k3 s2: the tensor-core gather's blocks of four rows of one H phase
+    # (``gather_mma.rows_by_phase``; a launch too large to split K), H phases of 11 and 10 rows
+    bench.Case("rows by phase", bench._conv(36, 20, 3, 2, 1), 4, (8, 11, 12)),
     bench.Case("w stride 5", bench._conv(8, 24, (2, 3, 5), (1, 2, 5), 0), 1, (3, 4, 5)),
     bench.Case("groups, dilation", bench._conv(16, 32, (3, 2, 4), 3, (1, 0, 1), groups=2,
                                                dilation=2), 2, (4, 5, 6)),

@@ -478,10 +478,11 @@ assert bytes_per_sector(direct) < 12 < 25 < bytes_per_sector(tiled)
 # kernel does: the FFMA gather's multiply-adds at its measured rate (lower with fewer taps per
 # output), the TF32 gather's *padded* multiply-adds (channel tiles of 16, chunks of 8 input
 # channels, row segments) at a rate that grows with how often a warp reuses each fragment it
-# loads, launches too small to fill the GPU, and each path's host time, which decides small
-# calls (the TF32 gather adds one launch, cuDNN a dispatch). Calibrated on an H200 sweep of
-# 29 geometries (`benchmarks/probe_tf32.py --sweep`), its choice measured within 25% of the
-# fastest on every one (`tests/test_planner.py`):
+# loads and its epilogue's share of each output, launches too small to fill the GPU, and each
+# path's host time, which decides small calls (the TF32 gather adds one launch, cuDNN a
+# dispatch). Calibrated on an H200 sweep of 31 geometries (`benchmarks/probe_tf32.py
+# --sweep`), its choice measured within 25% of the fastest on every one
+# (`tests/test_planner.py`):
 
 # %%
 cuda = torch.device("cuda")  # (the planner's choice for a GPU; nothing runs here)

@@ -20,7 +20,8 @@ factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
   output's write (training: a read and a write more, the scale pass);
 * the tensor-core gather: its padded multiply-adds (channel tiles of 16, chunks of 8 input
   channels, row segments) at ``MMA_EFFICIENCY`` of the TF32 peak per unit of its fragment reuse,
-  the same writes, and the input's rounding (a read and two writes);
+  the same writes and its epilogue's share more (``MMA_EPILOGUE_PASSES``), and the input's
+  rounding (a read and two writes);
 * both gathers: a launch of fewer threads than the SMs hold (``RESIDENT_THREADS``) runs at that
   fraction of the rate, and a partial last wave costs a whole one (``_waves``); and both wait
   for ``box_sums``' rounds of dependent loads (``_box_sums_seconds``: each plane's share of
@@ -124,9 +125,14 @@ FFMA_TAPS = 3.375
 #: an axis, against 37 at k3 s2).
 FFMA_TAPS_EXPONENT = 0.7
 #: The tensor-core gather's rate: this fraction of the TF32 peak per unit of a warp's fragment
-#: reuse, ``MT * NQ / (MT + NQ)`` mma per fragment loaded (H200: 67-74 TFLOP/s at MT = 2,
-#: NQ = 4; 34-47 at MT = 1 or NQ = 2), on the multiply-adds of its padded tiles.
-MMA_EFFICIENCY = 0.1
+#: reuse, ``MT * NQ / (MT + NQ)`` mma per fragment loaded, on the multiply-adds of its padded
+#: tiles ...
+MMA_EFFICIENCY = 0.155
+#: ... and its epilogue (the shared tile's round trip, the stores' offsets) as this many more
+#: passes of the output's write at the bandwidth: both fitted together on the sweep's five
+#: largest rows (H200: within 11% of each, both modes), where a warp of few input channels
+#: spends more of its time in its epilogue.
+MMA_EPILOGUE_PASSES = 0.465
 #: Threads an SM holds of either gather (128 registers a thread): a launch of fewer than the
 #: device's SMs times this runs at that fraction of the rate, and a partial last wave as a
 #: whole one.
@@ -325,7 +331,8 @@ def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
     mma = _mma_seconds(geom, batch, in_spatial, out_spatial, peaks)
     if mma is not None:
         in_bytes = 4.0 * batch * geom.in_channels * math.prod(in_spatial)
-        times["gather_mma"] = mma + writes + 3 * in_bytes / bandwidth + box
+        times["gather_mma"] = mma + writes + MMA_EPILOGUE_PASSES * out_bytes / bandwidth \
+            + 3 * in_bytes / bandwidth + box
     c = math.sqrt(geom.in_per_group * geom.out_per_group)
     rate = min(CUDNN_PER_CHANNEL * c, CUDNN_CAP) * peaks["tf32"]
     times["torch"] = flops / rate + (1 + FINISH_PASSES[training]) * out_bytes / bandwidth
