@@ -516,8 +516,8 @@ if precision.torch_uses_tf32():  # (PyTorch's default)
 #   0.456 against 0.796), behind it on the geometry row; the work around the `mma`s and the
 #   output's bytes bound it, not the tensor cores' rate. The default (`precision=None`) takes
 #   it where PyTorch's flag allows TF32 and the planner predicts it the fastest; small calls,
-#   bound by the host, keep the FFMA gather, and at 128 channels and more cuDNN's TF32
-#   convolution with this package's finish wins.
+#   bound by the host, keep the FFMA gather, and at 128 channels and more on small inputs cuDNN's
+#   TF32 convolution with this package's finish wins.
 #
 # **Interpretation.** Tensor cores change the arithmetic floor by 7.4x, but a kernel only reaches
 # it if operands arrive and results leave at the tensor cores' pace: which matrix is which

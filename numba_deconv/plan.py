@@ -235,7 +235,7 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         if tensor_cores:
             common.update(x_tf32=empty(x.numel(), dtype=x.dtype),
                           w_tf32=empty(int(np.prod(geom.weight_shape())), dtype=x.dtype),
-                          x_pad=torch.zeros(launch.padded_numel, dtype=x.dtype, device=dev))
+                          x_pad=empty(launch.padded_numel, dtype=x.dtype))
         common.update(
             box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),
             boxes=empty(batch, geom.in_channels, kd, kh, kw),

@@ -10,7 +10,7 @@ Elsewhere the FFMA gather runs (``precision="tf32"`` asks for the tensor-core ga
 ``"ieee"`` for the FFMA one, whatever is faster).
 
 The cost model, per call (``predict``), calibrated against measurements (an H100's for the
-FFMA gather and cuDNN, docs/performance.md "Known limits"; an H200's sweep of 29 geometries,
+FFMA gather and cuDNN, docs/performance.md "Known limits"; an H200's sweep of 31 geometries,
 ``benchmarks/probe_tf32.py --sweep``, for the tensor-core gather and the FFMA gather's
 factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
 
@@ -129,10 +129,11 @@ FFMA_TAPS_EXPONENT = 0.7
 #: tiles ...
 MMA_EFFICIENCY = 0.155
 #: ... and its epilogue (the shared tile's round trip, the stores' offsets) as this many more
-#: passes of the output's write at the bandwidth: both fitted together on the sweep's five
-#: largest rows (H200: within 11% of each, both modes), where a warp of few input channels
-#: spends more of its time in its epilogue.
-MMA_EPILOGUE_PASSES = 0.465
+#: passes of the output's write at the bandwidth: both fitted together on the sweep's rows of
+#: 15M-252M outputs at k3 s2 (``tests/test_planner.py``'s ``MMA_FITTED``; H200: within 11% of
+#: each, both modes), where a warp of few input channels spends more of its time in its
+#: epilogue.
+MMA_EPILOGUE_PASSES = 0.46
 #: Threads an SM holds of either gather (128 registers a thread): a launch of fewer than the
 #: device's SMs times this runs at that fraction of the rate, and a partial last wave as a
 #: whole one.

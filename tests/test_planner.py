@@ -58,8 +58,8 @@ def test_the_suite_keeps_the_gathers(case, training, tf32_allowed):
 
 
 # H200, ms back to back (benchmarks/probe_tf32.py --sweep, results/h200_tf32_sweep.log: the
-# whole sweep, then its last two rows and c3to5 k3s2 again, whose first training run was held up
-# by the host; docs/performance.md, "TF32 on tensor cores"): (row, (in, out, kernel, stride,
+# whole sweep; its last two rows and c3to5 k3s2 from a second run, the first run's training of
+# c3to5 held up by the host; docs/performance.md, "TF32 on tensor cores"): (row, (in, out, kernel, stride,
 # padding, other arguments), batch, input, evaluation's and training's (FFMA gather, tensor-core
 # gather, cuDNN and this package's finish))
 SWEEP = [
@@ -158,7 +158,7 @@ def test_the_choice_against_the_sweep(row, training, on_h200, gpu_blocks):
 # results/h200x2_split.log): (in, out, kernel, stride, padding, batch, input, training, the FFMA
 # gather's, the tensor-core gather's): small calls, most of them bound by the host, where one
 # gather is clearly the faster (96 -> 16 channels, k2 s2, batch 4 on 8x3x10, which the FFMA gather
-# runs 1.15x faster, is a near tie in the planner's model: the sweep's "c96to16 k2s2 small")
+# runs 1.18x faster, is a near tie in the planner's model: the sweep's "c96to16 k2s2 small")
 SMALL_CALLS = [
     (48, 128, 5, 2, 1, 1, (7, 4, 6), False, (0.084, 0.106), (0.060, 0.061)),
     (48, 128, 5, 2, 1, 1, (7, 4, 6), True, (0.085, 0.114), (0.079, 0.080)),

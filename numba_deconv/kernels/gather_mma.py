@@ -196,8 +196,11 @@ def choose_tiling(opg: int, sw: int, qw_n: int, out_h: int, sh: int = 1,
     many as the output has (``by_phase``: an H phase, at H stride ``sh``), up to ``ROWS``."""
     mt = 1 if opg <= 16 or 2 * sw > MAX_ACC_TILES else 2
     nq = max(1, min(MAX_ACC_TILES // (sw * mt), MAX_SEG // (8 * sw), -(-qw_n // 8)))
-    rows = -(-out_h // sh) if by_phase else out_h
-    return MmaTiling(mt, nq, min(ROWS, rows), by_phase=by_phase)
+    phase_rows = min(ROWS, -(-out_h // sh))
+    if by_phase and phase_rows > 1:
+        return MmaTiling(mt, nq, phase_rows, by_phase=True)
+    # (blocks of one row of a phase would be rows of one phase either way, with empty blocks)
+    return MmaTiling(mt, nq, min(ROWS, out_h))
 
 
 #: Threads an SM holds of this kernel (128 registers a thread): ``gather.RESIDENT_THREADS``.
@@ -239,7 +242,7 @@ def split_k(tiling: MmaTiling, sw: int, units: int, chunks: int, tdmax: int,
     # the most warps within ``best``, the most chunks among equals
     pairs = [(c, min(tdmax, best // c)) for c in range(1, min(chunks, best) + 1)]
     chunk_split, tap_split = max(pairs, key=lambda ct: (ct[0] * ct[1], ct[0]))
-    return MmaTiling(tiling.mt, tiling.nq, 1, chunk_split, tap_split, tiling.by_phase)
+    return MmaTiling(tiling.mt, tiling.nq, 1, chunk_split, tap_split)
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ class MmaLaunch:
     grid: int
     block: int
     slots: int     # blocks per (n, channel tile): partials per (n, c) in training
-    wide: bool     # the input or the output has 2**31 elements or more: 64-bit offsets
+    wide: bool     # the input's copy or the output has 2**31 elements or more: 64-bit offsets
     in_w: int      # the input's width,
     lpad: int      # the zeros before each row of the kernel's input copy,
     padded_w: int  # and that copy's row length
@@ -387,7 +390,7 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                     tap_split: int = 1, by_phase: bool = False):
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
     the module docstring says what a block and a warp own, ``MmaTiling`` what the splits do.
-    ``wide``: the input or the output has 2**31 elements or more, so offsets are 64-bit
+    ``wide``: the input's copy or the output has 2**31 elements or more, so offsets are 64-bit
     (otherwise 32-bit). ``by_phase``: a block's rows are of one H phase (``rows_by_phase``).
     ``store``: "" writes float32; "bfloat16" or "float16" writes each value rounded to that
     dtype into a ``uint16`` view of a half-precision output (evaluation only: a half-precision
@@ -430,7 +433,8 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     # the simulator's jit takes no register cap (and has no registers)
     @cuda.jit(**({} if is_simulator() else {"max_registers": MAX_REGS}))
     def conv_transpose3d_gather_mma(
-        x,      # (N*CI*ID*IH*padded_w,) float32: the TF32 input in padded rows, flattened
+        x,      # (N, groups, chunks, ID, IH, padded_w, 8) float32, flattened: the TF32 input's
+                # copy (``round_input``), 8-byte aligned
         wmm,    # (…,) float32: the TF32 weights arranged by ``weight_index``, 16-byte aligned
         mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled except TRAIN)
         scale,  # (CO,) the per-channel scale (read only in ``scaled`` mode)
@@ -637,11 +641,12 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
     ``gather.launch_gather`` launches the FFMA one: ``scale`` selects the scaled epilogue,
     ``after_prior`` a programmatic dependent launch after the kernel writing the means,
     ``store`` a half-precision output's dtype name (``out`` is then its ``uint16`` view,
-    ``half.bits_view``). ``x`` and ``wmm`` hold TF32 values: ``launch_round_input`` (into
-    ``padded_numel`` elements, zeros where it does not write) and ``arrange_weights`` make
-    them."""
+    ``half.bits_view``). ``x`` and ``wmm`` hold TF32 values: ``launch_round_input`` (the
+    copy's ``padded_numel`` elements) and ``arrange_weights`` make them."""
     if wmm.data_ptr() % 16:  # the fragments' 16-byte loads (arrange_weights' tensors are)
         raise ValueError("gather_mma: the arranged weights must be 16-byte aligned")
+    if x.data_ptr() % 8:     # a lane's two B registers, one 8-byte load
+        raise ValueError("gather_mma: the input's copy must be 8-byte aligned")
     if mode is None:
         mode = "train" if train else ("scaled" if scale is not None else "eval")
     kernel = mma_kernel(launch, mode, store)
@@ -670,13 +675,13 @@ def chunk_slot(k):
 
 @kernel_factory
 def make_round_input(wide: bool):
-    """``round_input``: the tensor-core gather's input copy, element by element, grid-stride: ``padded`` of
-    shape (N, groups, chunks, ID, IH, padded_w, 8), slot ``chunk_slot(k)`` of a column holding
-    input channel ``chunk * 8 + k`` of the group at input column ``col - lpad``, rounded to TF32
-    (``mma.to_tf32``), zero where that channel or column does not exist; ``dst`` (the input's
-    shape, flattened) gets the same rounded values. ``wide``: 64-bit divisions (``padded`` has
-    2**31 elements or more; otherwise ``fastdiv``'s). The copy is written in order (whole
-    sectors), the input read 4 columns of 8 channels a warp."""
+    """``round_input``: the tensor-core gather's input copy, element by element, grid-stride:
+    ``padded`` of shape (N, groups, chunks, ID, IH, padded_w, 8), slot ``chunk_slot(k)`` of a
+    column holding input channel ``chunk * 8 + k`` of the group at input column ``col - lpad``,
+    rounded to TF32 (``mma.to_tf32``), zero where that channel or column does not exist;
+    ``dst`` (the input's shape, flattened) gets the same rounded values. ``wide``: 64-bit
+    divisions (``padded`` has 2**31 elements or more; otherwise ``fastdiv``'s). The copy is
+    written in order (whole sectors), the input read 4 columns of 8 channels a warp."""
 
     @cuda.jit
     def round_input(src, dst, padded, sizes, divs):
