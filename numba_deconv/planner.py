@@ -49,9 +49,9 @@ and with at least ``MIN_OUTPUTS`` outputs, or where ``box_sums``' rounds of depe
 alone (hundreds of channels on a small input) outlast its whole call; and for a float32 call of
 at most ``WIDE_VOLUME`` output voxels per (sample, channel) past ``WIDE_LIBRARY_WORK`` steps of
 ``gather_wide``'s warps or ``WIDE_LIBRARY_CHAIN`` a warp (``few_voxels_past``). Synchronized
-statistics and ``variance="gram"`` keep the gathers (``Pipeline.library_candidate``). The choice depends only on the geometry, the
-input's shape, dtype and device, the mode and PyTorch's flags, so it is the same for every call
-of a kind.
+statistics and ``variance="gram"`` keep the gathers (``Pipeline.library_candidate``). The
+choice depends only on the geometry, the input's shape, dtype and device, the mode and
+PyTorch's flags, so it is the same for every call of a kind.
 
 The backward's input gradient (``torch_input_grad``) is chosen the same way, on the same
 conditions: ``dL/dx`` is the convolution of ``dy`` with the same weights (the adjoint of the
