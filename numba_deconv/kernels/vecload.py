@@ -1,5 +1,5 @@
 """Four (two) float32 values in one 16-byte (8-byte) load from global memory: ``load4(src, j)``
-(``load2``).
+(``load2``); four in one 16-byte store: ``store4(dst, j, a, b, c, d)``.
 
 numba turns ``src[j]``, ``src[j + 1]``, ... into one scalar load each (``ld.f32``): it cannot
 know that ``src``'s data is 16-byte aligned, so LLVM may not merge them. ``load4`` emits one
@@ -7,10 +7,14 @@ know that ``src``'s data is 16-byte aligned, so LLVM may not merge them. ``load4
 ``ld.v4.f32``: a quarter of the load instructions and the same bytes per instruction as the
 widest load the hardware has. ``box_sums`` walks its input columns four at a time with it.
 
-Precondition (the caller checks it on the host): ``src`` is a 1-D float32 array of unit stride
-whose data pointer and element offset ``j`` are 16-byte aligned (``j`` a multiple of 4; for
-``load2`` 8-byte aligned, ``j`` even). Returns a tuple of four (two) float32. Under the CUDA
-simulator: element reads. The tensor-core gather reads a lane's two B registers with ``load2``.
+Precondition (the caller checks it on the host): ``src`` is a 1-D array of 32-bit elements
+(float32, int32 or uint32) of unit stride whose data pointer and element offset ``j`` are
+16-byte aligned (``j`` a multiple of 4; for ``load2`` 8-byte aligned, ``j`` even). Returns a
+tuple of four (two) of its elements. Under the CUDA simulator: element reads. The tensor-core
+gather reads a lane's two B registers with ``load2`` and its four A registers with ``load4``
+(32-bit words holding two half-precision values each, for its half-precision operands).
+``store4`` has the same precondition (its four values of ``dst``'s element type): the
+tensor-core gather's input copy is written a column of 8 words at a time with two.
 """
 
 from __future__ import annotations
@@ -30,23 +34,34 @@ if is_simulator():
         """``(src[j], src[j + 1])``."""
         return src[j], src[j + 1]
 
+    @cuda.jit(device=True)
+    def store4(dst, j, a, b, c, d):
+        """``dst[j:j + 4] = a, b, c, d``."""
+        dst[j] = a
+        dst[j + 1] = b
+        dst[j + 2] = c
+        dst[j + 3] = d
+
 else:
     from llvmlite import ir
     from numba import types
     from numba.core.errors import TypingError
     from numba.cuda.extending import intrinsic
 
+    _WORDS = {types.float32: ir.FloatType(), types.int32: ir.IntType(32),
+              types.uint32: ir.IntType(32)}
+
     def _vector_load(name: str, width: int):
-        """An intrinsic loading ``width`` float32 values at ``src[j]`` as one aligned load."""
+        """An intrinsic loading ``width`` 32-bit elements at ``src[j]`` as one aligned load."""
 
         def typer(typingctx, src, j):
-            if not (isinstance(src, types.Array) and src.dtype == types.float32
-                    and src.ndim == 1):
-                raise TypingError(f"{name}: a 1-D float32 array (of unit stride: the offset is "
-                                  "in elements from its data pointer)")
+            if not (isinstance(src, types.Array) and src.dtype in _WORDS and src.ndim == 1):
+                raise TypingError(f"{name}: a 1-D array of float32, int32 or uint32 (of unit "
+                                  "stride: the offset is in elements from its data pointer)")
             if not (isinstance(j, types.Integer) and not j.signed):
                 raise TypingError(f"{name}: the offset must be an unsigned integer")
-            ret = types.UniTuple(types.float32, width)
+            ret = types.UniTuple(src.dtype, width)
+            element = _WORDS[src.dtype]
 
             def codegen(context, builder, signature, args):
                 src_t, _ = signature.args
@@ -54,7 +69,7 @@ else:
                 index = args[1]
                 if index.type.width < 64:
                     index = builder.zext(index, ir.IntType(64))
-                vec_t = ir.VectorType(ir.FloatType(), width)
+                vec_t = ir.VectorType(element, width)
                 ptr = builder.bitcast(builder.gep(data, [index]), vec_t.as_pointer())
                 vec = builder.load(ptr, align=4 * width)
                 vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k))
@@ -70,3 +85,31 @@ else:
     load4 = _vector_load("load4", 4)
     #: ``(src[j], src[j + 1])`` as one 8-byte load
     load2 = _vector_load("load2", 2)
+
+    @intrinsic
+    def store4(typingctx, dst, j, a, b, c, d):
+        """``dst[j:j + 4] = a, b, c, d`` as one 16-byte store (``st.v4``)."""
+        if not (isinstance(dst, types.Array) and dst.dtype in _WORDS and dst.ndim == 1):
+            raise TypingError("store4: a 1-D array of float32, int32 or uint32 (of unit "
+                              "stride: the offset is in elements from its data pointer)")
+        if not (isinstance(j, types.Integer) and not j.signed):
+            raise TypingError("store4: the offset must be an unsigned integer")
+        if any(v != dst.dtype for v in (a, b, c, d)):
+            raise TypingError(f"store4: four values of the array's type {dst.dtype}")
+        element = _WORDS[dst.dtype]
+
+        def codegen(context, builder, signature, args):
+            dst_t = signature.args[0]
+            data = context.make_array(dst_t)(context, builder, args[0]).data
+            index = args[1]
+            if index.type.width < 64:
+                index = builder.zext(index, ir.IntType(64))
+            vec_t = ir.VectorType(element, 4)
+            vec = ir.Constant(vec_t, ir.Undefined)
+            for k, value in enumerate(args[2:]):
+                vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), k))
+            ptr = builder.bitcast(builder.gep(data, [index]), vec_t.as_pointer())
+            builder.store(vec, ptr, align=16)
+            return context.get_dummy_value()
+
+        return types.void(dst, j, a, b, c, d), codegen
