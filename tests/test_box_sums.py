@@ -132,6 +132,45 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, 
         assert not done.any()
 
 
+@pytest.mark.parametrize("rounding, vec", [("tf32", True), ("bfloat16", False),
+                                           ("float16", True)])
+def test_rounding_as_it_loads_is_the_sums_of_the_rounded_input(device, rounding, vec):
+    """``rounding`` (the tensor-core gather's operands): the box sums and means, bit for bit,
+    of the input rounded first (``mma.round_tf32``, ``mma.round_half``), through the 16-byte
+    row loads (``vec``) and the scalar ones (a row of 5); values whose rounding matters (ties,
+    float16's subnormals, a range past float16's)."""
+    from numba_deconv.kernels import mma
+
+    geom = ConvGeometry.create(3, 4, 3, 2, 1)
+    size = (2, 3, 4 if vec else 5)
+    lo = np.ones((3, 3), np.int32)
+    hi = np.zeros((3, 3), np.int32)
+    for a, axis in enumerate(geom.axes()):
+        for k in range(axis.kernel):
+            lo[a, k], hi[a, k] = axis.box(k, size[a])
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((2, 3, *size)) * 10.0 ** rng.integers(-6, 5, (2, 3, *size)))
+    x = x.astype(np.float32)
+    x.flat[:3] = [1 + 2 ** -8, 1 + 3 * 2 ** -11, 3e-7]
+    rounded = mma.round_tf32(x) if rounding == "tf32" else mma.round_half(x, rounding)
+    assert not np.array_equal(rounded, x)
+    w = torch.from_numpy(rng.standard_normal((3, 4, 27)).astype(np.float32)).to(device)
+    dev = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    results = []
+    for values, how in ((x, rounding), (rounded, "")):
+        out = torch.full((2, 3, 3, 3, 3), float("nan"), dtype=torch.float64, device=device)
+        mean = torch.full((2, 4), float("nan"), dtype=torch.float64, device=device)
+        contrib = torch.empty((2, 3, 4), dtype=torch.float64, device=device)
+        xd = dev(np.ascontiguousarray(values))
+        assert box_sums.vector_rows(xd) == vec
+        box_sums.launch_box_sums(xd, dev(lo), dev(hi), out, w,
+                                 torch.zeros(4, dtype=torch.float64, device=device), 0.5,
+                                 contrib, mean, torch.zeros(2, dtype=torch.int32, device=device),
+                                 rounding=how)
+        results.append((out, mean))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 # (1, 1, 2**16, 1, 2**17): 2**16 D planes of 2**15 column quads; (..., 2**31): rows of 2**31
 @pytest.mark.parametrize("shape", [(2**16, 2**15, 1, 1, 1), (1, 1, 2**16, 1, 2**17),
                                    (1, 1, 1, 2**31, 1), (1, 1, 1, 1, 2**31), (1, 0, 2, 2, 2),

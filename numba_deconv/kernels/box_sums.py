@@ -47,14 +47,21 @@ QUAD = 4  # input columns per thread: one 16-byte load per row where the rows ar
 MAX_GRID = 65535  # blocks; past that, blocks take several planes (grid-stride)
 
 
+#: what ``box_sums`` may round each input value to as it loads it (float32 inputs): nothing,
+#: or the tensor-core gather's operands' precision (``gather_mma.OPERANDS``)
+ROUNDINGS = ("", "tf32", "bfloat16", "float16")
+
+
 def make_box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str = "float32", rows: int = ROWS,
-                  wide: bool = False, vec: bool = False):
+                  wide: bool = False, vec: bool = False, rounding: str = ""):
     """``box_sums`` for one kernel size (its per-thread box sums live in registers) and input
     dtype, with ``rows`` rows of loads in flight per thread, 64-bit offsets inside a volume if
-    ``wide`` (a volume of 2**32 or more elements), and a quad's row as one 16-byte load if
-    ``vec`` (float32, rows of a multiple of four values, x 16-byte aligned: ``vector_rows``):
-    one kernel object per distinct setting."""
-    return _box_sums(int(kd_n), int(kh_n), int(kw_n), dtype, int(rows), bool(wide), bool(vec))
+    ``wide`` (a volume of 2**32 or more elements), a quad's row as one 16-byte load if
+    ``vec`` (float32, rows of a multiple of four values, x 16-byte aligned: ``vector_rows``),
+    and each value rounded to ``rounding`` (``ROUNDINGS``) as it is loaded: one kernel object
+    per distinct setting."""
+    return _box_sums(int(kd_n), int(kh_n), int(kw_n), dtype, int(rows), bool(wide), bool(vec),
+                     rounding)
 
 
 def whole_quads(dtype: torch.dtype, in_w: int) -> bool:
@@ -75,7 +82,8 @@ def needs_wide(in_spatial) -> bool:
 
 
 @kernel_factory
-def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool, vec: bool):
+def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool, vec: bool,
+              rounding: str = ""):
     """The ``box_sums`` kernel for one setting (``make_box_sums``).
 
     Box sums: per axis, tap k's box is an interval ``[lo_k, hi_k]`` of inputs
@@ -127,6 +135,8 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
       during it.
     """
     assert not vec or dtype == "float32", "16-byte row loads read float32 quads"
+    assert rounding in ROUNDINGS and (not rounding or dtype == "float32"), (rounding, dtype)
+    rnd = _rounding(rounding)
     elem = NUMBA[dtype]
     off_t = uint64 if wide else uint32
     n_box = kd_n * kh_n * kw_n
@@ -152,6 +162,9 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
         else:
             for u in range(QUAD):
                 buf[i + u] = xv[off + off_t(min(u, last_u))]
+        if rounding:
+            for u in range(QUAD):
+                buf[i + u] = rnd(buf[i + u])
 
     @cuda.jit(device=True, inline="always")
     def leave_out(sub, v, ih, hlo, hhi):
@@ -424,18 +437,45 @@ def _box_sums(kd_n: int, kh_n: int, kw_n: int, dtype: str, rows: int, wide: bool
     return box_sums
 
 
+@cuda.jit(device=True, inline="always")
+def _unrounded(v):
+    return v
+
+
+def _rounding(rounding: str):
+    """The device function ``float32 -> float32`` rounding to ``rounding`` (``ROUNDINGS``;
+    "": the value itself)."""
+    if not rounding:
+        return _unrounded
+    from .half import load_value, store_bits
+    from .mma import to_tf32
+
+    if rounding == "tf32":
+        return to_tf32
+    bits, value = store_bits(rounding), load_value(rounding)
+
+    @cuda.jit(device=True, inline="always")
+    def to_half(v):
+        return value(bits(v))
+
+    return to_half
+
+
 def grid_size(planes: int) -> int:
     """Blocks of a ``box_sums`` launch over ``planes`` (n, ci) planes (the launcher and explain)."""
     return max(1, min(planes, MAX_GRID))
 
 
 def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, done, *,
-                    block: int | None = None, rows: int = ROWS, after_prior: bool = False) -> None:
+                    block: int | None = None, rows: int = ROWS, after_prior: bool = False,
+                    rounding: str = "") -> None:
     """``x`` (N, CI, ID, IH, IW); ``out`` (N, CI, KD, KH, KW) float64 box sums; ``w`` (CI, OPG, K)
     flattened weights; ``contrib`` (N, CI, OPG) float64 scratch; ``mean`` (N, CO) float64;
     ``done`` (N,) int32 zeros the caller keeps between calls. ``after_prior``: launched as the
     previous kernel's programmatic dependent, which must write nothing this kernel reads or
-    writes and read nothing it writes (the Gram path's ``gram_sums``)."""
+    writes and read nothing it writes (the Gram path's ``gram_sums``). ``rounding``: the sums
+    are of ``x`` rounded so (``ROUNDINGS``: the tensor-core gather's operands, whose
+    convolution's means these are), as it is loaded."""
     block = block_size(BLOCK) if block is None else block
     if not 0 < block <= MAX_BLOCK or block % WARP_SIZE:
         raise ValueError(f"box_sums blocks are multiples of {WARP_SIZE} up to {MAX_BLOCK}, "
@@ -451,7 +491,7 @@ def launch_box_sums(x, lo, hi, out, w, bias, inv_size: float, contrib, mean, don
         raise ValueError(f"box_sums counts planes and columns in 32 bits: input of shape "
                          f"{tuple(x.shape)} has too many")
     kernel = make_box_sums(*out.shape[2:], name_of(x.dtype), rows, needs_wide(x.shape[2:]),
-                           vector_rows(x))
+                           vector_rows(x), rounding)
     dims = launch_dims(ci, ci // (mean.shape[1] // w.shape[1]), x.shape[2:], block)
     launch(kernel, grid_size(n * ci), block,
            (x, x.view(-1), lo, hi, dims, out.view(n, -1), w, bias, float(inv_size), contrib, mean,
