@@ -285,7 +285,13 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
         name = name_of(dtype)
         # the kernel of an aligned input (whole quads of float32 read by 16-byte loads)
         vec = box_sums.whole_quads(dtype, in_spatial[2])
-        box_rows = [("box_sums", "box_sums", box_sums.make_box_sums(kd, kh, kw, name, vec=vec),
+        # on tensor cores box_sums rounds the input to the gather's operands as it loads it
+        # (but on the Gram path, whose sums read it rounded)
+        operand = pipe.mma_operand((batch, geom.in_channels, *in_spatial), dtype,
+                                   tensor_device())
+        rounding = operand if not gram_path else ""
+        box_rows = [("box_sums", "box_sums",
+                     box_sums.make_box_sums(kd, kh, kw, name, vec=vec, rounding=rounding),
                      (box_sums.grid_size(planes),), blk,
                      _box_sums_flops(geom, batch, in_spatial), x_bytes + boxes),
                     ("mean_from_box_sums", FUSED_MEANS, None, None, None,
@@ -298,8 +304,7 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
         else:
             out += box_rows
         launch = gather_launch(geom, batch, in_spatial, out_spatial, dtype, pipe.options,
-                               pipe.tensor_cores((batch, geom.in_channels, *in_spatial), dtype,
-                                                 tensor_device()), tensor_device())
+                               operand, tensor_device())
         if gram_path:  # the evaluation kernel, its epilogue scaled by the statistics
             kernel, blk, smem = _gather_kernel(launch, name, False, True)
             out.append(("conv_transpose3d_gather",

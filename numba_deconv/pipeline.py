@@ -815,10 +815,12 @@ class Pipeline:
         return checked
 
     # ---- buffers and cached launch configurations ---------------------------------------------
-    def _plan(self, x: torch.Tensor, out_spatial, batch_stats: bool) -> CallPlan:
+    def _plan(self, x: torch.Tensor, out_spatial, batch_stats: bool,
+              half: torch.dtype | None = None) -> CallPlan:
         # Scratch buffers are reused across calls, which stream order makes safe; one pipeline
-        # must not run on two streams at once.
-        key = self._plan_key(x)
+        # must not run on two streams at once. ``half``: a half-precision call's dtype, whose
+        # tensor-core gather multiplies operands in it (``mma_operand``).
+        key = self._plan_key(x, half)
         plan = self._plans.get(key)
         if plan is not None:
             self._plans.move_to_end(key)
@@ -831,10 +833,10 @@ class Pipeline:
             self._plans.popitem(last=False)
         return plan
 
-    def _plan_key(self, x: torch.Tensor) -> tuple:
+    def _plan_key(self, x: torch.Tensor, half: torch.dtype | None = None) -> tuple:
         return (tuple(x.shape), x.dtype, x.device, self.path(x.shape, x.dtype, x.device),
                 folding.uses_batch_statistics(self.bn, self.training), self.options,
-                self.tensor_cores(x.shape, x.dtype, x.device))
+                self.mma_operand(x.shape, x.dtype, x.device, half))
 
     @property
     def precision(self) -> str | None:
@@ -863,6 +865,18 @@ class Pipeline:
             return gather_mma.device_supports(device)
         return self.convolution(shape, dtype, device) == "gather_mma"
 
+    def mma_operand(self, shape, dtype: torch.dtype, device: torch.device,
+                    half: torch.dtype | None = None) -> str:
+        """The precision of the operands a call's tensor-core gather multiplies
+        (``gather_mma.OPERANDS``), "" where its convolution does not run on tensor cores
+        (``tensor_cores``, asked of the float32 call): TF32 for a float32 call; for a
+        half-precision call (``half_call``: ``half`` its dtype, ``dtype`` float32) its half
+        dtype, the input and weight rounded to it as eager's autocast casts them, on
+        ``mma.sync`` m16n8k16 (docs/design.md §2.9)."""
+        if not self.tensor_cores(shape, dtype, device):
+            return ""
+        return "tf32" if half is None or not gather_mma.HALF_OPERANDS else kind_of(half)
+
     def second_pass(self, shape, device: torch.device) -> tuple[bool, str]:
         """``(second, why)``: whether a training call on the tensor-core gather with an input
         of ``shape`` writes its output in a second pass of the convolution, the first storing
@@ -880,9 +894,14 @@ class Pipeline:
         """The precision a call on an input of ``shape``, ``dtype`` and ``device`` runs its
         float32 convolution at: ``"tf32"`` on the tensor-core gather (``tensor_cores``) or on
         PyTorch's convolution under its TF32 flag on a GPU with TF32 tensor cores, else
-        ``"ieee"`` (float32 throughout; float64 calls are exact). A half-precision input
-        (``half_call``) computes in float32: its convolution's precision is asked with
+        ``"ieee"`` (float32 throughout; float64 calls are exact). A half-precision call
+        (``half_call``, ``dtype`` its input's) on tensor cores: its half dtype's name (its
+        operands' precision, ``mma_operand``); elsewhere it computes in float32, as asked with
         ``torch.float32``."""
+        half = kind_of(dtype)
+        if half:
+            return half if self.mma_operand(shape, torch.float32, device, dtype) \
+                else self.conv_precision(shape, torch.float32, device)
         if dtype != torch.float32:
             return "ieee"
         if self.tensor_cores(shape, dtype, device):
@@ -1113,7 +1132,7 @@ class Pipeline:
         if batch_stats and not self._synced():  # synchronized: the pooled count is checked
             folding.check_batch_size(batch, volume, geom.out_channels)
         x = x.detach().contiguous()
-        plan = self._plan(x, out_spatial, batch_stats)
+        plan = self._plan(x, out_spatial, batch_stats, half)
         saves_conv = save is not None and batch_stats
         half = half if self._writes_half_on(plan) else None
         # (a saving call names its ``yc`` itself, but for a wide call's float64 one)
@@ -1142,7 +1161,7 @@ class Pipeline:
         # convolution (``second_pass``): not in a trace (its stages are the epilogue path's)
         # nor in a call that keeps the convolution
         second = (plan.path == "epilogue" and batch_stats and not saves_conv and record is None
-                  and plan.scratch.x_tf32 is not None and self.second_pass(x.shape, x.device)[0])
+                  and plan.scratch.x_pad is not None and self.second_pass(x.shape, x.device)[0])
         # with batch statistics a saving call keeps the unscaled convolution (``forward_saving``);
         # a half output's convolution is float32 unless the gather's epilogue writes it last
         conv_out = out
@@ -1234,19 +1253,26 @@ class Pipeline:
 
     def _tf32_weights(self, plan: CallPlan, flat_w: torch.Tensor, key: tuple,
                       batch_stats: bool) -> torch.Tensor:
-        """box_sums' weights (``flat_w``, which ``key`` describes) rounded to TF32, for the
-        tensor-core gather's means: with batch statistics in the plan's buffer, written again
-        where the weight changed (``_refresh_derived``); in evaluation a tensor of its own per
-        folded weights, as the arranged ones (``_gather``). Not a launch of every call."""
+        """box_sums' weights (``flat_w``, which ``key`` describes) rounded to the tensor-core
+        gather's operands' precision (TF32, or a half-precision call's dtype:
+        ``MmaLaunch.operand``), for its means: with batch statistics in the plan's buffer,
+        written again where the weight changed (``_refresh_derived``); in evaluation a tensor
+        of its own per folded weights and precision, as the arranged ones (``_gather``). Not a
+        launch of every call."""
+        operand = plan.gather.operand
+
         def fill(buf):
-            mma.launch_round_to_tf32(flat_w.reshape(-1), buf)
+            if operand == "tf32":
+                mma.launch_round_to_tf32(flat_w.reshape(-1), buf)
+            else:  # (round to nearest even, as ``gather_mma.arrange_weights`` rounds them)
+                buf.copy_(flat_w.reshape(-1).to(getattr(torch, operand)))
             return buf
 
         if batch_stats:
             return self._derived(plan.scratch.w_tf32, key, fill)
         # (a tensor of its own, not a view: the replay of a recorded call takes views of pinned
         # tensors only, and ``_cached`` pins what it keeps)
-        return self._cached("gather_w_tf32_eval", key, lambda: fill(torch.empty(
+        return self._cached("gather_w_tf32_eval", key + (operand,), lambda: fill(torch.empty(
             flat_w.numel(), dtype=flat_w.dtype, device=flat_w.device)))
 
     def _derived(self, buf: torch.Tensor, key: tuple, fill) -> torch.Tensor:
@@ -1541,13 +1567,16 @@ class Pipeline:
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
         s = plan.scratch
-        if s.x_tf32 is not None:
-            # the tensor-core gather multiplies TF32-rounded operands: its means (box_sums)
-            # are taken of the same ones, so its output is centred as a TF32 convolution's
-            # would be (design.md §2.9)
+        rounding = ""
+        if s.x_pad is not None:
+            # the tensor-core gather multiplies operands rounded to TF32 (or a half-precision
+            # call's dtype): its means (box_sums) are taken of the same ones, so its output is
+            # centred as that convolution's would be (design.md §2.9). box_sums rounds the
+            # input as it loads it; the Gram path's sums read it rounded (``x_tf32``)
             launch.round_input(x.reshape(-1), s.x_tf32, s.x_pad)
             w_tf32 = self._tf32_weights(plan, flat_w, key, batch_stats)
-            box_inputs = (s.x_tf32.view(x.shape), w_tf32.view(flat_w.shape))
+            x_box, rounding = (x, launch.operand) if s.x_tf32 is None else (s.x_tf32, "")
+            box_inputs = (x_box.view(x.shape), w_tf32.view(flat_w.shape))
             conv_in = s.x_pad
         else:
             box_inputs = (x, flat_w)
@@ -1555,7 +1584,7 @@ class Pipeline:
         if plan.path == "gram":
             self._gram_train(conv_in, out, plan, wph, box_inputs, dtype, record)
             return
-        self._box_sums(*box_inputs, plan, record)
+        self._box_sums(*box_inputs, plan, record, rounding=rounding)
         if second:
             self._second_pass(conv_in, out, plan, wph, dtype)
             return
@@ -1603,11 +1632,11 @@ class Pipeline:
                         **({"store": store} if store else {}))
 
     def _box_sums(self, x, flat_w, plan: CallPlan, record, after_prior: bool = False,
-                  block: int | None = None) -> None:
+                  block: int | None = None, rounding: str = "") -> None:
         s = plan.scratch
         box_sums.launch_box_sums(x, s.box_lo, s.box_hi, s.boxes, flat_w, s.zero_bias,
                                  1.0 / plan.volume, s.contrib, s.means, s.samples_done,
-                                 block=block, after_prior=after_prior)
+                                 block=block, after_prior=after_prior, rounding=rounding)
         if record is not None:
             record["box_sums"] = s.boxes.clone()
             record["mean_from_box_sums"] = s.means.clone()

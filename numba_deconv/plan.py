@@ -124,10 +124,12 @@ class Scratch:
     wide_taps: torch.Tensor | None = None     # int32 taps reaching each output voxel ("wide"
     #                                           path: ``gather_wide.tap_table``)
     means_scaled: torch.Tensor | None = None  # (N, C) the means times the scale (Gram path)
-    # the tensor-core gather's operands rounded to TF32 (input, weights): box_sums sums them,
-    # so its means are those of the convolution the tensor cores compute; the gather reads the
-    # input from a copy of chunks of 8 channels side by side, in rows padded with zeros
-    # (``gather_mma.round_input``, which writes all of it)
+    # the tensor-core gather's operands rounded to TF32, or to a half-precision call's dtype
+    # (the input, on the Gram path only, and the weights; as float32 values): box_sums sums
+    # them (rounding the input as it loads it elsewhere), so its means are those of the
+    # convolution the tensor cores compute; the gather reads the input from a copy of chunks of
+    # 8 (16 half) channels side by side, in rows padded with zeros (``gather_mma.round_input``,
+    # which writes all of it: float32 words, or int32 words of two half values)
     x_tf32: torch.Tensor | None = None
     w_tf32: torch.Tensor | None = None
     x_pad: torch.Tensor | None = None
@@ -178,25 +180,27 @@ class CallPlan:
 
 
 def gather_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial, dtype: torch.dtype,
-                  options: Options, tensor_cores: bool, device: torch.device):
-    """The gather's launch for these shapes on ``device``: the tensor-core one (``gather_mma``,
-    its K split over more warps where the launch is small) or the FFMA one (``gather``, its tile
+                  options: Options, tensor_cores: str, device: torch.device):
+    """The gather's launch for these shapes on ``device``: the tensor-core one (``gather_mma``
+    with ``tensor_cores``' operands, ``gather_mma.OPERANDS``; its K split over more warps where
+    the launch is small) or, where ``tensor_cores`` is "", the FFMA one (``gather``, its tile
     sized to the device's SMs), both sized by ``gather.resident_threads``. ``build`` and
     ``explain`` both take it from here."""
     in_spatial, out_spatial = tuple(in_spatial), tuple(out_spatial)
     if tensor_cores:
         return gather_mma.mma_launch(geom, batch, in_spatial, out_spatial,
-                                     gather.resident_threads(device))
+                                     gather.resident_threads(device), tensor_cores)
     return gather.gather_launch(geom, batch, in_spatial, out_spatial, dtypes.name_of(dtype),
                                 heavy_first=options.tail_heavy_first,
                                 resident=gather.resident_threads(device))
 
 
 def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_statistics: bool,
-          options: Options, gram_itemsize: int, tensor_cores: bool = False) -> CallPlan:
+          options: Options, gram_itemsize: int, tensor_cores: str = "") -> CallPlan:
     """The plan of calls with inputs like ``x`` on ``path`` (launch configurations, tables and
     buffers; the kernels themselves compile at their first launch). ``tensor_cores``: the
-    gather paths' convolution runs on ``gather_mma`` (TF32) instead of ``gather``."""
+    operands' precision (``gather_mma.OPERANDS``) where the gather paths' convolution runs on
+    ``gather_mma`` instead of ``gather`` ("": it does not)."""
     batch = x.shape[0]
     dev, f64 = x.device, torch.float64
     volume = out_spatial[0] * out_spatial[1] * out_spatial[2]
@@ -232,17 +236,21 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         launch = gather_launch(geom, batch, in_spatial, out_spatial, x.dtype, options,
                                tensor_cores, x.device)
         wph_index = torch.from_numpy(launch.weight_index(geom)).to(dev)
+        # the arranged weights: float32 values, or (half-precision operands) int32 words of two
+        words, word_dtype = wph_index.numel(), x.dtype
         if tensor_cores:
-            common.update(x_tf32=empty(x.numel(), dtype=x.dtype),
+            if tensor_cores != "tf32":
+                words, word_dtype = words // 2, torch.int32
+            common.update(x_tf32=empty(x.numel(), dtype=x.dtype) if path == "gram" else None,
                           w_tf32=empty(int(np.prod(geom.weight_shape())), dtype=x.dtype),
-                          x_pad=empty(launch.padded_numel, dtype=x.dtype))
+                          x_pad=empty(launch.padded_numel, dtype=word_dtype))
         common.update(
             box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),
             boxes=empty(batch, geom.in_channels, kd, kh, kw),
             samples_done=torch.zeros(batch, dtype=torch.int32, device=dev),
             contrib=empty(batch, geom.in_channels, geom.out_per_group),
             wph_index=wph_index,
-            wph=empty(wph_index.numel(), dtype=x.dtype) if batch_statistics else None,
+            wph=empty(words, dtype=word_dtype) if batch_statistics else None,
             ss=empty(batch, channels, launch.slots))
     if path == "gram":
         layout = gram.plan_for(geom, batch, x.shape[2:], gram_itemsize)

@@ -16,7 +16,10 @@
 * ``"tf32"``: TF32 operands (10 mantissa bits), float32 accumulation, on every device.
 * ``"ieee"``: float32 throughout (the FFMA gather on CUDA cores).
 
-float64 convolutions are exact whatever the setting; TF32 applies to float32 only.
+float64 convolutions are exact whatever the setting; TF32 applies to float32 only. A
+half-precision call (a bfloat16 or float16 input, or ``torch.autocast``) asks the same of its
+float32 convolution, and where that runs on tensor cores its operands are in the half dtype
+(``Pipeline.mma_operand``), as eager's under autocast.
 """
 
 from __future__ import annotations

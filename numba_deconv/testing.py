@@ -26,7 +26,9 @@ within ``max(1e-10, GRAD_FACTOR x how far PyTorch's float64 gradients move when 
 by a few ulps)``: at offsets
 of 10^3 times the spread no float64 gradient is known to 1e-10. Half-precision cases (float16
 or bfloat16 inputs, float32 parameters) add the half dtype's unit roundoff to the output's
-(``HALF_RTOL``), against the float64 reference on the input's own half-precision values.
+(``HALF_RTOL``), against the float64 reference on the input's own half-precision values, and
+on tensor cores (``Pipeline.conv_precision`` the half dtype's name) ``TF32_FACTOR`` times
+what rounding the convolution's weight to the half dtype costs, as eager's autocast does.
 
 Each example compiles kernels for its drawn geometry (seconds on a GPU's host, more under the
 simulator): give your own properties ``deadline=None``.
@@ -59,7 +61,8 @@ TORCH_FACTOR = 3
 #: ... and float32 gradients to this many times PyTorch's (the backward's sums over the batch and
 #: space cancel where offsets dwarf the spread, in an order other than PyTorch's)
 GRAD_FACTOR = 5
-#: ... and of TF32's own error, for a pipeline on TF32 tensor cores (``tolerance``)
+#: ... and of its operands' own error, for a pipeline on tensor cores (``tolerance``): TF32's,
+#: or a half-precision call's, whose tensor cores multiply operands in its half dtype
 TF32_FACTOR = 3
 #: A float64 gradient is held to ``GRAD_FACTOR`` times how far PyTorch's own float64
 #: gradients move when the input moves by about this many of its ulps (``check_gradients``),
@@ -329,7 +332,10 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor,
     float64, whichever is larger, per compared quantity. With ``precision="tf32"`` (a pipeline
     whose convolution runs on TF32 tensor cores) also ``TF32_FACTOR`` times TF32's own error:
     the float64 operator on the input and the convolution's weight rounded to TF32, against
-    the exact one (what any TF32 convolution of this input loses, PyTorch's included).
+    the exact one (what any TF32 convolution of this input loses, PyTorch's included). With
+    ``precision`` "bfloat16" or "float16" (a half-precision call on tensor cores, its operands
+    in its half dtype) the same with both rounded to that dtype (eager's autocast rounds them
+    so).
 
     ``conv64`` and ``bn64`` are the float64 modules *before* the reference ran (copied here, so
     their running statistics are untouched)."""
@@ -353,12 +359,17 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor,
     errors = errors_of(conv32, bn32, x64.to(compute))
     # PyTorch's float32 overflowing where float64 does not gives no scale to hold us to
     margins = [max(floor, TORCH_FACTOR * e) if math.isfinite(e) else floor for e in errors]
-    if precision == "tf32":
-        from .kernels.mma import round_tf32
+    if precision in ("tf32", "bfloat16", "float16"):
+        from .kernels.mma import round_half, round_tf32
+
+        def rounded(t: torch.Tensor) -> torch.Tensor:
+            values = t.detach().float().numpy()
+            return torch.from_numpy(round_tf32(values) if precision == "tf32"
+                                    else round_half(values, precision)).double()
 
         with torch.no_grad():
-            conv_t.weight.copy_(torch.from_numpy(round_tf32(conv_t.weight.float().numpy())))
-        x_t = torch.from_numpy(round_tf32(x64.float().numpy())).double()
+            conv_t.weight.copy_(rounded(conv_t.weight))
+        x_t = rounded(x64)
         margins = [max(m, TF32_FACTOR * e) if math.isfinite(e) else m
                    for m, e in zip(margins, errors_of(conv_t, bn_t, x_t))]
     if case.dtype in HALF_RTOL:  # the output rounded once more, to the half dtype
@@ -413,7 +424,8 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
     range, eager's overflows too). ``precision``: the convolution's, which the tolerance
     allows for (``tolerance``); ``"auto"``: the candidate's own for this input
     (``Pipeline.conv_precision``: TF32 where the planner runs the convolution on tensor cores
-    under PyTorch's flag), strict float32 for a candidate that is not a pipeline.
+    under PyTorch's flag, a half-precision call's dtype there), strict float32 for a
+    candidate that is not a pipeline.
     """
     if device is None:
         from .backend import tensor_device
@@ -426,7 +438,7 @@ def check_case(case: Case, make: Callable, device: torch.device | str | None = N
     x_before = x.clone()
     candidate = make(conv, bn)
     if precision == "auto":
-        precision = candidate.conv_precision(x.shape, compute_dtype(x.dtype), x.device) \
+        precision = candidate.conv_precision(x.shape, x.dtype, x.device) \
             if hasattr(candidate, "conv_precision") else "ieee"
     tol = tolerance(case, conv64, bn64, x, precision) if rtol is None \
         else Tolerance(rtol, rtol, rtol)

@@ -45,21 +45,33 @@ def _tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(mma.round_tf32(t.detach().cpu().float().numpy())).to(t.device)
 
 
-def _expected_copy(x: torch.Tensor, launch, groups: int) -> np.ndarray:
-    """``round_input``'s copy built in numpy: (N, groups, chunks, ID, IH, padded_w, 8), each
-    column's slots ``chunk_slot(k)`` holding the group's channel ``8 * chunk + k`` at input
-    column ``col - lpad``, TF32-rounded, zeros elsewhere."""
+def _rounded(t: torch.Tensor, operand: str) -> torch.Tensor:
+    """``t`` rounded to the operands' precision (``gather_mma.OPERANDS``), as float32."""
+    return _tf32(t) if operand == "tf32" else t.to(getattr(torch, operand)).float()
+
+
+def _expected_copy(x: torch.Tensor, launch, groups: int, operand: str = "tf32") -> np.ndarray:
+    """``round_input``'s copy built in numpy: (N, groups, chunks, ID, IH, padded_w, 8) words,
+    each column's slots ``chunk_slot(k)`` holding the group's channel ``8 * chunk + k`` at input
+    column ``col - lpad``, TF32-rounded, zeros elsewhere; with half-precision operands 16
+    half-precision slots a column (``half_slot``), channel ``16 * chunk + k``, as int32 words."""
     n, ci, d, h, w = x.shape
-    ipg, chunks = ci // groups, -(-(ci // groups) // gather_mma.KC)
-    copy = np.zeros((n, groups, chunks, d, h, launch.padded_w, gather_mma.KC), np.float32)
-    xr = mma.round_tf32(x.cpu().numpy()).reshape(n, groups, ipg, d, h, w)
+    kc = gather_mma.chunk_channels(operand)
+    ipg, chunks = ci // groups, -(-(ci // groups) // kc)
+    half = operand != "tf32"
+    copy = np.zeros((n, groups, chunks, d, h, launch.padded_w, 2 * gather_mma.WORDS if half
+                     else gather_mma.WORDS), np.uint16 if half else np.float32)
+    xc = x.cpu().numpy()
+    xr = mma.half_bits(xc, operand) if half else mma.round_tf32(xc)
+    xr = xr.reshape(n, groups, ipg, d, h, w)
     for c in range(ipg):
-        slot = gather_mma.chunk_slot(c % gather_mma.KC)
-        copy[:, :, c // gather_mma.KC, :, :, launch.lpad:launch.lpad + w, slot] = xr[:, :, c]
-    return copy.reshape(-1)
+        slot = gather_mma.half_slot(c % kc) if half else gather_mma.chunk_slot(c % kc)
+        copy[:, :, c // kc, :, :, launch.lpad:launch.lpad + w, slot] = xr[:, :, c]
+    return copy.reshape(-1).view(np.int32) if half else copy.reshape(-1)
 
 
-def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int = 0):
+def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int = 0,
+                operand: str = "tf32"):
     ci, co, k, s, p, op, d, g, batch, spatial = case
     geom = ConvGeometry.create(ci, co, k, s, p, op, g, False, d)
     gen = torch.Generator().manual_seed(7)
@@ -67,11 +79,12 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int 
     w = torch.randn(*geom.weight_shape(), generator=gen).to(device)
     conv = lambda a, b: torch.nn.functional.conv_transpose3d(  # noqa: E731
         a, b, None, geom.stride, geom.padding, geom.output_padding, g, geom.dilation)
-    y = conv(_tf32(x).double(), _tf32(w).double())
-    bound_y = conv(_tf32(x).double().abs(), _tf32(w).double().abs())
+    xr, wr = _rounded(x, operand).double(), _rounded(w, operand).double()
+    y = conv(xr, wr)
+    bound_y = conv(xr.abs(), wr.abs())
     out_spatial = tuple(y.shape[2:])
-    launch = gather_mma.mma_launch(geom, batch, spatial, out_spatial, resident)
-    wmm = gather_mma.arrange_weights(w, torch.from_numpy(launch.weight_index(geom)).to(device))
+    launch = gather_mma.mma_launch(geom, batch, spatial, out_spatial, resident, operand)
+    wmm = launch.arrange(w, torch.from_numpy(launch.weight_index(geom)).to(device))
     mean = (torch.randn(batch, co, generator=gen, dtype=torch.float64) * 3).to(device)
     if zero_mean:
         mean.zero_()
@@ -79,10 +92,13 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int 
     out = torch.full((batch, co, *out_spatial), float("nan"), device=device)
     ss = torch.full((batch, co, launch.slots), float("nan"), dtype=torch.float64, device=device)
     x_tf32 = torch.empty(x.numel(), device=device)
-    x_pad = torch.full((launch.padded_numel,), float("nan"), device=device)   # poisoned
+    # poisoned: NaN, or for int32 words a NaN's pattern in both halves
+    x_pad = torch.full((launch.padded_numel,), float("nan"), device=device) \
+        if operand == "tf32" else torch.full((launch.padded_numel,), 0x7FC17FC1,
+                                             dtype=torch.int32, device=device)
     launch.round_input(x.view(-1), x_tf32, x_pad)
-    assert torch.equal(x_tf32, _tf32(x).view(-1))
-    assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, g))  # every element
+    assert torch.equal(x_tf32, _rounded(x, operand).view(-1))
+    assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, g, operand))
     launch.run("float32", mode in ("train", "sums"), x_pad, wmm, mean, out.view(-1), ss,
                scale=scale if mode in ("scaled", "rescaled") else None, mode=mode)
     a = scale.double().view(1, -1, 1, 1, 1) if mode in ("scaled", "rescaled") else 1.0
@@ -184,6 +200,34 @@ def test_split_k_against_the_tf32_convolution(device, case, mode, monkeypatch):
     _check(out, ss, want, bound, mode)
 
 
+# half-precision operands (m16n8k16): the default problem's pattern, odd strides with dilation
+# and groups, a second chunk of 4 of 16 channels, ragged channel tiles in the second pass
+HALF_CASES = [(KERNEL_CASES[0], "eval", "bfloat16"), (KERNEL_CASES[1], "train", "float16"),
+              ((20, 17, 2, 2, 0, 0, 1, 1, 1, (1, 3, 9)), "scaled", "bfloat16"),
+              (KERNEL_CASES[6], "rescaled", "float16")]
+
+
+@pytest.mark.parametrize("case, mode, operand", HALF_CASES,
+                         ids=[f"{'x'.join(map(str, c[:2]))}-{m}-{o}" for c, m, o in HALF_CASES])
+def test_kernel_against_the_half_convolution(device, case, mode, operand):
+    """A half-precision call's operands: the input's copy of 16 channels a column, two to a
+    word, every word written; the output the float64 convolution of the input and weights
+    rounded to ``operand``, within float32 accumulation's rounding."""
+    out, ss, want, bound, launch = _kernel_run(device, case, mode, operand=operand)
+    assert launch.operand == operand
+    _check(out, ss, want, bound, mode)
+
+
+def test_split_k_with_half_operands(device, monkeypatch):
+    """Split K over chunks of 16 channels (a ragged second one) and D taps."""
+    monkeypatch.setattr(gather_mma, "MIN_SPLIT_MMA", 1)
+    out, ss, want, bound, launch = _kernel_run(device, SPLIT_CASES[0][0], "train",
+                                               resident=132 * 512, operand="bfloat16")
+    t = launch.tiling
+    assert (t.chunk_split, t.tap_split) == (2, 3)
+    _check(out, ss, want, bound, "train")
+
+
 def test_the_kernel_rounds_to_tf32(device):
     """Not float32 arithmetic: the kernel's convolution is the TF32 one, ~1e-4 away from the
     exact convolution of the same (unrounded) operands."""
@@ -203,17 +247,20 @@ def test_the_input_copys_64_bit_form(device):
     row padding on both sides."""
     geom = ConvGeometry.create(12, 4, 3, 1, 0, 0, 2, False, 1)
     spatial = (2, 3, 5)
-    launch = gather_mma.mma_launch(geom, 2, spatial, geom.output_spatial(spatial))
-    assert launch.lpad > 0 and launch.padded_w > launch.lpad + spatial[2]
     x = torch.randn(2, 12, *spatial, generator=torch.Generator().manual_seed(3)).to(device)
-    sizes, divs = launch.copy_sizes
-    for wide in (False, True):
-        x_tf32 = torch.full((x.numel(),), float("nan"), device=device)
-        x_pad = torch.full((launch.padded_numel,), float("nan"), device=device)
-        launch_kernel(gather_mma.make_round_input(wide), 2, 64,
-                      (x.view(-1), x_tf32, x_pad, sizes, divs))
-        assert torch.equal(x_tf32, _tf32(x).view(-1))
-        assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, 2))
+    for operand in ("tf32", "bfloat16"):
+        launch = gather_mma.mma_launch(geom, 2, spatial, geom.output_spatial(spatial),
+                                       operand=operand)
+        assert launch.lpad > 0 and launch.padded_w > launch.lpad + spatial[2]
+        sizes, divs = launch.copy_sizes
+        for wide in (False, True):
+            x_tf32 = torch.full((x.numel(),), float("nan"), device=device)
+            x_pad = torch.full((launch.padded_numel,), -1, device=device,
+                               dtype=torch.float32 if operand == "tf32" else torch.int32)
+            launch_kernel(gather_mma.make_round_input(wide, operand), 2, 64,
+                          (x.view(-1), x_tf32, x_pad, sizes, divs))
+            assert torch.equal(x_tf32, _rounded(x, operand).view(-1))
+            assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, 2, operand))
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:2])))
@@ -243,6 +290,43 @@ def test_weight_index_is_the_fragment_layout():
             assert block[lane, reg] == w[8 + col, 16 + row, 1, 1, 1]
 
 
+def test_half_weight_index_is_the_k16_fragment_layout():
+    """With half-precision operands, lane (g, t)'s four registers of one (tap, chunk, m-tile)
+    hold A[g, 2t:2t+2], A[g + 8, 2t:2t+2], A[g, 2t+8:2t+10], A[g + 8, 2t+8:2t+10] of the
+    16 x 16 block ``A[c, ci] = w[ci, c, tap]``, the lower column first
+    (``mma.FRAGMENTS_K16``); channels past the group's end are zero slots."""
+    geom = ConvGeometry.create(20, 32, 3, 2, 1, 0, 1, False, 1)
+    launch = gather_mma.mma_launch(geom, 1, (2, 3, 4), geom.output_spatial((2, 3, 4)),
+                                   operand="float16")
+    index = launch.weight_index(geom)
+    assert index.shape[-4:] == (launch.tiling.mt, 32, 4, 2) and index.shape[4] == 2
+    counts = np.bincount(index[index >= 0], minlength=int(np.prod(geom.weight_shape())))
+    assert (counts == 1).all()
+    w = np.arange(int(np.prod(geom.weight_shape()))).reshape(geom.weight_shape())
+    for chunk in range(2):
+        block = index[0, 0, 0, 0, chunk, 0, 1]     # channel tile 0, W tap 0, m-tile 1
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for reg in range(4):
+                row, col = mma.FRAGMENTS_K16[f"a{reg}"][1](g, t)
+                for j in range(2):
+                    ci = 16 * chunk + col + j
+                    want = w[ci, 16 + row, 1, 1, 1] if ci < 20 else -1
+                    assert block[lane, reg, j] == want
+
+
+@pytest.mark.parametrize("operand", ["bfloat16", "float16"])
+def test_half_copy_slots_are_the_b_fragments(operand):
+    """Lane t's 8-byte load of a column (words 2t, 2t + 1) is its B fragment's two registers:
+    channels 2t, 2t + 1 and 2t + 8, 2t + 9, the lower of each pair in the low half."""
+    for t in range(4):
+        for reg, name in enumerate(("b0", "b1")):
+            k, _ = mma.FRAGMENTS_K16[name][1](0, t)
+            for j in range(2):
+                assert gather_mma.half_slot(k + j) == 2 * (2 * t + reg) + j
+    assert sorted(gather_mma.half_slot(k) for k in range(16)) == list(range(16))
+
+
 def test_arranged_weights_are_tf32(device):
     """The kernel loads the weights' bits as they are: ``arrange_weights`` rounds them."""
     geom = ConvGeometry.create(5, 9, 3, 2, 1, 0, 1, False, 1)
@@ -252,6 +336,14 @@ def test_arranged_weights_are_tf32(device):
     got = gather_mma.arrange_weights(w, index)
     flat = torch.cat([w.reshape(-1), w.new_zeros(1)])[index.reshape(-1)]
     assert torch.equal(got, _tf32(flat)) and not torch.equal(got, flat)
+    for operand in ("bfloat16", "float16"):
+        launch = gather_mma.mma_launch(geom, 1, (2, 2, 2), geom.output_spatial((2, 2, 2)),
+                                       operand=operand)
+        index = torch.from_numpy(launch.weight_index(geom)).to(device)
+        words = launch.arrange(w, index)
+        flat = torch.cat([w.reshape(-1), w.new_zeros(1)])[index.reshape(-1)]
+        assert words.dtype == torch.int32 and words.numel() == index.numel() // 2
+        assert torch.equal(words.view(getattr(torch, operand)), flat.to(getattr(torch, operand)))
 
 
 @pytest.mark.parametrize("opg", [1, 3, 8, 16, 17, 24, 64, 128])

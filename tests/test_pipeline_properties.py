@@ -81,14 +81,17 @@ def test_half_precision_matches_pytorch_any_geometry(data, limits, device):
 @settings(max_examples=min(2, settings().max_examples) if SIM else settings().max_examples)
 @given(data=st.data())
 def test_tf32_matches_pytorch_any_geometry(data, limits, device):
-    """``precision="tf32"``, both modes: on the specialised tier the tensor-core gather where it
-    takes the drawn geometry (the FFMA gather elsewhere), held to TF32's own error on the same
-    input (``testing.tolerance``); the generic tier, exact in float32, as everywhere."""
-    case = data.draw(testing.cases(limits))
+    """``precision="tf32"``, both modes, float32 and half-precision inputs: on the specialised
+    tier the tensor-core gather where it takes the drawn geometry (the FFMA gather elsewhere),
+    held to its operands' own error on the same input (``testing.tolerance``: TF32's, or the
+    half dtype's for a half-precision input); the generic tier, exact in float32, as
+    everywhere."""
+    case = data.draw(testing.cases(limits, dtypes=(torch.float32, torch.float16,
+                                                   torch.bfloat16)))
     for specialize in testing.tiers_of(case):
         testing.check_case(case, lambda conv, bn: Pipeline.from_modules(
             conv, bn, precision="tf32", specialize=specialize, poison=True), device,
-            precision="tf32" if specialize else "ieee")
+            precision="auto" if specialize else "ieee")
 
 
 @pytest.mark.parametrize("training", [False, True])

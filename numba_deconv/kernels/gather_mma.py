@@ -51,8 +51,13 @@ dependent (``griddep``): it waits only before the epilogue.
 
 Precision: TF32 operands (10 mantissa bits, rounded to nearest, ties away from zero, before the
 launch; the tensor cores ignore the low 13 bits of anything else), float32 accumulation: the
-precision of PyTorch's convolution under ``allow_tf32``
-(docs/design.md §2.9). Float32 only.
+precision of PyTorch's convolution under ``allow_tf32`` (docs/design.md §2.9). A half-precision
+call (float32 parameters, a bfloat16 or float16 input or ``torch.autocast``) multiplies operands
+in its half dtype instead (``OPERANDS``), as eager's autocast casts its convolution's input and
+weight: ``mma.sync`` m16n8k16, chunks of 16 input channels, each 32-bit word of the copy and of
+the arranged weights two half values (``half_slot``: a lane's two B registers still one 8-byte
+load), float32 accumulation. The kernel is the same but for the ``mma`` and the chunk; a call
+computes in float32 (its parameters', as eager's autocast keeps batch norm).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint32, uint64
+from numba import cuda, float32, float64, int32, int64, uint16, uint32, uint64
 
 from ..geometry import ConvGeometry
 from . import fastdiv, gather
@@ -70,14 +75,22 @@ from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
 from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
-from .half import KINDS, store_bits
+from .half import KINDS, load_value, store_bits
 from .launch import block_size, grid_for, launch as launch_kernel
 from ..simulator import is_simulator
-from .mma import FRAGMENTS, MIN_CC, f32_bits, mma_tf32, to_tf32
-from .vecload import load2, load4
+from .mma import (FRAGMENTS, FRAGMENTS_K16, MIN_CC, f32_bits, mma_bf16, mma_f16, mma_tf32,
+                  pack_bf16x2, pack_f16x2, to_tf32)
+from .vecload import load2, load4, store4
 from .warp import FULL_MASK, WARP_SIZE
 
-KC = 8                    # input channels per K step (the mma's k)
+KC = 8                    # input channels per K step of TF32 operands (the mma's k)
+WORDS = 8                 # 32-bit words of a column of the input's copy: a chunk's channels
+#: the operands' precision: TF32 (a float32 call's; ``mma.sync`` m16n8k8, 8 channels a chunk),
+#: or a half dtype's (a half-precision call's, as eager's autocast casts its convolution's
+#: operands; m16n8k16, 16 channels a chunk, two to a word)
+OPERANDS = ("tf32", "bfloat16", "float16")
+#: False: half-precision calls on TF32 operands, as float32 calls (probes)
+HALF_OPERANDS = True
 ROWS = 4                  # warps (output rows) per block
 #: A block's rows are all of one H phase (``rows_by_phase``) where a block of consecutive rows
 #: would hold warps whose K steps differ by this many (chunks of 8 input channels times H taps)
@@ -125,6 +138,13 @@ class MmaTiling:
     def acc_floats(self, sw: int) -> int:
         """A lane's float32 accumulators at W stride ``sw``."""
         return sw * self.nq * self.mt * 4
+
+
+def chunk_channels(operand: str) -> int:
+    """Input channels of one K step (a chunk) with ``operand``'s precision (``OPERANDS``)."""
+    if operand not in OPERANDS:
+        raise ValueError(f"no tensor-core operand {operand!r} (one of {OPERANDS})")
+    return KC if operand == "tf32" else 2 * KC
 
 
 def _phase_ranges(taps: tuple, stride: int) -> tuple[tuple, tuple]:
@@ -261,19 +281,20 @@ class MmaLaunch:
     in_w: int      # the input's width,
     lpad: int      # the zeros before each row of the kernel's input copy,
     padded_w: int  # and that copy's row length
-    padded_numel: int  # elements of that copy
+    padded_numel: int  # 32-bit words of that copy
+    operand: str = "tf32"  # the operands' precision (``OPERANDS``)
 
     @property
     def arrangement(self) -> tuple:
         """What the arranged weights depend on besides the geometry."""
-        return ("mma", self.tiling.mt)
+        return ("mma", self.tiling.mt, self.operand)
 
     def weight_index(self, geom: ConvGeometry) -> np.ndarray:
-        return weight_index(geom, self.tiling.mt)
+        return weight_index(geom, self.tiling.mt, self.operand)
 
     def arrange(self, weight, index, out=None):
-        """``arrange_weights``: the kernel's ``wmm``, rounded to TF32."""
-        return arrange_weights(weight, index, out=out)
+        """``arrange_weights``: the kernel's ``wmm``, rounded to the operands' precision."""
+        return arrange_weights(weight, index, out=out, operand=self.operand)
 
     def run(self, dtype: str, train: bool, x, wmm, mean, out, ss, *, scale=None,
             after_prior: bool = False, store: str = "", mode: str | None = None) -> None:
@@ -284,7 +305,7 @@ class MmaLaunch:
 
     def round_input(self, x, x_tf32, x_pad) -> None:
         """``launch_round_input`` into this launch's copy."""
-        launch_round_input(x, x_tf32, x_pad, self.copy_sizes)
+        launch_round_input(x, x_tf32, x_pad, self.copy_sizes, self.operand)
 
     @functools.cached_property
     def copy_sizes(self) -> tuple:
@@ -298,15 +319,16 @@ class MmaLaunch:
 
 
 def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
-               resident: int = 0) -> MmaLaunch:
+               resident: int = 0, operand: str = "tf32") -> MmaLaunch:
     """Grid, tiling and run-time sizes for one input shape, on a device holding ``resident``
-    threads of the kernel (``gather.resident_threads``; 0: the tiling alone, no split K)."""
+    threads of the kernel (``gather.resident_threads``; 0: the tiling alone, no split K), with
+    ``operand``'s precision (``OPERANDS``)."""
     d_axis, h_axis, w_axis = geom.axes()
     d_plan, h_plan, w_plan = axis_plan(d_axis), axis_plan(h_axis), axis_plan(w_axis)
     sw = geom.stride[2]
     od, oh, ow = out_spatial
     sh = geom.stride[1]
-    chunks = -(-geom.in_per_group // KC)
+    chunks = -(-geom.in_per_group // chunk_channels(operand))
     by_phase = rows_by_phase(tuple(len(t) for t in h_axis.phase_taps()), chunks)
     tiling = choose_tiling(geom.out_per_group, sw, -(-ow // sw), oh, sh, by_phase)
     segs = -(-ow // tiling.seg(sw))
@@ -336,22 +358,26 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
     if grid >= fastdiv.LIMIT:
         raise ValueError(f"tensor-core gather grid of {grid} blocks exceeds the 2**31 - 1 a "
                          "launch allows")
-    padded_numel = batch * geom.groups * chunks * KC * in_spatial[0] * in_spatial[1] * padded_w
+    padded_numel = batch * geom.groups * chunks * WORDS * in_spatial[0] * in_spatial[1] \
+        * padded_w
     wide = max(padded_numel, batch * geom.out_channels * math.prod(out_spatial)) >= fastdiv.LIMIT
     dims = (tuple(int(sizes[k]) for k in _SIZES),
             tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
     return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern, dims, grid,
-                     WARP_SIZE * tiling.warps, slots, wide, in_w, lpad, padded_w, padded_numel)
+                     WARP_SIZE * tiling.warps, slots, wide, in_w, lpad, padded_w, padded_numel,
+                     operand)
 
 
-def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
+def weight_index(geom: ConvGeometry, mt: int, operand: str = "tf32") -> np.ndarray:
     """Flat index into the (CI, OPG, KD, KH, KW) weight for every slot of the kernel's layout,
     shape (SD, TDMAX, NHT, CTILES, CHUNKS, NWT, MT, 32, 4): per (D phase, D tap of the phase,
     H tap, channel tile, chunk of 8 input channels, W tap, m-tile) the A fragments of the 32
     lanes (a warp's W taps and m-tiles at constant offsets from one base), lane (g, t)
     holding A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] of the 16 x 8
     block ``A[c, ci] = w[ci, c, tap]``. -1 marks a zero slot (a D tap the phase does not have, an
-    input or output channel past the group's end)."""
+    input or output channel past the group's end). With half-precision operands (``operand``)
+    chunks of 16 input channels and a last axis of 2: each register holds two consecutive
+    columns of the 16 x 16 block, the lower first (``mma.FRAGMENTS_K16``)."""
     d_axis, h_axis, w_axis = geom.axes()
     d_taps = d_axis.phase_taps()
     tdmax = d_axis.most_phase_taps()
@@ -359,16 +385,22 @@ def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
     ipg, opg = geom.in_per_group, geom.out_per_group
     nct = 16 * mt
     tiles = -(-opg // nct)
-    chunks = -(-ipg // KC)
+    kc = chunk_channels(operand)
+    chunks = -(-ipg // kc)
     kd_n, kh_n, kw_n = geom.kernel_size
-    # (lane, register) -> (row c, column k) of the 16 x 8 A block: mma.FRAGMENTS' a0 .. a3
-    row, col = np.moveaxis(np.array([[FRAGMENTS[f"a{r}"][1](lane >> 2, lane & 3)
+    # (lane, register[, half]) -> (row c, column k) of the 16 x kc A block: a0 .. a3
+    frags = FRAGMENTS if kc == KC else FRAGMENTS_K16
+    row, col = np.moveaxis(np.array([[frags[f"a{r}"][1](lane >> 2, lane & 3)
                                       for r in range(4)] for lane in range(WARP_SIZE)]), -1, 0)
-    m = np.arange(mt).reshape(mt, 1, 1)
-    chunk = np.arange(chunks).reshape(chunks, 1, 1, 1)
-    ci_l = chunk * KC + col                        # (chunks, 1, 32, 4)
+    pairs = () if kc == KC else (2,)
+    if pairs:   # the register's high half: the next column
+        row, col = row[..., None].repeat(2, -1), col[..., None] + np.arange(2)
+    lead = (1,) * (row.ndim - 2)
+    m = np.arange(mt).reshape(mt, 1, 1, *lead)
+    chunk = np.arange(chunks).reshape(chunks, 1, 1, 1, *lead)
+    ci_l = chunk * kc + col                        # (chunks, 1, 32, 4[, 2])
     index = np.full((len(d_taps), tdmax, len(h_taps), geom.groups * tiles, chunks, len(w_taps),
-                     mt, WARP_SIZE, 4), -1, np.int64)
+                     mt, WARP_SIZE, 4, *pairs), -1, np.int64)
     for tile in range(tiles):
         co_g = tile * nct + 16 * m + row           # (mt, 32, 4)
         valid = (ci_l < ipg) & (co_g < opg)        # (chunks, mt, 32, 4)
@@ -384,18 +416,30 @@ def weight_index(geom: ConvGeometry, mt: int) -> np.ndarray:
     return index
 
 
+@cuda.jit(device=True, inline="always")
+def _word(v):
+    """A fragment register from an int32 word of two half-precision values."""
+    return uint32(v)
+
+
 @kernel_factory
 def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat: tuple,
                     mode: str, wide: bool, store: str = "", chunk_split: int = 1,
-                    tap_split: int = 1, by_phase: bool = False):
+                    tap_split: int = 1, by_phase: bool = False, operand: str = "tf32"):
     """The tensor-core gather for one tiling, tap pattern and epilogue ``mode`` (``MODES``);
     the module docstring says what a block and a warp own, ``MmaTiling`` what the splits do.
     ``wide``: the input's copy or the output has 2**31 elements or more, so offsets are 64-bit
     (otherwise 32-bit). ``by_phase``: a block's rows are of one H phase (``rows_by_phase``).
     ``store``: "" writes float32; "bfloat16" or "float16" writes each value rounded to that
     dtype into a ``uint16`` view of a half-precision output (evaluation only: a half-precision
-    call's, whose output this epilogue writes last), as the FFMA gather's does."""
+    call's, whose output this epilogue writes last), as the FFMA gather's does. ``operand``: the
+    precision of the operands its ``x`` and ``wmm`` hold (``OPERANDS``): TF32 in float32
+    arrays, or a half dtype's, two values to an int32 word, multiplied by ``mma.sync`` m16n8k16
+    (16 input channels a chunk)."""
     idx = int64 if wide else int32
+    chunk_channels(operand)
+    mma_op = {"tf32": mma_tf32, "bfloat16": mma_bf16, "float16": mma_f16}[operand]
+    bits = f32_bits if operand == "tf32" else _word
     assert mode in MODES, mode
     # ``sums``: train's partials and no output; ``rescaled``: (acc - mean) * scale
     train, scaled, rescaled = mode in ("train", "sums"), mode == "scaled", mode == "rescaled"
@@ -433,9 +477,11 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     # the simulator's jit takes no register cap (and has no registers)
     @cuda.jit(**({} if is_simulator() else {"max_registers": MAX_REGS}))
     def conv_transpose3d_gather_mma(
-        x,      # (N, groups, chunks, ID, IH, padded_w, 8) float32, flattened: the TF32 input's
-                # copy (``round_input``), 8-byte aligned
-        wmm,    # (…,) float32: the TF32 weights arranged by ``weight_index``, 16-byte aligned
+        x,      # (N, groups, chunks, ID, IH, padded_w, 8) 32-bit words, flattened: the input's
+                # copy (``round_input``: float32 TF32 values, or int32 pairs of half values),
+                # 8-byte aligned
+        wmm,    # (…,) the weights arranged by ``weight_index`` (``arrange_weights``: float32
+                # TF32 values, or int32 pairs of half values), 16-byte aligned
         mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled except TRAIN)
         scale,  # (CO,) the per-channel scale (read only in ``scaled`` mode)
         out,    # (N*CO*OD*OH*OW,) float32 output, flattened
@@ -486,15 +532,15 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         for k in range(n_acc):
             acc[k] = float32(0)
         a = cuda.local.array(n_a, uint32)
-        # element strides of the input copy (``round_input``): a row of columns of 8 floats
-        # (a chunk's channels), a plane, a chunk
-        wp = int32(in_wp * KC)
+        # word strides of the input copy (``round_input``): a row of columns of 8 words (a
+        # chunk's channels), a plane, a chunk
+        wp = int32(in_wp * WORDS)
         plane = idx(in_h * wp)
         chunk_stride = idx(in_d * plane)
         # the group's first chunk, at this lane's first column (quotient q0 + g) and its
         # channels t and t + 4 (side by side: its two B registers, one 8-byte load)
         xg = idx(idx((n * gchunks + grp * chunks) * chunk_stride)
-                 + (q0 + g + shift_wp) * KC + 2 * tq)
+                 + (q0 + g + shift_wp) * WORDS + 2 * tq)
         if row_ok:
             for chunk_ in range(ks_c, chunks, chunk_split):
                 chunk = int32(chunk_)
@@ -521,17 +567,17 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                             e = w_e[wi]
                             for m in range(mt):
                                 f0, f1, f2, f3 = load4(wmm, base + uint64((wi * mt + m) * frag))
-                                a[4 * m] = f32_bits(f0)
-                                a[4 * m + 1] = f32_bits(f1)
-                                a[4 * m + 2] = f32_bits(f2)
-                                a[4 * m + 3] = f32_bits(f3)
+                                a[4 * m] = bits(f0)
+                                a[4 * m + 1] = bits(f1)
+                                a[4 * m + 2] = bits(f2)
+                                a[4 * m + 3] = bits(f3)
                             for u in range(nq):
-                                v0, v1 = load2(x, r0 + uint64((e + 8 * u) * KC))
-                                b0 = f32_bits(v0)
-                                b1 = f32_bits(v1)
+                                v0, v1 = load2(x, r0 + uint64((e + 8 * u) * WORDS))
+                                b0 = bits(v0)
+                                b1 = bits(v1)
                                 for m in range(mt):
                                     k = ((rw * nq + u) * mt + m) * 4
-                                    d0, d1, d2, d3 = mma_tf32(
+                                    d0, d1, d2, d3 = mma_op(
                                         a[4 * m], a[4 * m + 1], a[4 * m + 2], a[4 * m + 3],
                                         b0, b1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
                                     acc[k] = d0
@@ -632,7 +678,8 @@ def mma_kernel(launch: MmaLaunch, mode: str, store: str = ""):
     """The compiled (or simulated) kernel object for a launch."""
     t = launch.tiling
     return make_mma_kernel(t.mt, t.nq, t.rows, launch.dpat, launch.hpat, launch.wpat, mode,
-                           launch.wide, store, t.chunk_split, t.tap_split, t.by_phase)
+                           launch.wide, store, t.chunk_split, t.tap_split, t.by_phase,
+                           launch.operand)
 
 
 def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, scale=None,
@@ -641,8 +688,9 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
     ``gather.launch_gather`` launches the FFMA one: ``scale`` selects the scaled epilogue,
     ``after_prior`` a programmatic dependent launch after the kernel writing the means,
     ``store`` a half-precision output's dtype name (``out`` is then its ``uint16`` view,
-    ``half.bits_view``). ``x`` and ``wmm`` hold TF32 values: ``launch_round_input`` (the
-    copy's ``padded_numel`` elements) and ``arrange_weights`` make them."""
+    ``half.bits_view``). ``x`` and ``wmm`` hold the operands in the launch's precision
+    (``MmaLaunch.operand``): ``launch_round_input`` (the copy's ``padded_numel`` words) and
+    ``arrange_weights`` make them."""
     if wmm.data_ptr() % 16:  # the fragments' 16-byte loads (arrange_weights' tensors are)
         raise ValueError("gather_mma: the arranged weights must be 16-byte aligned")
     if x.data_ptr() % 8:     # a lane's two B registers, one 8-byte load
@@ -655,13 +703,22 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
                   after_prior=after_prior)
 
 
-def arrange_weights(weight, index, out=None):
-    """``gather.arrange_weights`` rounded to TF32 (in place): the kernel's ``wmm``."""
-    from .mma import launch_round_to_tf32
+def arrange_weights(weight, index, out=None, operand: str = "tf32"):
+    """The kernel's ``wmm``: ``gather.arrange_weights`` rounded to TF32 (in place), or with
+    half-precision operands (``index`` of ``weight_index``'s pairs) rounded to nearest even in
+    that dtype, as eager's autocast casts its convolution's weight, each pair one int32 word
+    (the lower column in its low half; ``out``: int32, a word a pair)."""
+    if operand == "tf32":
+        from .mma import launch_round_to_tf32
 
-    arranged = gather.arrange_weights(weight, index, out=out)
-    launch_round_to_tf32(arranged, arranged)
-    return arranged
+        arranged = gather.arrange_weights(weight, index, out=out)
+        launch_round_to_tf32(arranged, arranged)
+        return arranged
+    import torch
+
+    chunk_channels(operand)
+    words = gather.arrange_weights(weight, index).to(getattr(torch, operand)).view(torch.int32)
+    return words if out is None else out.copy_(words)
 
 
 ROUND_BLOCK = 256
@@ -673,27 +730,44 @@ def chunk_slot(k):
     return 2 * (k % 4) + k // 4
 
 
+def half_slot(k):
+    """The slot of a chunk's input channel ``k`` (0-15) in a column of 16 half-precision
+    values (8 words) of the copy: word ``2t`` holds the B fragment's channels 2t and 2t + 1,
+    word ``2t + 1`` channels 2t + 8 and 2t + 9 (``mma.FRAGMENTS_K16``), each word's lower
+    channel in its low half."""
+    return 2 * (2 * ((k % 8) // 2) + k // 8) + k % 2
+
+
 @kernel_factory
-def make_round_input(wide: bool):
-    """``round_input``: the tensor-core gather's input copy, element by element, grid-stride:
-    ``padded`` of shape (N, groups, chunks, ID, IH, padded_w, 8), slot ``chunk_slot(k)`` of a
-    column holding input channel ``chunk * 8 + k`` of the group at input column ``col - lpad``,
-    rounded to TF32 (``mma.to_tf32``), zero where that channel or column does not exist;
-    ``dst`` (the input's shape, flattened) gets the same rounded values. ``wide``: 64-bit
-    divisions (``padded`` has 2**31 elements or more; otherwise ``fastdiv``'s). The copy is
-    written in order (whole sectors), the input read 4 columns of 8 channels a warp."""
+def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
+    """``round_input``: the tensor-core gather's input copy, a column of 8 words a thread,
+    grid-stride: ``padded`` of shape (N, groups, chunks, ID, IH, padded_w, 8), zero where a
+    channel or column does not exist. With TF32 operands (float32 words) slot ``chunk_slot(k)``
+    of a column holds input channel ``chunk * 8 + k`` of the group at input column
+    ``col - lpad``, rounded to TF32 (``mma.to_tf32``); with half-precision ones (``operand``;
+    int32 words) a column holds 16 channels, channel ``chunk * 16 + k`` in half slot
+    ``half_slot(k)``, rounded to nearest even in that dtype. With ``rounded``, ``dst`` (the
+    input's shape, flattened) gets the same rounded values, as float32. ``wide``: 64-bit
+    divisions (``padded`` has 2**31 words or more; otherwise ``fastdiv``'s). A thread decodes
+    its column's place once; a warp reads 32 consecutive columns of each channel (whole
+    sectors) and writes its columns' 1 KiB in order, 16 bytes a store (``vecload.store4``)."""
+    half = operand != "tf32"
+    kc = chunk_channels(operand)
+    pack = pack_f16x2 if operand == "float16" else pack_bf16x2
+    value = load_value(operand if half else "bfloat16")
+    word = int32 if half else float32
 
     @cuda.jit
     def round_input(src, dst, padded, sizes, divs):
         in_w, lpad, ipg, in_ch = sizes
         pw_d, h_d, d_d, chunks_d, groups_d = divs
+        chan = int64(d_d[0]) * h_d[0] * in_w    # from one input channel to the next
+        words = cuda.local.array(WORDS, word)
         i = cuda.grid(1)
         step = cuda.gridsize(1)
-        while i < padded.size:
-            slot = i & 7
-            k = (slot >> 1) + 4 * (slot & 1)
+        while i < padded.size // WORDS:
             if wide:
-                rest = i >> 3
+                rest = i
                 col = rest % pw_d[0]
                 rest //= pw_d[0]
                 h = rest % h_d[0]
@@ -705,31 +779,60 @@ def make_round_input(wide: bool):
                 grp = rest % groups_d[0]
                 n = rest // groups_d[0]
             else:
-                rest, col = fast_divmod(uint32(i >> 3), pw_d)
+                rest, col = fast_divmod(uint32(i), pw_d)
                 rest, h = fast_divmod(rest, h_d)
                 rest, d = fast_divmod(rest, d_d)
                 rest, chunk = fast_divmod(rest, chunks_d)
                 n, grp = fast_divmod(rest, groups_d)
-            ci = int64(chunk) * 8 + k
             w = int64(col) - lpad
-            v = float32(0)
-            if ci < ipg and w >= 0 and w < in_w:
-                j = (((int64(n) * in_ch + int64(grp) * ipg + ci) * d_d[0] + int64(d)) * h_d[0]
-                     + int64(h)) * in_w + w
-                v = to_tf32(src[j])
-                dst[j] = v
-            padded[i] = v
+            inside = w >= 0 and w < in_w
+            c0 = int64(chunk) * kc
+            left = int64(ipg) - c0                 # the chunk's channels that exist
+            j = (((int64(n) * in_ch + int64(grp) * ipg + c0) * d_d[0] + int64(d)) * h_d[0]
+                 + int64(h)) * in_w + w          # channel c0 at this column
+            for s in range(WORDS):
+                if half:   # channels 2t and 2t + 1 (slot 2t), 2t + 8 and 2t + 9 (slot 2t + 1)
+                    k = 2 * (s >> 1) + 8 * (s & 1)
+                    lo = float32(0)
+                    hi = float32(0)
+                    if inside and k < left:
+                        lo = src[j + k * chan]
+                    if inside and k + 1 < left:
+                        hi = src[j + (k + 1) * chan]
+                    both = pack(lo, hi)
+                    if rounded and inside and k < left:
+                        dst[j + k * chan] = value(uint16(both & uint32(0xFFFF)))
+                    if rounded and inside and k + 1 < left:
+                        dst[j + (k + 1) * chan] = value(uint16(both >> uint32(16)))
+                    words[s] = int32(both)
+                else:      # channel t (slot 2t) or t + 4 (slot 2t + 1)
+                    k = (s >> 1) + 4 * (s & 1)
+                    v = float32(0)
+                    if inside and k < left:
+                        v = to_tf32(src[j + k * chan])
+                        if rounded:
+                            dst[j + k * chan] = v
+                    words[s] = v
+            o = uint64(i) * uint64(WORDS)
+            store4(padded, o, words[0], words[1], words[2], words[3])
+            store4(padded, o + uint64(4), words[4], words[5], words[6], words[7])
             i += step
 
     return round_input
 
 
-def launch_round_input(x, x_tf32, x_pad, copy_sizes: tuple) -> None:
-    """``x`` (1-D float32, the input flattened) rounded to TF32 into ``x_tf32`` (box_sums sums
-    it: the means of this TF32 convolution, docs/design.md §2.9) and into the gather's copy
-    ``x_pad`` (``MmaLaunch.copy_sizes``), every element of which it writes."""
+def launch_round_input(x, x_tf32, x_pad, copy_sizes: tuple, operand: str = "tf32") -> None:
+    """``x`` (1-D float32, the input flattened) rounded to the operands' precision
+    (``operand``) into the gather's copy ``x_pad`` (``MmaLaunch.copy_sizes``; float32 for TF32
+    operands, int32 for half-precision ones), every word of which it writes, and into
+    ``x_tf32`` unless it is None (the Gram path's sums of the rounded input; box_sums rounds
+    as it loads, ``box_sums.ROUNDINGS``)."""
+    if x_pad.data_ptr() % 16:  # its columns' 16-byte stores
+        raise ValueError("round_input: the copy must be 16-byte aligned")
     wide = x_pad.numel() >= fastdiv.LIMIT
     block = block_size(ROUND_BLOCK)
     sizes, divs = copy_sizes
-    launch_kernel(make_round_input(wide), grid_for(x_pad.numel(), block), block,
-                  (x, x_tf32, x_pad, sizes, divs))
+    rounded = x_tf32 is not None
+    launch_kernel(make_round_input(wide, operand, rounded),
+                  grid_for(x_pad.numel() // WORDS, block), block,
+                  (x, x_tf32 if rounded else x, x_pad, sizes, divs))
