@@ -12,9 +12,11 @@ Per geometry of :data:`GEOMETRIES` (ragged channel tiles, rows of one H phase a 
 stride of 5, groups with dilation, 8 output voxels per (sample, channel): ``"ieee"`` takes the
 float64 ``"wide"`` path there, 27 such voxels; small, as the sanitizer slows kernels by
 10-100x; only those named, where names are
-given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather), evaluation, and
-training with an input that requires grad and a backward (and, on tensor cores, a training forward
-whose output a second pass of the convolution writes: ``Options(second_pass=True)``): one
+given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather), and
+``"bfloat16"`` (``"tf32"`` on a bfloat16 input: the tensor-core gather on half-precision
+operands), evaluation, and training with an input that requires grad and a backward (and, on
+tensor cores, a training forward whose output a second pass of the convolution writes:
+``Options(second_pass=True)``): one
 ``Pipeline`` call on the specialised kernels; then the generic tier (``specialize=False``:
 ``gather_simple`` and the stored convolution's finish, ``spatial_moments`` and ``scale_centered``,
 a warp per row on the rows of ``"short rows"``, a block per row on the long rows of the first
@@ -47,7 +49,7 @@ GEOMETRIES = [
     bench.Case("short rows", bench._conv(6, 10, 3, 1, 0), 3, (1, 1, 1)),
 ]
 #: relative error against float64 above which a call counts as wrong
-TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3, "generic": 1e-5}
+TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3, "bfloat16": 1e-2, "generic": 1e-5}
 
 
 def main() -> int:
@@ -61,8 +63,9 @@ def main() -> int:
     for case in GEOMETRIES:
         if names and case.name not in names:
             continue
-        for precision in ("ieee", "tf32", "generic"):
-            modes = ("eval", "train") + (("second",) if precision == "tf32" else ())
+        for precision in ("ieee", "tf32", "bfloat16", "generic"):
+            modes = ("eval", "train") + (("second",) if precision in ("tf32", "bfloat16")
+                                         else ())
             for mode in modes:
                 train = mode != "eval"
                 base, x = case.build("cuda")
@@ -71,8 +74,10 @@ def main() -> int:
                 if precision == "generic":  # (strict float32 convolution: "ieee"'s tolerance)
                     pipe = Pipeline.from_torch(model, specialize=False)
                 else:
-                    pipe = Pipeline.from_torch(model, precision=precision, specialize=True,
+                    pipe = Pipeline.from_torch(model, precision="ieee" if precision == "ieee"
+                                               else "tf32", specialize=True,
                                                options=Options(second_pass=mode == "second"))
+                x = x.to(torch.bfloat16 if precision == "bfloat16" else x.dtype)
                 x = x.clone().requires_grad_(mode == "train")
                 out = pipe(x)
                 if mode == "train":

@@ -520,7 +520,7 @@ class Pipeline:
             named.update(stats=save["stats"])
             named.setdefault("yc", save["yc"])  # (a wide call's is its float64 one, in temps)
         replay = Replay.build(launches, named, fixed=self._module_tensor)
-        plan = self._plans.get(self._plan_key(x))
+        plan = self._plans.get(self._plan_key(x, half))
         conv_first = plan is not None and plan.path == "torch"
         # the state after the call: a training call bumped the running buffers' versions
         self._remember(key, _Prepared(self._state(), replay, self._updates(None),

@@ -151,3 +151,34 @@ def test_half_training_step_is_the_cast_calls(device, training, half):
             p.grad = q.grad = None
     for (name, value), twin_value in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(value, twin_value), name
+
+
+def test_half_operand_calls_replayed_see_weight_changes(device):
+    """Training steps on tensor cores with half-precision operands (``precision="tf32"`` on a
+    bfloat16 input): the forward and the backward recorded at the second call and replayed at
+    the third, after the weight changed in place (an optimizer step), give bit for bit what a
+    new pipeline's unrecorded calls give, the output and every gradient."""
+    model = _models(device, True)
+    pipe = Pipeline.from_torch(model, precision="tf32")
+    gen = torch.Generator().manual_seed(3)
+    for call in range(3):
+        x = (torch.randn(1, 3, 2, 3, 4, generator=gen) * 4).to(device, torch.bfloat16)
+        g = torch.randn(1, 4, 3, 5, 7, generator=gen).to(device, torch.bfloat16)
+        fresh = copy.deepcopy(model)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        out = pipe(xa)
+        expected = Pipeline.from_torch(fresh, precision="tf32")(xb)
+        assert pipe.mma_operand(x.shape, torch.float32, x.device, torch.bfloat16) == "bfloat16"
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"call {call}"
+        out.backward(g)
+        expected.backward(g)
+        assert torch.equal(xa.grad, xb.grad), f"call {call}"
+        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+            assert torch.equal(p.grad, q.grad), f"{name}, call {call}"
+            p.grad = None
+        with torch.no_grad():
+            model.conv_transpose.weight.mul_(1.25)
+            model.conv_transpose.weight.add_(0.01)
+    # (the saving forward's kind, replayed at the third call)
+    assert any(p.replay is not None and key[-1] == torch.bfloat16
+               for key, p in pipe._prepared.items())
