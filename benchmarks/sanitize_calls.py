@@ -79,7 +79,10 @@ def main() -> int:
                                                options=Options(second_pass=mode == "second"))
                 x = x.to(torch.bfloat16 if precision == "bfloat16" else x.dtype)
                 x = x.clone().requires_grad_(mode == "train")
-                out = pipe(x)
+                # (eval and the second pass record no backward: a call that records one keeps
+                # its convolution, which the second pass would not write)
+                with torch.set_grad_enabled(mode == "train"):
+                    out = pipe(x)
                 if mode == "train":
                     out.backward(torch.randn_like(out))
                 torch.cuda.synchronize()

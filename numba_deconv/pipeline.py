@@ -328,7 +328,9 @@ class Pipeline:
         output in ``half``. One rounding, at the end: within half a unit
         in the last place of ``half`` of the float32 result, where eager under autocast also
         rounds the convolution's output before batch norm. The running statistics stay in the
-        parameters' dtype.
+        parameters' dtype. Where the convolution runs on tensor cores (``mma_operand``) its
+        operands are in ``half``, on every route but torch.compile's trace (the float32 op
+        between two casts).
 
         Where the pipeline launches the call's kernels itself, the last of them writes the
         output in ``half`` (``_half_direct``; with a backward recorded, ``autograd.apply``,
@@ -349,8 +351,8 @@ class Pipeline:
         with dtypes.no_autocast(x.device.type):
             if torch.is_grad_enabled() and self._wants_grad(x):
                 out = autograd.apply(self, x, half)
-            else:
-                out = call(self, x)
+            else:  # (a captured graph, a capture in progress, a process group)
+                out = self._run(x, half)
         return out if out.dtype == half else out.to(half)
 
     def _writes_half(self, x: torch.Tensor) -> bool:
@@ -425,27 +427,30 @@ class Pipeline:
                 return True
         return False
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, half: torch.dtype | None = None) -> torch.Tensor:
+        """A call's launches on ``x`` (accepted), by the route its settings take. ``half``: a
+        half-precision call's dtype (``half_call``: its tensor cores' operands, and its output's
+        where the last kernel writes it)."""
         if is_simulator():
-            return self._forward_prepared(x)
+            return self._forward_prepared(x, half=half)
         if torch.cuda.is_current_stream_capturing():
             # Inside the caller's own graph capture the launches are captured with it, and so
             # is the derivation of folded weights (as in ``_replay``): a replay sees parameters
             # changed in place, and nothing computed only at replay time enters the cache.
             self._capturing = True
             try:
-                out = self._forward(x, record=None)
+                out = self._forward(x, record=None, half=half)
             finally:
                 self._capturing = False
             # the caller's graph writes this plan's buffers at every replay: they must outlive
             # the plan cache's evictions and ``clear_cache``
-            plan = self._plans.get(self._plan_key(x))
+            plan = self._plans.get(self._plan_key(x, half))
             if plan is not None and all(p is not plan for p in self._captured_plans):
                 self._captured_plans.append(plan)
             return out
         if self.graph_wanted(tuple(x.shape)):
-            return self._replay(x)
-        return self._forward_prepared(x)
+            return self._replay(x, half)
+        return self._forward_prepared(x, half=half)
 
     # ---- prepared calls: a call's launches recorded once, replayed with new input and output
     @staticmethod
@@ -667,14 +672,14 @@ class Pipeline:
                 # (the "torch" path's convolution at PyTorch's precision, which its flag sets)
                 precisions.torch_uses_tf32())
 
-    def _replay(self, x: torch.Tensor) -> torch.Tensor:
-        key = self._graph_key(x)
+    def _replay(self, x: torch.Tensor, half: torch.dtype | None = None) -> torch.Tensor:
+        key = self._graph_key(x) + (half,)
         entry = self._graphs.get(key)
         if entry is None:
             # First call of this kind: run it for real (compiles kernels, builds the launch plan,
             # applies the running-statistics update once), then capture the same work (not
             # while the generic tier stands in for kernels not yet ready).
-            out = self._forward(x, record=None)
+            out = self._forward(x, record=None, half=half)
             if self._last_transitional:
                 return out
             static_x = x.detach().clone()
@@ -682,12 +687,13 @@ class Pipeline:
             self._capturing = True
             try:
                 with torch.cuda.graph(graph):
-                    static_out = self._forward(static_x, record=None)
+                    static_out = self._forward(static_x, record=None, half=half)
             finally:
                 self._capturing = False
             # the graph's kernels use this plan's scratch buffers: the entry keeps them alive
             # even after the plan cache lets the shape go
-            self._graphs[key] = (graph, static_x, static_out, self._plans[self._plan_key(x)])
+            self._graphs[key] = (graph, static_x, static_out,
+                                 self._plans[self._plan_key(x, half)])
             if len(self._graphs) > GRAPH_CACHE:
                 self._graphs.popitem(last=False)
             return out
@@ -719,14 +725,16 @@ class Pipeline:
 
         Running statistics are *not* updated by a trace, so it can be called freely in a
         notebook between real steps. A half-precision call (``half_call``) is traced as the
-        float32 call it runs: its ``"output"`` is float32, before the final rounding.
+        call it runs (on tensor cores, its half-precision operands): its ``"output"`` is
+        float32, before the final rounding.
         """
         tensor, _ = self._accept(x)
-        if dtypes.half_output(tensor) is not None:
+        half = dtypes.half_output(tensor)
+        if half is not None:
             tensor = tensor.to(self.conv.weight.dtype)
         record: dict[str, torch.Tensor] = {"input": tensor.detach().clone()}
         with dtypes.no_autocast(tensor.device.type):
-            record["output"] = self._forward(tensor, record=record)
+            record["output"] = self._forward(tensor, record=record, half=half)
         return record
 
     def path(self, shape=None, dtype: torch.dtype | None = None,
@@ -898,10 +906,9 @@ class Pipeline:
         (``half_call``, ``dtype`` its input's) on tensor cores: its half dtype's name (its
         operands' precision, ``mma_operand``); elsewhere it computes in float32, as asked with
         ``torch.float32``."""
-        half = kind_of(dtype)
-        if half:
-            return half if self.mma_operand(shape, torch.float32, device, dtype) \
-                else self.conv_precision(shape, torch.float32, device)
+        if kind_of(dtype):
+            return self.mma_operand(shape, torch.float32, device, dtype) \
+                or self.conv_precision(shape, torch.float32, device)
         if dtype != torch.float32:
             return "ieee"
         if self.tensor_cores(shape, dtype, device):
@@ -1134,7 +1141,8 @@ class Pipeline:
         x = x.detach().contiguous()
         plan = self._plan(x, out_spatial, batch_stats, half)
         saves_conv = save is not None and batch_stats
-        half = half if self._writes_half_on(plan) else None
+        # (a trace's output is float32, before the rounding)
+        half = half if self._writes_half_on(plan) and record is None else None
         # (a saving call names its ``yc`` itself, but for a wide call's float64 one)
         temps = temps if save is None or plan.path == "wide" else None
         if plan.path == "torch":

@@ -315,8 +315,7 @@ def test_half_weight_index_is_the_k16_fragment_layout():
                     assert block[lane, reg, j] == want
 
 
-@pytest.mark.parametrize("operand", ["bfloat16", "float16"])
-def test_half_copy_slots_are_the_b_fragments(operand):
+def test_half_copy_slots_are_the_b_fragments():
     """Lane t's 8-byte load of a column (words 2t, 2t + 1) is its B fragment's two registers:
     channels 2t, 2t + 1 and 2t + 8, 2t + 9, the lower of each pair in the low half."""
     for t in range(4):

@@ -110,6 +110,7 @@ def test_half_output_is_the_float32_output_rounded(device, settings, training, h
             # (the weights' rounding to ``half``, relative to the output's scale)
             err = (out.float() - expected.float()).abs().max() / expected.float().abs().max()
             assert err < 4 * torch.finfo(half).eps, float(err)
+            assert {p.gather.operand for p in pipe._plans.values()} == {operand, "tf32"}
         elif settings.get("conv_impl") == "scatter":
             torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
         else:
@@ -179,6 +180,28 @@ def test_half_operand_calls_replayed_see_weight_changes(device):
         with torch.no_grad():
             model.conv_transpose.weight.mul_(1.25)
             model.conv_transpose.weight.add_(0.01)
+    assert {p.gather.operand for p in pipe._plans.values()} == {"bfloat16"}
     # (the saving forward's kind, replayed at the third call)
     assert any(p.replay is not None and key[-1] == torch.bfloat16
                for key, p in pipe._prepared.items())
+
+
+@pytest.mark.parametrize("route", ["graphs", "trace"])
+def test_every_route_of_a_half_call_takes_half_operands(device, route):
+    """A half-precision call on tensor cores multiplies half-precision operands whatever route
+    it takes: with ``graphs=True`` (a captured graph on a GPU, whose output the kernel writes in
+    ``half``) as the direct call does, bit for bit; a trace runs the same operands and returns
+    the float32 output before the rounding."""
+    model = _models(device, False)
+    pipe = Pipeline.from_torch(model, precision="tf32", graphs=route == "graphs")
+    direct = Pipeline.from_torch(copy.deepcopy(model), precision="tf32")
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(1, 3, 2, 3, 4, generator=gen) * 4).to(device, torch.bfloat16)
+    with torch.no_grad():
+        want = direct(x)
+        for call in range(2 if route == "graphs" else 1):
+            got = pipe(x) if route == "graphs" else pipe.trace(x)["output"]
+            assert got.dtype == (torch.bfloat16 if route == "graphs" else torch.float32)
+            assert torch.equal(got.to(torch.bfloat16).view(torch.int16),
+                               want.view(torch.int16)), f"call {call}"
+    assert {p.gather.operand for p in pipe._plans.values()} == {"bfloat16"}
