@@ -257,7 +257,7 @@ plt.show()
 # *two* consecutive k of a row of A (a column of B) in one 32-bit register (`FRAGMENTS_K16`), so
 # the same ten registers cover a k of 16; C and D have the layout above. bfloat16 keeps 7
 # mantissa bits, so each operand moves up to 2^-8 of itself, 8x as far as in TF32.
-# (`mma.HALF_TILES`; the pipeline does not use them.)
+# (`mma.HALF_TILES`; the pipeline's half-precision calls use the same instruction, below.)
 
 # %%
 a16 = rng.standard_normal((1, 16, 16)).astype(np.float32)
@@ -360,6 +360,30 @@ assert errors["tf32"] > 1e-5 > errors["ieee"]
 assert 1e-5 < testing.relative_error(outs["tf32"], outs["ieee"]) < 1e-2
 # the tolerance is three times TF32's own error on this input: the float64 operator on rounded operands
 assert tol["tf32"].output > tol["ieee"].output
+
+# %% [markdown]
+# **A half-precision call on the same kernel.** A bfloat16 input (or a float32 one under
+# `torch.autocast`) with float32 parameters: where its convolution runs on tensor cores, the
+# kernel multiplies bfloat16 operands on `mma.sync.m16n8k16`, the input and the weights rounded
+# to bfloat16 as eager's autocast casts them. A chunk is then 16 input channels, two to a 32-bit
+# word: word `2t` of a column holds channels `2t`, `2t + 1`, word `2t + 1` channels `2t + 8`,
+# `2t + 9` (`gather_mma.half_slot`), so lane `t`'s `b0`, `b1` are still one 8-byte load. The
+# output is bfloat16; its error is bfloat16's (the tolerance: three times what rounding the
+# operands to bfloat16 costs the float64 operator on this input).
+
+# %%
+xh = x.to(torch.bfloat16)
+expected_h = testing.reference(conv64, bn64, xh.double())
+operand = pipes["tf32"].conv_precision(tuple(xh.shape), xh.dtype, device)
+out_h = pipes["tf32"](xh)
+tol_h = testing.tolerance(case, conv64, bn64, xh, precision=operand)
+error_h = testing.relative_error(out_h, expected_h)
+print(f"bfloat16 input: operands {operand}, output {out_h.dtype}, relative error vs float64 "
+      f"{error_h:.2e} (tolerance {tol_h.output:.1e}; TF32 above: {errors['tf32']:.2e})")
+assert operand == "bfloat16" and out_h.dtype == torch.bfloat16
+testing.assert_close(out_h, expected_h.to(torch.bfloat16).double(), tol_h.output,
+                     atol=testing.output_atol(case))
+assert error_h > errors["tf32"]
 
 # %% [markdown]
 # ## Measured: from FFMA to tensor cores
@@ -511,6 +535,10 @@ if precision.torch_uses_tf32():  # (PyTorch's default)
 #   three times TF32's own error of float64; `precision="ieee"` runs the FFMA gather, within
 #   float32's; the default follows PyTorch's flag and takes the faster of the two where it
 #   allows TF32.
+# * A half-precision call on the tensor-core gather multiplies half-precision operands
+#   (`mma.sync.m16n8k16`, 16 input channels a step, two to a register): bfloat16's error, as
+#   eager's autocast; on an H200 the default problem's evaluation under `autocast(bfloat16)`
+#   takes 0.110 ms against 0.157 on TF32 operands (docs/performance.md, "Half precision").
 # * Recorded on an H200, the TF32 gather is ahead of eager on every suite row and ahead of the
 #   FFMA gather on five of seven (default evaluation: 0.193 against 0.238 ms; 64 -> 64 channels
 #   0.456 against 0.796), behind it on the geometry row; the work around the `mma`s and the
