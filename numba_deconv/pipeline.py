@@ -1279,8 +1279,9 @@ class Pipeline:
         if batch_stats:
             return self._derived(plan.scratch.w_tf32, key, fill)
         # (a tensor of its own, not a view: the replay of a recorded call takes views of pinned
-        # tensors only, and ``_cached`` pins what it keeps)
-        return self._cached("gather_w_tf32_eval", key + (operand,), lambda: fill(torch.empty(
+        # tensors only, and ``_cached`` pins what it keeps; one per precision, so that float32
+        # and half-precision calls in turn do not derive them again)
+        return self._cached(f"gather_w_tf32_eval:{operand}", key, lambda: fill(torch.empty(
             flat_w.numel(), dtype=flat_w.dtype, device=flat_w.device)))
 
     def _derived(self, buf: torch.Tensor, key: tuple, fill) -> torch.Tensor:
@@ -1569,8 +1570,9 @@ class Pipeline:
             wph = self._arranged(plan, conv_weight, key)
         else:
             # a tensor of its own per folded weights: a recorded evaluation call keeps the one
-            # it read, whatever other calls of its shape (other weights bound, say) read since
-            wph = self._cached("gather_wph_eval", key + (launch.arrangement, x.dtype),
+            # it read, whatever other calls of its shape (other weights bound, say) read since;
+            # one per arrangement (the operands' precision among what it holds)
+            wph = self._cached(f"gather_wph_eval:{launch.arrangement}", key + (x.dtype,),
                                lambda: launch.arrange(conv_weight, plan.scratch.wph_index))
         flat_w = conv_weight.view(*conv_weight.shape[:2], -1)
         dtype = dtypes.name_of(x.dtype)
