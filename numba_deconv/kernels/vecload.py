@@ -51,26 +51,31 @@ else:
     _WORDS = {types.float32: ir.FloatType(), types.int32: ir.IntType(32),
               types.uint32: ir.IntType(32)}
 
+    def _check(name: str, array, j) -> None:
+        """The typing checks every intrinsic here makes of its array and offset."""
+        if not (isinstance(array, types.Array) and array.dtype in _WORDS and array.ndim == 1):
+            raise TypingError(f"{name}: a 1-D array of float32, int32 or uint32 (of unit "
+                              "stride: the offset is in elements from its data pointer)")
+        if not (isinstance(j, types.Integer) and not j.signed):
+            raise TypingError(f"{name}: the offset must be an unsigned integer")
+
+    def _vector_pointer(context, builder, array_t, array, j, width: int):
+        """A pointer to ``width`` elements at ``array[j]``, as one vector."""
+        data = context.make_array(array_t)(context, builder, array).data
+        if j.type.width < 64:
+            j = builder.zext(j, ir.IntType(64))
+        vec_t = ir.VectorType(_WORDS[array_t.dtype], width)
+        return builder.bitcast(builder.gep(data, [j]), vec_t.as_pointer())
+
     def _vector_load(name: str, width: int):
         """An intrinsic loading ``width`` 32-bit elements at ``src[j]`` as one aligned load."""
 
         def typer(typingctx, src, j):
-            if not (isinstance(src, types.Array) and src.dtype in _WORDS and src.ndim == 1):
-                raise TypingError(f"{name}: a 1-D array of float32, int32 or uint32 (of unit "
-                                  "stride: the offset is in elements from its data pointer)")
-            if not (isinstance(j, types.Integer) and not j.signed):
-                raise TypingError(f"{name}: the offset must be an unsigned integer")
+            _check(name, src, j)
             ret = types.UniTuple(src.dtype, width)
-            element = _WORDS[src.dtype]
 
             def codegen(context, builder, signature, args):
-                src_t, _ = signature.args
-                data = context.make_array(src_t)(context, builder, args[0]).data
-                index = args[1]
-                if index.type.width < 64:
-                    index = builder.zext(index, ir.IntType(64))
-                vec_t = ir.VectorType(element, width)
-                ptr = builder.bitcast(builder.gep(data, [index]), vec_t.as_pointer())
+                ptr = _vector_pointer(context, builder, signature.args[0], *args, width)
                 vec = builder.load(ptr, align=4 * width)
                 vals = [builder.extract_element(vec, ir.Constant(ir.IntType(32), k))
                         for k in range(width)]
@@ -89,26 +94,15 @@ else:
     @intrinsic
     def store4(typingctx, dst, j, a, b, c, d):
         """``dst[j:j + 4] = a, b, c, d`` as one 16-byte store (``st.v4``)."""
-        if not (isinstance(dst, types.Array) and dst.dtype in _WORDS and dst.ndim == 1):
-            raise TypingError("store4: a 1-D array of float32, int32 or uint32 (of unit "
-                              "stride: the offset is in elements from its data pointer)")
-        if not (isinstance(j, types.Integer) and not j.signed):
-            raise TypingError("store4: the offset must be an unsigned integer")
+        _check("store4", dst, j)
         if any(v != dst.dtype for v in (a, b, c, d)):
             raise TypingError(f"store4: four values of the array's type {dst.dtype}")
-        element = _WORDS[dst.dtype]
 
         def codegen(context, builder, signature, args):
-            dst_t = signature.args[0]
-            data = context.make_array(dst_t)(context, builder, args[0]).data
-            index = args[1]
-            if index.type.width < 64:
-                index = builder.zext(index, ir.IntType(64))
-            vec_t = ir.VectorType(element, 4)
-            vec = ir.Constant(vec_t, ir.Undefined)
+            ptr = _vector_pointer(context, builder, signature.args[0], args[0], args[1], 4)
+            vec = ir.Constant(ptr.type.pointee, ir.Undefined)
             for k, value in enumerate(args[2:]):
                 vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), k))
-            ptr = builder.bitcast(builder.gep(data, [index]), vec_t.as_pointer())
             builder.store(vec, ptr, align=16)
             return context.get_dummy_value()
 
