@@ -41,3 +41,11 @@ def fast_divmod(a, div):
 
 
 fast_divmod_device = cuda.jit(device=True, inline="always")(fast_divmod)
+
+
+@cuda.jit(device=True, inline="always")
+def plain_divmod_device(a, div):
+    """``(a // d, a % d)`` by the divide instruction sequence, in ``a``'s own type (64-bit
+    dividends of 2**31 and more, which ``fast_divmod`` does not take), ``div = divisor(d)``: a
+    kernel that takes either picks one at compile time and keeps one chain of divisions."""
+    return a // div[0], a % div[0]

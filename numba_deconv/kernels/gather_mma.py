@@ -72,7 +72,7 @@ from numba import cuda, float32, float64, int32, int64, uint16, uint32, uint64
 from ..geometry import ConvGeometry
 from . import fastdiv, gather
 from .disk_cache import kernel_factory
-from .fastdiv import fast_divmod_device as fast_divmod
+from .fastdiv import fast_divmod_device as fast_divmod, plain_divmod_device
 from .gather import axis_plan, d_phases
 from .griddep import allow_dependents, wait_prior_grid
 from .half import KINDS, load_value, store_bits
@@ -756,6 +756,8 @@ def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
     pack = pack_f16x2 if operand == "float16" else pack_bf16x2
     value = load_value(operand if half else "bfloat16")
     word = int32 if half else float32
+    # the column's place: 64-bit divisions (``wide``) or multiply-high ones of 32-bit values
+    split, index_t = (plain_divmod_device, int64) if wide else (fast_divmod, uint32)
 
     @cuda.jit
     def round_input(src, dst, padded, sizes, divs):
@@ -766,24 +768,11 @@ def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
         i = cuda.grid(1)
         step = cuda.gridsize(1)
         while i < padded.size // WORDS:
-            if wide:
-                rest = i
-                col = rest % pw_d[0]
-                rest //= pw_d[0]
-                h = rest % h_d[0]
-                rest //= h_d[0]
-                d = rest % d_d[0]
-                rest //= d_d[0]
-                chunk = rest % chunks_d[0]
-                rest //= chunks_d[0]
-                grp = rest % groups_d[0]
-                n = rest // groups_d[0]
-            else:
-                rest, col = fast_divmod(uint32(i), pw_d)
-                rest, h = fast_divmod(rest, h_d)
-                rest, d = fast_divmod(rest, d_d)
-                rest, chunk = fast_divmod(rest, chunks_d)
-                n, grp = fast_divmod(rest, groups_d)
+            rest, col = split(index_t(i), pw_d)
+            rest, h = split(rest, h_d)
+            rest, d = split(rest, d_d)
+            rest, chunk = split(rest, chunks_d)
+            n, grp = split(rest, groups_d)
             w = int64(col) - lpad
             inside = w >= 0 and w < in_w
             c0 = int64(chunk) * kc
