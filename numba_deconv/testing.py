@@ -360,12 +360,10 @@ def tolerance(case: Case, conv64: nn.Module, bn64: nn.Module, x: torch.Tensor,
     # PyTorch's float32 overflowing where float64 does not gives no scale to hold us to
     margins = [max(floor, TORCH_FACTOR * e) if math.isfinite(e) else floor for e in errors]
     if precision in ("tf32", "bfloat16", "float16"):
-        from .kernels.mma import round_half, round_tf32
+        from .kernels.mma import round_operand
 
         def rounded(t: torch.Tensor) -> torch.Tensor:
-            values = t.detach().float().numpy()
-            return torch.from_numpy(round_tf32(values) if precision == "tf32"
-                                    else round_half(values, precision)).double()
+            return torch.from_numpy(round_operand(t.detach().float().numpy(), precision)).double()
 
         with torch.no_grad():
             conv_t.weight.copy_(rounded(conv_t.weight))

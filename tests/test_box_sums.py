@@ -136,9 +136,9 @@ def test_box_sums_and_means_match_numpy(case, groups, ipg, opg, grid_cap, rows, 
                                            ("float16", True)])
 def test_rounding_as_it_loads_is_the_sums_of_the_rounded_input(device, rounding, vec):
     """``rounding`` (the tensor-core gather's operands): the box sums and means, bit for bit,
-    of the input rounded first (``mma.round_tf32``, ``mma.round_half``), through the 16-byte
-    row loads (``vec``) and the scalar ones (a row of 5); values whose rounding matters (ties,
-    float16's subnormals, a range past float16's)."""
+    of the input rounded first (``mma.round_operand``), through the 16-byte row loads
+    (``vec``) and the scalar ones (a row of 5); values whose rounding matters (ties, float16's
+    subnormals, a range past float16's)."""
     from numba_deconv.kernels import mma
 
     geom = ConvGeometry.create(3, 4, 3, 2, 1)
@@ -153,7 +153,7 @@ def test_rounding_as_it_loads_is_the_sums_of_the_rounded_input(device, rounding,
     x = x.astype(np.float32)
     x.flat[:4] = [1 + 2 ** -8, 1 + 3 * 2 ** -11, 3e-7, 7e4]
     with np.errstate(over="ignore"):  # (7e4 is past float16's range: inf, as the cast gives)
-        rounded = mma.round_tf32(x) if rounding == "tf32" else mma.round_half(x, rounding)
+        rounded = mma.round_operand(x, rounding)
     assert not np.array_equal(rounded, x)
     w = torch.from_numpy(rng.standard_normal((3, 4, 27)).astype(np.float32)).to(device)
     dev = lambda a: torch.from_numpy(a).to(device)  # noqa: E731

@@ -42,12 +42,13 @@ KERNEL_CASES = [
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(mma.round_tf32(t.detach().cpu().float().numpy())).to(t.device)
+    return _rounded(t, "tf32")
 
 
 def _rounded(t: torch.Tensor, operand: str) -> torch.Tensor:
     """``t`` rounded to the operands' precision (``gather_mma.OPERANDS``), as float32."""
-    return _tf32(t) if operand == "tf32" else t.to(getattr(torch, operand)).float()
+    return torch.from_numpy(mma.round_operand(t.detach().cpu().float().numpy(), operand)) \
+        .to(t.device)
 
 
 def _expected_copy(x: torch.Tensor, launch, groups: int, operand: str = "tf32") -> np.ndarray:

@@ -97,6 +97,12 @@ def round_half(x, dtype: str) -> np.ndarray:
     return half_value(half_bits(x, dtype), dtype)
 
 
+def round_operand(x, operand: str) -> np.ndarray:
+    """``x`` rounded to a tensor-core operand's precision, "tf32" (``round_tf32``) or a half
+    dtype's name (``round_half``), as float32 values."""
+    return round_tf32(x) if operand == "tf32" else round_half(x, operand)
+
+
 def mma_half_reference(a: np.ndarray, b: np.ndarray, c: np.ndarray, dtype: str) -> np.ndarray:
     """``mma_reference`` for half-precision operands: A and B rounded to ``dtype``."""
     a64 = round_half(a, dtype).astype(np.float64)
