@@ -101,9 +101,9 @@ MAX_ACC_TILES = 16        # sw * NQ * MT: 64 float32 accumulators per thread
 MAX_SEG = 64              # outputs of a warp's row segment (its shared tile's width)
 MODES = ("eval", "train", "scaled", "sums", "rescaled")
 
-_SIZES = ("in_ch", "in_d", "in_h", "in_wp", "out_ch", "out_d", "out_h", "out_w", "ipg", "opg",
-          "shift_d", "shift_h", "shift_wp", "row_blocks", "segs", "ctiles", "tiles_per_group",
-          "chunks", "gchunks")
+_SIZES = ("in_d", "in_h", "in_wp", "out_ch", "out_d", "out_h", "out_w", "opg", "shift_d",
+          "shift_h", "shift_wp", "row_blocks", "segs", "ctiles", "tiles_per_group", "chunks",
+          "gchunks")
 _DIVISORS = ("ctiles", "segs", "row_blocks", "out_d", "tiles_per_group")
 
 
@@ -282,6 +282,9 @@ class MmaLaunch:
     lpad: int      # the zeros before each row of the kernel's input copy,
     padded_w: int  # and that copy's row length
     padded_numel: int  # 32-bit words of that copy
+    # ``round_input``'s sizes: (in_w, lpad, ipg, in_ch) and the divisors of the copy's
+    # padded_w, in_h, in_d, chunks and groups
+    copy_sizes: tuple
     operand: str = "tf32"  # the operands' precision (``OPERANDS``)
 
     @property
@@ -306,16 +309,6 @@ class MmaLaunch:
     def round_input(self, x, x_tf32, x_pad) -> None:
         """``launch_round_input`` into this launch's copy."""
         launch_round_input(x, x_tf32, x_pad, self.copy_sizes, self.operand)
-
-    @functools.cached_property
-    def copy_sizes(self) -> tuple:
-        """``round_input``'s sizes: (in_w, lpad, ipg, in_ch) and the divisors of the copy's
-        padded_w, in_h, in_d, chunks and groups."""
-        sizes = dict(zip(_SIZES, self.dims[0]))
-        return ((self.in_w, self.lpad, sizes["ipg"], sizes["in_ch"]),
-                tuple(fastdiv.divisor(v) for v in (
-                    self.padded_w, sizes["in_h"], sizes["in_d"], sizes["chunks"],
-                    sizes["gchunks"] // sizes["chunks"])))
 
 
 def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
@@ -347,12 +340,11 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
     lpad = max(0, -w_plan.shift)
     padded_w = lpad + max(in_w, segs * 8 * tiling.nq - 1 + w_plan.shift + w_plan.window)
     ctiles = geom.groups * tiles_per_group
-    sizes = dict(in_ch=geom.in_channels, in_d=in_spatial[0], in_h=in_spatial[1],
-                 in_wp=padded_w, out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow,
-                 ipg=geom.in_per_group, opg=geom.out_per_group, shift_d=d_plan.shift,
-                 shift_h=h_plan.shift, shift_wp=w_plan.shift + lpad, row_blocks=row_blocks,
-                 segs=segs, ctiles=ctiles, tiles_per_group=tiles_per_group,
-                 chunks=chunks, gchunks=geom.groups * chunks)
+    sizes = dict(in_d=in_spatial[0], in_h=in_spatial[1], in_wp=padded_w,
+                 out_ch=geom.out_channels, out_d=od, out_h=oh, out_w=ow, opg=geom.out_per_group,
+                 shift_d=d_plan.shift, shift_h=h_plan.shift, shift_wp=w_plan.shift + lpad,
+                 row_blocks=row_blocks, segs=segs, ctiles=ctiles,
+                 tiles_per_group=tiles_per_group, chunks=chunks, gchunks=geom.groups * chunks)
     slots = od * row_blocks * segs
     grid = batch * ctiles * slots
     if grid >= fastdiv.LIMIT:
@@ -363,9 +355,12 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
     wide = max(padded_numel, batch * geom.out_channels * math.prod(out_spatial)) >= fastdiv.LIMIT
     dims = (tuple(int(sizes[k]) for k in _SIZES),
             tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
+    copy_sizes = ((in_w, lpad, geom.in_per_group, geom.in_channels),
+                  tuple(fastdiv.divisor(v) for v in (padded_w, in_spatial[1], in_spatial[0],
+                                                     chunks, geom.groups)))
     return MmaLaunch(tiling, d_plan.pattern, h_plan.pattern, w_plan.pattern, dims, grid,
                      WARP_SIZE * tiling.warps, slots, wide, in_w, lpad, padded_w, padded_numel,
-                     operand)
+                     copy_sizes, operand)
 
 
 def weight_index(geom: ConvGeometry, mt: int, operand: str = "tf32") -> np.ndarray:
@@ -492,8 +487,8 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         tile = cuda.shared.array((rows, 16, stride), float32)
         part = cuda.shared.array(part_shape, float64)
         red = cuda.shared.array(red_shape, float32)
-        (in_ch, in_d, in_h, in_wp, out_ch, out_d, out_h, out_w, ipg, opg, shift_d, shift_h,
-         shift_wp, row_blocks, segs, ctiles, tiles_per_group, chunks, gchunks) = sizes
+        (in_d, in_h, in_wp, out_ch, out_d, out_h, out_w, opg, shift_d, shift_h, shift_wp,
+         row_blocks, segs, ctiles, tiles_per_group, chunks, gchunks) = sizes
         if train:  # batch_statistics, next in the stream, may be scheduled during the last wave
             allow_dependents()
         # The block's coordinates by multiply-high divisions (``fastdiv``), 32-bit: a 64-bit
