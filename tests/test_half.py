@@ -79,8 +79,9 @@ def _models(device, training: bool):
     pytest.param({"conv_impl": "torch"}, True, torch.bfloat16, marks=pytest.mark.gpu),
     pytest.param({"conv_impl": "scatter"}, True, torch.bfloat16, marks=pytest.mark.gpu),
     pytest.param({"specialize": False}, False, torch.float16, marks=pytest.mark.gpu),
-    ({"precision": "tf32"}, False, torch.float16),
-    pytest.param({"precision": "tf32"}, True, torch.bfloat16, marks=pytest.mark.gpu)],
+    ({"precision": "tf32", "specialize": True}, False, torch.float16),
+    pytest.param({"precision": "tf32", "specialize": True}, True, torch.bfloat16,
+                 marks=pytest.mark.gpu)],
     ids=["gather-eval", "epilogue-train", "torch-eval", "torch-train", "scatter-train",
          "generic-eval", "tf32-eval", "tf32-train"])
 def test_half_output_is_the_float32_output_rounded(device, settings, training, half):
