@@ -8,6 +8,7 @@ one's with four teams per slot) and ``box_sums`` (``box``, the default problem's
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
     python benchmarks/offline_sass.py [eval|train|scaled|mma|mma-train] [--out PREFIX]
+    python benchmarks/offline_sass.py mma|mma-train --operand bfloat16|float16 [--out PREFIX]
     python benchmarks/offline_sass.py gram [--case default|small] [--dtype float32|float64]
         [--out PREFIX]
     python benchmarks/offline_sass.py box [--dtype float32|float64] [--out PREFIX]
@@ -99,12 +100,14 @@ def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
     return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, tiling.max_regs)
 
 
-def compile_gather_mma(mode: str, prefix: str) -> tuple[str, str]:
+def compile_gather_mma(mode: str, prefix: str, operand: str = "tf32") -> tuple[str, str]:
     """PTX, ptxas' report and the SASS of the default problem's tensor-core gather in ``mode``
-    (``eval``, ``train``), at its GPU tiling."""
+    (``eval``, ``train``), at its GPU tiling, on ``operand``'s operands
+    (``gather_mma.OPERANDS``; a half dtype's evaluation stores its output in that dtype, as a
+    half-precision call's does)."""
     stand_in_device()
     import numba
-    from numba import cuda, float32, float64
+    from numba import cuda, float32, float64, int32, uint16
 
     from numba_deconv import bench
     from numba_deconv.kernels import gather_mma
@@ -112,11 +115,15 @@ def compile_gather_mma(mode: str, prefix: str) -> tuple[str, str]:
     case = bench.default_case()
     geom = case.geometry()
     out_spatial = tuple(a.output_size(n) for a, n in zip(geom.axes(), case.spatial))
-    launch = gather_mma.mma_launch(geom, case.batch, case.spatial, out_spatial)
-    kernel = gather_mma.mma_kernel(launch, mode)
+    launch = gather_mma.mma_launch(geom, case.batch, case.spatial, out_spatial, operand=operand)
+    half = operand != "tf32"
+    store = operand if half and mode == "eval" else ""
+    kernel = gather_mma.mma_kernel(launch, mode, store)
     sizes, divs = launch.dims
-    sig = (float32[::1], float32[::1], float64[:, ::1], float32[::1], float32[::1],
-           float64[:, :, ::1], numba.typeof(sizes), numba.typeof(divs))
+    word = int32[::1] if half else float32[::1]
+    sig = (word, word, float64[:, ::1], word if mode == "eval" else float32[::1],
+           uint16[::1] if store else float32[::1], float64[:, :, ::1], numba.typeof(sizes),
+           numba.typeof(divs))
     return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix,
                     gather_mma.MAX_REGS)
 
@@ -209,6 +216,8 @@ def main() -> None:
                         help="gram: which problem's gram_sums")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="gram, box: the input's dtype")
+    parser.add_argument("--operand", default="tf32", choices=("tf32", "bfloat16", "float16"),
+                        help="mma, mma-train: the tensor-core operands' precision")
     parser.add_argument("--out", default="gather_sm90")
     args = parser.parse_args()
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")  # the real compiler, no device needed
@@ -218,7 +227,7 @@ def main() -> None:
         report, sass = compile_box_sums(args.dtype, args.out)
     elif args.mode.startswith("mma"):
         report, sass = compile_gather_mma("train" if args.mode == "mma-train" else "eval",
-                                          args.out)
+                                          args.out, args.operand)
     else:
         report, sass = compile_gather(args.mode, args.out)
     print("\n".join(line.strip() for line in report.splitlines()
