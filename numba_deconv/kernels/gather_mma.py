@@ -447,9 +447,12 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     tdmax = max(1, max(d_counts))
     sh, h_taps, _ = hpat
     sw, w_taps, _ = wpat
-    h_lo, h_cnt = _phase_ranges(h_taps, sh)
-    w_lo, w_cnt = _phase_ranges(w_taps, sw)
-    h_e = tuple(e for _, e in h_taps) or (0,)
+    h_lo, _ = _phase_ranges(h_taps, sh)
+    _, h_counts, h_first, h_step = d_phases(hpat)
+    hmax = max(h_counts)
+    # per D phase (taps, first offset) and per H phase (taps, first offset, first tap index),
+    # read at run time from constant memory (a tuple indexed at run time is a switch)
+    phases = np.array([*d_counts, *d_first, *h_counts, *h_first, *h_lo], np.int32)
     w_e = tuple(e for _, e in w_taps) or (0,)
     nht, nwt = max(1, len(h_taps)), max(1, len(w_taps))
     # every W tap of every phase (ordered by phase): its phase, which the kernel unrolls
@@ -536,27 +539,43 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         # channels t and t + 4 (side by side: its two B registers, one 8-byte load)
         xg = idx(idx((n * gchunks + grp * chunks) * chunk_stride)
                  + (q0 + g + shift_wp) * WORDS + 2 * tq)
+        # The warp's phases, read once (a tuple indexed at run time is a switch): its D taps
+        # td = 0 .. nd - 1 read input plane id0 - td * d_step, its H taps j = 0 .. nh - 1 input
+        # row ih0 - j * h_step. Their arranged weights (``weight_index``) lie wtap_h words apart
+        # from one H tap to the next and nht times that from one D tap to the next, a chunk's
+        # wchunk words apart: each step adds to offsets instead of working them out afresh.
+        tab = cuda.const.array_like(phases)
+        nd = tab[rd]
+        nh = tab[2 * sd + rh]
+        id0 = int32(qd + shift_d + tab[sd + rd])
+        ih0 = int32(qh + shift_h + tab[2 * sd + sh + rh])
+        wchunk = uint32(nwt * mt * frag)
+        wtap_h = uint32(uint32(ctiles) * uint32(chunks) * wchunk)
+        wtap_d = uint32(nht * wtap_h)
+        w0 = uint32(uint32(uint32(rd * tdmax * nht + tab[2 * sd + 2 * sh + rh]) * wtap_h)
+                    + uint32(ctile) * uint32(chunks) * wchunk + uint32(lane * 4))
         if row_ok:
             for chunk_ in range(ks_c, chunks, chunk_split):
                 chunk = int32(chunk_)
                 xc = idx(xg + chunk * chunk_stride)
-                for td_ in range(ks_d, d_counts[rd], tap_split):
+                wc = uint32(w0 + uint32(chunk) * wchunk)
+                for td_ in range(ks_d, nd, tap_split):
                     td = int32(td_)
-                    idd = int32(qd + shift_d + d_first[rd] - td * d_step)
+                    idd = int32(id0 - td * d_step)
                     if uint32(idd) >= uint32(in_d):   # the whole warp: a plane of zeros
                         continue
-                    for hi_ in range(h_lo[rh], h_lo[rh] + h_cnt[rh]):
-                        hi = int32(hi_)
-                        ih = int32(qh + shift_h + h_e[hi])
-                        if uint32(ih) >= uint32(in_h):
+                    xd = idx(xc + idd * plane)
+                    wd = uint32(wc + uint32(td) * wtap_d)
+                    for j_ in range(hmax):
+                        j = int32(j_)
+                        ih = int32(ih0 - j * h_step)
+                        if j >= nh or uint32(ih) >= uint32(in_h):
                             continue
-                        row = idx(idd * plane + ih * wp)
                         # 64-bit element offsets, so that each load's constant part (the tap's
                         # column offset, the n8-tile's, the W tap's and m-tile's fragments)
                         # folds into its address
-                        r0 = uint64(idx(xc + row))
-                        base = uint64(uint32(((((rd * tdmax + td) * nht + hi) * ctiles + ctile)
-                                              * chunks + chunk) * (nwt * mt * frag) + lane * 4))
+                        r0 = uint64(idx(xd + ih * wp))
+                        base = uint64(uint32(wd + uint32(j) * wtap_h))
                         for wi in range(n_wt):
                             rw = w_rw[wi]
                             e = w_e[wi]
