@@ -41,10 +41,6 @@ KERNEL_CASES = [
 ]
 
 
-def _tf32(t: torch.Tensor) -> torch.Tensor:
-    return _rounded(t, "tf32")
-
-
 def _rounded(t: torch.Tensor, operand: str) -> torch.Tensor:
     """``t`` rounded to the operands' precision (``gather_mma.OPERANDS``), as float32."""
     return torch.from_numpy(mma.round_operand(t.detach().cpu().float().numpy(), operand)) \
@@ -335,7 +331,7 @@ def test_arranged_weights_are_tf32(device):
     index = torch.from_numpy(launch.weight_index(geom)).to(device)
     got = gather_mma.arrange_weights(w, index)
     flat = torch.cat([w.reshape(-1), w.new_zeros(1)])[index.reshape(-1)]
-    assert torch.equal(got, _tf32(flat)) and not torch.equal(got, flat)
+    assert torch.equal(got, _rounded(flat, "tf32")) and not torch.equal(got, flat)
     for operand in ("bfloat16", "float16"):
         launch = gather_mma.mma_launch(geom, 1, (2, 2, 2), geom.output_spatial((2, 2, 2)),
                                        operand=operand)
@@ -423,9 +419,9 @@ def _tf32_operator_error(model, x) -> float:
     exact = copy.deepcopy(model).double()
     rounded = copy.deepcopy(exact)
     with torch.no_grad():
-        rounded.conv_transpose.weight.copy_(_tf32(exact.conv_transpose.weight))
+        rounded.conv_transpose.weight.copy_(_rounded(exact.conv_transpose.weight, "tf32"))
     return relative_error(reference(rounded.conv_transpose, rounded.batch_norm,
-                                    _tf32(x).double()),
+                                    _rounded(x, "tf32").double()),
                           reference(exact.conv_transpose, exact.batch_norm, x.double()))
 
 

@@ -147,17 +147,6 @@ def chunk_channels(operand: str) -> int:
     return KC if operand == "tf32" else 2 * KC
 
 
-def _phase_ranges(taps: tuple, stride: int) -> tuple[tuple, tuple]:
-    """(first tap index, tap count) per phase of an ``AxisPlan.pattern``'s taps (ordered by
-    phase)."""
-    first, count = [], []
-    for r in range(stride):
-        idx = [i for i, (ph, _) in enumerate(taps) if ph == r]
-        first.append(idx[0] if idx else 0)
-        count.append(len(idx))
-    return tuple(first), tuple(count)
-
-
 def _tile_stride(seg: int) -> int:
     """The shared tile's row stride: the segment plus one word, odd, so the C fragments' writes
     (rows g, columns 2t*sw apart) spread over the banks."""
@@ -447,12 +436,12 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     tdmax = max(1, max(d_counts))
     sh, h_taps, _ = hpat
     sw, w_taps, _ = wpat
-    h_lo, _ = _phase_ranges(h_taps, sh)
     _, h_counts, h_first, h_step = d_phases(hpat)
     hmax = max(h_counts)
-    # per D phase (taps, first offset) and per H phase (taps, first offset, first tap index),
-    # read at run time from constant memory (a tuple indexed at run time is a switch)
-    phases = np.array([*d_counts, *d_first, *h_counts, *h_first, *h_lo], np.int32)
+    # per D phase its taps and first offset, per H phase also its first tap's index among all
+    # H taps (they are ordered by phase): tables the kernel reads from constant memory
+    d_table = np.array([d_counts, d_first], np.int32)
+    h_table = np.array([h_counts, h_first, np.cumsum((0, *h_counts[:-1]))], np.int32)
     w_e = tuple(e for _, e in w_taps) or (0,)
     nht, nwt = max(1, len(h_taps)), max(1, len(w_taps))
     # every W tap of every phase (ordered by phase): its phase, which the kernel unrolls
@@ -539,20 +528,21 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         # channels t and t + 4 (side by side: its two B registers, one 8-byte load)
         xg = idx(idx((n * gchunks + grp * chunks) * chunk_stride)
                  + (q0 + g + shift_wp) * WORDS + 2 * tq)
-        # The warp's phases, read once (a tuple indexed at run time is a switch): its D taps
-        # td = 0 .. nd - 1 read input plane id0 - td * d_step, its H taps j = 0 .. nh - 1 input
-        # row ih0 - j * h_step. Their arranged weights (``weight_index``) lie wtap_h words apart
+        # The warp's phases, read once from the tables (a tuple indexed at run time would be a
+        # switch at every step): its D taps td = 0 .. nd - 1 read input plane id0 - td * d_step,
+        # its H taps j = 0 .. nh - 1 input row ih0 - j * h_step. Their arranged weights (``weight_index``) lie wtap_h words apart
         # from one H tap to the next and nht times that from one D tap to the next, a chunk's
         # wchunk words apart: each step adds to offsets instead of working them out afresh.
-        tab = cuda.const.array_like(phases)
-        nd = tab[rd]
-        nh = tab[2 * sd + rh]
-        id0 = int32(qd + shift_d + tab[sd + rd])
-        ih0 = int32(qh + shift_h + tab[2 * sd + sh + rh])
+        d_tab = cuda.const.array_like(d_table)
+        h_tab = cuda.const.array_like(h_table)
+        nd = d_tab[0, rd]
+        nh = h_tab[0, rh]
+        id0 = int32(qd + shift_d + d_tab[1, rd])
+        ih0 = int32(qh + shift_h + h_tab[1, rh])
         wchunk = uint32(nwt * mt * frag)
         wtap_h = uint32(uint32(ctiles) * uint32(chunks) * wchunk)
         wtap_d = uint32(nht * wtap_h)
-        w0 = uint32(uint32(uint32(rd * tdmax * nht + tab[2 * sd + 2 * sh + rh]) * wtap_h)
+        w0 = uint32(uint32(uint32(rd * tdmax * nht + h_tab[2, rh]) * wtap_h)
                     + uint32(ctile) * uint32(chunks) * wchunk + uint32(lane * 4))
         if row_ok:
             for chunk_ in range(ks_c, chunks, chunk_split):
