@@ -529,10 +529,11 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         xg = idx(idx((n * gchunks + grp * chunks) * chunk_stride)
                  + (q0 + g + shift_wp) * WORDS + 2 * tq)
         # The warp's phases, read once from the tables (a tuple indexed at run time would be a
-        # switch at every step): its D taps td = 0 .. nd - 1 read input plane id0 - td * d_step,
-        # its H taps j = 0 .. nh - 1 input row ih0 - j * h_step. Their arranged weights (``weight_index``) lie wtap_h words apart
-        # from one H tap to the next and nht times that from one D tap to the next, a chunk's
-        # wchunk words apart: each step adds to offsets instead of working them out afresh.
+        # switch at every step): its D taps td = 0 .. nd - 1 read input plane id0 - td * d_step, its
+        # H taps j = 0 .. nh - 1 input row ih0 - j * h_step. Their arranged weights
+        # (``weight_index``) lie wtap_h words apart from one H tap to the next and nht times that
+        # from one D tap to the next, a chunk's wchunk words apart: each step adds to offsets
+        # instead of working them out afresh.
         d_tab = cuda.const.array_like(d_table)
         h_tab = cuda.const.array_like(h_table)
         nd = d_tab[0, rd]
