@@ -371,16 +371,18 @@ def _ffma_taps_factor(geom: ConvGeometry, flops: float, outputs: int) -> float:
     return min(1.0, (taps / FFMA_TAPS) ** FFMA_TAPS_EXPONENT) * _taps_factor(geom)
 
 
-def _mma_work(geom: ConvGeometry, batch: int, in_spatial, out_spatial, resident: int):
+def _mma_work(geom: ConvGeometry, batch: int, in_spatial, out_spatial, resident: int,
+              mt: int | None = None):
     """``(padding, reuse, threads)`` of the tensor-core gather's launch on a device holding
-    ``resident`` threads (its K split where the launch is small: ``gather_mma.split_k``): its
+    ``resident`` threads (its K split where the launch is small: ``gather_mma.split_k``), with
+    ``mt`` m16-tiles a warp (None: the kernel's own, ``gather_mma.m_tiles``): its
     multiply-adds over the useful ones (channel tiles of 16, chunks of 8 input channels, row
     segments), the fragment reuse of its tiling and its threads; None where it does not take
     the geometry."""
     if gather_mma.unsupported(geom, "float32") is not None:
         return None
     try:
-        launch = gather_mma.mma_launch(geom, batch, in_spatial, out_spatial, resident)
+        launch = gather_mma.mma_launch(geom, batch, in_spatial, out_spatial, resident, mt=mt)
     except ValueError:
         return None
     t = launch.tiling
@@ -396,13 +398,21 @@ def _mma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial:
                  peaks: dict[str, float]) -> float | None:
     """Seconds of the tensor-core gather's multiply-adds: its padded work (``_mma_work``) at
     ``MMA_EFFICIENCY`` of the TF32 peak per unit of fragment reuse, over its waves; None where
-    it does not take the geometry."""
-    mma = _mma_work(geom, batch, in_spatial, out_spatial, int(peaks["sms"]) * RESIDENT_THREADS)
-    if mma is None:
-        return None
-    padded, reuse, threads = mma
+    it does not take the geometry. Where the kernel takes one m16-tile a warp to spare a group
+    of more than 16 channels its padding (``gather_mma.m_tiles``), the lesser of that and two
+    tiles': the reuse term, fitted where two tiles run, predicts one tile the slower, and it
+    measured 4-23% faster (docs/performance.md)."""
+    resident = int(peaks["sms"]) * RESIDENT_THREADS
     flops = 2.0 * geom.macs(batch, in_spatial)
-    return flops * padded / (MMA_EFFICIENCY * reuse * peaks["tf32"]) * _waves(threads, peaks)
+    mts = (None, 2) if geom.out_per_group > 16 else (None,)
+    times = []
+    for mt in mts:
+        mma = _mma_work(geom, batch, in_spatial, out_spatial, resident, mt)
+        if mma is not None:
+            padded, reuse, threads = mma
+            times.append(flops * padded / (MMA_EFFICIENCY * reuse * peaks["tf32"])
+                         * _waves(threads, peaks))
+    return min(times) if times else None
 
 
 def _waves(threads: float, peaks: dict[str, float]) -> float:

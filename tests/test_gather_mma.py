@@ -342,7 +342,7 @@ def test_arranged_weights_are_tf32(device):
         assert torch.equal(words.view(getattr(torch, operand)), flat.to(getattr(torch, operand)))
 
 
-@pytest.mark.parametrize("opg", [1, 3, 8, 16, 17, 24, 64, 128])
+@pytest.mark.parametrize("opg", [1, 3, 8, 16, 17, 24, 40, 48, 49, 64, 80, 112, 128])
 @pytest.mark.parametrize("stride", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("out_hw", [(1, 1), (7, 9), (63, 63), (200, 40)])
 @pytest.mark.parametrize("ipg", [8, 200])
@@ -351,7 +351,9 @@ def test_tiling_fits(opg, stride, out_hw, ipg):
     launch = gather_mma.mma_launch(geom, 2, (4, 4, 4), (3, *out_hw))
     t = launch.tiling
     assert stride * t.nq * t.mt <= gather_mma.MAX_ACC_TILES
-    assert t.mt == (1 if opg <= 16 else 2)
+    # one m-tile at most 16 channels, or where tiles of 32 pad a fifth more channels
+    padded = {mt: -(-opg // (16 * mt)) * 16 * mt for mt in (1, 2)}
+    assert t.mt == (1 if opg <= 16 or 5 * padded[2] >= 6 * padded[1] else 2)
     assert t.seg(stride) <= gather_mma.MAX_SEG
     qw = -(-out_hw[1] // stride)
     assert t.nq <= max(1, -(-qw // 8))  # no n8-tile wholly past the row's end

@@ -99,6 +99,9 @@ PHASE_ROWS = None         # None: ``rows_by_phase`` decides; True / False: force
 MAX_REGS = 128            # registers per thread: 512 threads per SM (4 blocks of ROWS warps)
 MAX_ACC_TILES = 16        # sw * NQ * MT: 64 float32 accumulators per thread
 MAX_SEG = 64              # outputs of a warp's row segment (its shared tile's width)
+#: One m16-tile a warp where two would pad a group's channels at least this much more
+#: (``m_tiles``)
+PAD_RATIO = 1.2
 MODES = ("eval", "train", "scaled", "sums", "rescaled")
 
 _SIZES = ("in_d", "in_h", "in_wp", "out_ch", "out_d", "out_h", "out_w", "opg", "shift_d",
@@ -198,12 +201,27 @@ def rows_by_phase(h_taps: tuple, chunks: int) -> bool:
     return chunks * (max(h_taps) - min(h_taps)) >= PHASE_ROWS_MIN_STEPS
 
 
+def m_tiles(opg: int, sw: int) -> int:
+    """m16-tiles of channels a warp: two, or one where a group has at most 16 channels, where
+    the accumulators hold only one at W stride ``sw``, or where tiles of 32 channels would pad
+    a group by a fifth more channels than tiles of 16 (``PAD_RATIO``: 33-48 and 65-80 channels
+    a group; 48 are three tiles of 16, or two of 32 with 16 of zeros, whose multiply-adds,
+    weight loads and epilogue rows a warp pays for). One tile of 16 loads the input's fragments
+    once per 16 channels instead of 32; measured, it is the faster where it saves that much
+    padding, and the slower where it saves an eighth (docs/performance.md)."""
+    if opg <= 16 or 2 * sw > MAX_ACC_TILES:
+        return 1
+    padded16, padded32 = -(-opg // 16) * 16, -(-opg // 32) * 32
+    return 1 if padded32 >= PAD_RATIO * padded16 else 2
+
+
 def choose_tiling(opg: int, sw: int, qw_n: int, out_h: int, sh: int = 1,
-                  by_phase: bool = False) -> MmaTiling:
-    """Channels: one m16-tile up to 16 of a group, else two. Quotients: as many n8-tiles per W
-    phase as the accumulators and the segment allow, no more than the output row has; rows: as
-    many as the output has (``by_phase``: an H phase, at H stride ``sh``), up to ``ROWS``."""
-    mt = 1 if opg <= 16 or 2 * sw > MAX_ACC_TILES else 2
+                  by_phase: bool = False, mt: int | None = None) -> MmaTiling:
+    """Channels: ``mt`` m16-tiles (None: ``m_tiles``). Quotients: as many n8-tiles per W phase
+    as the accumulators and the segment allow, no more than the output row has; rows: as many
+    as the output has (``by_phase``: an H phase, at H stride ``sh``), up to ``ROWS``."""
+    if mt is None:
+        mt = m_tiles(opg, sw)
     nq = max(1, min(MAX_ACC_TILES // (sw * mt), MAX_SEG // (8 * sw), -(-qw_n // 8)))
     phase_rows = min(ROWS, -(-out_h // sh))
     if by_phase and phase_rows > 1:
@@ -301,10 +319,10 @@ class MmaLaunch:
 
 
 def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
-               resident: int = 0, operand: str = "tf32") -> MmaLaunch:
+               resident: int = 0, operand: str = "tf32", mt: int | None = None) -> MmaLaunch:
     """Grid, tiling and run-time sizes for one input shape, on a device holding ``resident``
     threads of the kernel (``gather.resident_threads``; 0: the tiling alone, no split K), with
-    ``operand``'s precision (``OPERANDS``)."""
+    ``operand``'s precision (``OPERANDS``); ``mt`` m16-tiles a warp (None: ``m_tiles``)."""
     d_axis, h_axis, w_axis = geom.axes()
     d_plan, h_plan, w_plan = axis_plan(d_axis), axis_plan(h_axis), axis_plan(w_axis)
     sw = geom.stride[2]
@@ -312,7 +330,7 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
     sh = geom.stride[1]
     chunks = -(-geom.in_per_group // chunk_channels(operand))
     by_phase = rows_by_phase(tuple(len(t) for t in h_axis.phase_taps()), chunks)
-    tiling = choose_tiling(geom.out_per_group, sw, -(-ow // sw), oh, sh, by_phase)
+    tiling = choose_tiling(geom.out_per_group, sw, -(-ow // sw), oh, sh, by_phase, mt)
     segs = -(-ow // tiling.seg(sw))
     tiles_per_group = -(-geom.out_per_group // (16 * tiling.mt))
     tdmax = d_axis.most_phase_taps()
