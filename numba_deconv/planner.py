@@ -127,13 +127,13 @@ FFMA_TAPS_EXPONENT = 0.7
 #: The tensor-core gather's rate: this fraction of the TF32 peak per unit of a warp's fragment
 #: reuse, ``MT * NQ / (MT + NQ)`` mma per fragment loaded, on the multiply-adds of its padded
 #: tiles ...
-MMA_EFFICIENCY = 0.155
+MMA_EFFICIENCY = 0.215
 #: ... and its epilogue (the shared tile's round trip, the stores' offsets) as this many more
 #: passes of the output's write at the bandwidth: both fitted together on the sweep's rows of
-#: 15M-252M outputs at k3 s2 (``tests/test_planner.py``'s ``MMA_FITTED``; H200: within 11% of
+#: 15M-252M outputs at k3 s2 (``tests/test_planner.py``'s ``MMA_FITTED``; H200: within 10% of
 #: each, both modes), where a warp of few input channels spends more of its time in its
 #: epilogue.
-MMA_EPILOGUE_PASSES = 0.46
+MMA_EPILOGUE_PASSES = 0.6
 #: Threads an SM holds of either gather (128 registers a thread): a launch of fewer than the
 #: device's SMs times this runs at that fraction of the rate, and a partial last wave as a
 #: whole one.
@@ -493,16 +493,20 @@ def second_pass(geom: ConvGeometry, shape: tuple, device: torch.device) -> tuple
     nothing kept for a backward) writes its output in a second pass of the convolution, the
     first one storing nothing and summing only the centred squares, rather than storing the
     centred output and scaling it in place (one more read and write of it). Predicted: the
-    tensor-core gather's multiply-adds (``predict``'s model, without its writes) against that
-    read and write at the bandwidth. Both give the same output, bit for bit."""
+    tensor-core gather's multiply-adds and epilogue (``predict``'s model without the output's
+    write, which either way is made once; the first run's epilogue centres and squares what it
+    does not store) against that read and write at the bandwidth. Both give the same output,
+    bit for bit."""
     in_spatial = tuple(shape[2:])
     out_spatial = geom.output_spatial(in_spatial)
     peaks = peaks_of(device)
-    again = _mma_seconds(geom, shape[0], in_spatial, tuple(out_spatial), peaks)
-    if again is None:
+    mma = _mma_seconds(geom, shape[0], in_spatial, tuple(out_spatial), peaks)
+    if mma is None:
         return False, "the tensor-core gather does not take this geometry"
     outputs = shape[0] * geom.out_channels * math.prod(out_spatial)
-    rescale = 2 * 4.0 * outputs / (peaks["bandwidth"] * BANDWIDTH_EFFICIENCY)
+    bandwidth = peaks["bandwidth"] * BANDWIDTH_EFFICIENCY
+    again = mma + MMA_EPILOGUE_PASSES * 4.0 * outputs / bandwidth
+    rescale = 2 * 4.0 * outputs / bandwidth
     costs = (f"predicted {again * 1e6:.0f} us for the convolution again against "
              f"{rescale * 1e6:.0f} us to scale its output in place")
     if again < rescale:
