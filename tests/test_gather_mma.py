@@ -27,8 +27,9 @@ from numba_deconv.testing import reference, relative_error
 # default problem's pattern, every phase's taps of a non-cubic kernel with odd strides,
 # dilation and groups, a stride-1 kernel taller than its input, channels that are not whole
 # tiles of 8, a 2x2 stride with a single tap per phase, a one-voxel output whose block is one
-# warp with more channels than threads, two channel tiles of one group, rows past the last row
-# block's end and two row segments with channels not a whole m-tile, and a W stride of 5
+# warp, channel tiles of 16 where tiles of 32 would pad (three of one group; five, the last
+# ragged), four tiles of 32 of one group, the last ragged, rows past the last row block's end
+# and two row segments with channels not a whole m-tile, and a W stride of 5
 KERNEL_CASES = [
     (4, 8, 3, 2, 1, 0, 1, 1, 1, (2, 3, 4)),
     (6, 4, (3, 2, 4), (3, 2, 1), (1, 0, 2), (1, 1, 0), (2, 1, 2), 2, 2, (2, 2, 3)),
@@ -38,6 +39,7 @@ KERNEL_CASES = [
     (5, 72, 2, 2, 0, 0, 1, 1, 1, (1, 1, 2)),
     (4, 17, 3, 2, 1, (0, 1, 1), 1, 1, 1, (1, 3, 37)),
     (3, 5, (1, 1, 6), (1, 1, 5), (0, 0, 2), 0, 1, 1, 1, (1, 2, 3)),
+    (5, 100, 2, 2, 0, 0, 1, 1, 1, (1, 1, 2)),
 ]
 
 
