@@ -513,7 +513,7 @@ cuda = torch.device("cuda")  # (the planner's choice for a GPU; nothing runs her
 shapes = {"default problem": ((16, 32, 3, 2, 1), (16, 16, 16, 32, 32)),
           "tiny problem": ((4, 4, 3, 2, 1), (1, 4, 4, 4, 4)),
           "64 -> 64 channels": ((64, 64, 3, 2, 1), (8, 64, 16, 32, 32)),
-          "256 -> 256 channels": ((256, 256, 3, 2, 1), (2, 256, 16, 32, 32))}
+          "256 -> 256 channels": ((256, 256, 3, 2, 1), (4, 256, 16, 16, 16))}
 choices = {}
 for name, (args, shape) in shapes.items():
     choices[name], why = planner.convolution(nd.ConvGeometry.create(*args), shape, torch.float32,
