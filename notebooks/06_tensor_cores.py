@@ -10,7 +10,7 @@
 # * one warp's tile worked by hand and checked against the package's `mma_tile` kernel;
 # * the tensor-core gather, `Pipeline(precision="tf32")`: the transposed convolution as implicit
 #   GEMMs of 16x8x8 tiles, checked against float64 PyTorch and the FFMA gather;
-# * what it measured against the FFMA gather on an H100, and why the default does not take it.
+# * what it measured against the FFMA gather, and where the default takes it.
 #
 # **Napkin math.** One `mma.sync.m16n8k8` is 16·8·8 = 1024 multiply-adds issued by one warp; one
 # warp-wide FFMA is 32. On an H100 (`planner.DEVICE_PEAKS`, datasheet) dense TF32 runs at 495
@@ -544,7 +544,7 @@ if precision.torch_uses_tf32():  # (PyTorch's default)
 #   0.456 against 0.796), behind it on the geometry row; the work around the `mma`s and the
 #   output's bytes bound it, not the tensor cores' rate. The default (`precision=None`) takes
 #   it where PyTorch's flag allows TF32 and the planner predicts it the fastest; small calls,
-#   bound by the host, keep the FFMA gather, and at 128 channels and more on small inputs cuDNN's
+#   bound by the host, keep the FFMA gather, and on small inputs of hundreds of channels cuDNN's
 #   TF32 convolution with this package's finish wins.
 #
 # **Interpretation.** Tensor cores change the arithmetic floor by 7.4x, but a kernel only reaches
