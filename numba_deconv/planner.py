@@ -404,7 +404,9 @@ def _mma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial:
     measured 4-23% faster (docs/performance.md)."""
     resident = int(peaks["sms"]) * RESIDENT_THREADS
     flops = 2.0 * geom.macs(batch, in_spatial)
-    mts = (None, 2) if geom.out_per_group > 16 else (None,)
+    spared = geom.out_per_group > 16 and gather_mma.m_tiles(geom.out_per_group,
+                                                            geom.stride[2]) == 1
+    mts = (None, 2) if spared else (None,)
     times = []
     for mt in mts:
         mma = _mma_work(geom, batch, in_spatial, out_spatial, resident, mt)
