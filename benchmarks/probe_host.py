@@ -186,6 +186,50 @@ def make_case(name: str) -> bench.Case:
     return cases[name]
 
 
+def measure(case: bench.Case, base, x, mode: str, label: str, profile: bool) -> tuple:
+    """One provider ``label`` (``name[:variant]``) on ``case`` in ``mode``: (case, mode, label,
+    b2b ms, synchronized ms, graph-replayed GPU µs, host µs, its launches' µs, launches, host µs
+    without the launches, µs to the first launch); with ``profile``, a cProfile of 300 calls."""
+    name, _, variant = label.partition(":")
+    planner.WIDE_VOLUME = 0 if variant == "nowide" else WIDE_VOLUME
+    planner.WIDE_WORK = math.inf if variant == "wide" else WIDE_WORK
+    model = bench.make_provider(name, copy.deepcopy(base),
+                                bench.TRAIN_STEP if mode == "step" else mode)
+    call = bench._train_step(model, x) if mode == "step" else \
+        bench.call_with_settings(name, model, x)
+    call()  # compile
+    b2b = bench.time_gpu(call).median_ms
+    sync = synchronized_ms(call)
+    try:
+        gpu = bench.graph_time_us(call)
+    except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
+        print(f"{case.name} {mode} {label}: no graph capture ({exc!r:.80})")
+        gpu = float("nan")
+    numba = name.startswith("numba")
+    install(_timed if numba else REAL)
+    host, inside, launches = host_us(call)
+    rest = first = float("nan")
+    if numba:
+        install(_noop)
+        rest = host_us(call)[0]
+        install(_marked)
+        first = first_launch_us(call)
+    install(REAL)
+    row = (case.name, mode, label, b2b, sync, gpu, host, inside, launches, rest, first)
+    print(row, flush=True)
+    if profile and numba:
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(300):
+            call()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"---- host profile, {case.name} {mode} {label}, 300 calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="tiny,default")
@@ -209,45 +253,8 @@ def main() -> None:
                     if mode == "step" and case.autocast():
                         print(f"{case.name}: step rows under autocast are the suite's, not here")
                         continue
-                    for label in args.providers.split(","):
-                        name, _, variant = label.partition(":")
-                        planner.WIDE_VOLUME = 0 if variant == "nowide" else WIDE_VOLUME
-                        planner.WIDE_WORK = math.inf if variant == "wide" else WIDE_WORK
-                        model = bench.make_provider(name, copy.deepcopy(base),
-                                                    bench.TRAIN_STEP if mode == "step" else mode)
-                        call = bench._train_step(model, x) if mode == "step" else \
-                            bench.call_with_settings(name, model, x)
-                        call()  # compile
-                        b2b = bench.time_gpu(call).median_ms
-                        sync = synchronized_ms(call)
-                        try:
-                            gpu = bench.graph_time_us(call)
-                        except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
-                            print(f"{case.name} {mode} {label}: no graph capture ({exc!r:.80})")
-                            gpu = float("nan")
-                        numba = name.startswith("numba")
-                        install(_timed if numba else REAL)
-                        host, inside, launches = host_us(call)
-                        rest = first = float("nan")
-                        if numba:
-                            install(_noop)
-                            rest = host_us(call)[0]
-                            install(_marked)
-                            first = first_launch_us(call)
-                        install(REAL)
-                        rows.append((case.name, mode, label, b2b, sync, gpu, host, inside, launches,
-                                     rest, first))
-                        print(rows[-1], flush=True)
-                        if args.profile and numba:
-                            prof = cProfile.Profile()
-                            torch.cuda.synchronize()
-                            prof.enable()
-                            for _ in range(300):
-                                call()
-                            prof.disable()
-                            torch.cuda.synchronize()
-                            print(f"---- host profile, {case.name} {mode} {label}, 300 calls")
-                            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                    rows += [measure(case, base, x, mode, label, args.profile)
+                             for label in args.providers.split(",")]
     print(f"{'case':10s} {'mode':5s} {'provider':20s} {'b2b ms':>7s} {'sync ms':>7s} "
           f"{'gpu us':>7s} {'host us':>7s} {'launch us':>9s} {'launches':>8s} {'rest us':>7s} "
           f"{'first us':>8s}")
