@@ -39,7 +39,8 @@ over the rows of :func:`suite_cases`, each in train and eval mode, every provide
 in the same run (:data:`SUITE_METHODS`): back to back (:func:`time_back_to_back`: GPU time when
 the GPU is the bottleneck) and KernelBench-style (:func:`time_kernelbench`: synchronized after
 every call, so the host's time per call counts). The difference of the two medians is the host
-time a synchronized caller pays per call. It writes ``suite.json`` after every row (a run
+time a synchronized caller pays per call. Each provider's GPU memory, held between calls and at
+a call's peak, is measured after its timings. It writes ``suite.json`` after every row (a run
 stopped early keeps what it measured), then ``suite.md`` and ``suite.png``.
 """
 
@@ -155,7 +156,9 @@ class CudaClock:
     ``torch.cuda.synchronize()``, and the host's wall clock (seconds) for the warm-up estimate.
 
     A stand-in for tests has the same three members: ``event()`` returning an object with
-    ``record()`` and ``elapsed_time(other)`` (ms), ``synchronize()`` and ``wall()``."""
+    ``record()`` and ``elapsed_time(other)`` (ms), ``synchronize()`` and ``wall()``; one
+    without ``allocated()`` and ``peak_allocated(call)`` (:class:`HostClock`) measures no
+    memory."""
 
     @staticmethod
     def event():
@@ -166,6 +169,22 @@ class CudaClock:
         torch.cuda.synchronize()
 
     wall = staticmethod(time.perf_counter)
+
+    @staticmethod
+    def allocated() -> int:
+        """Bytes of GPU memory allocated now (after the queued work)."""
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    @staticmethod
+    def peak_allocated(call: Callable[[], object]) -> int:
+        """The most bytes of GPU memory allocated at once while ``call()`` runs (its result
+        dropped after it)."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
 
 
 class _HostEvent:
@@ -915,6 +934,11 @@ SUITE_METHODS = {
                 "(entering and leaving it is the caller's host time, not the layer's; eager's "
                 "casts of its parameters are cached across the calls, as in such a loop); a "
                 "training step enters it around its forward and runs its backward outside it",
+    "memory": "GPU memory (torch.cuda.memory_allocated) beyond what was allocated before the "
+              "provider was built, after its timed calls: held between calls (its kept plans, "
+              "copies and derived weights; for a training step also the incoming gradient and "
+              "every .grad, the same for all providers) and at the peak of one more call, its "
+              "output included",
 }
 #: Wall-clock seconds one provider's timing may take per method; a provider slower than this /
 #: reps per call gets fewer calls (at least SUITE_MIN_REPS), and its reps say so.
@@ -988,6 +1012,11 @@ class Measurement:
     speedup_b2b: float = float("nan")  # torch_eager's median / this median, back to back
     speedup_kb: float = float("nan")  # the same, KernelBench-style
     host_us: float = float("nan")  # KernelBench-style median - back-to-back median, µs
+    # GPU memory beyond what was allocated before the provider was built, bytes: between calls
+    # (its kept plans, copies and derived weights; with a training step's incoming gradient and
+    # its .grad, the same for every provider), and at the peak of one warm call
+    held_bytes: float = float("nan")
+    peak_bytes: float = float("nan")
 
 
 @dataclass
@@ -1120,8 +1149,10 @@ def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: s
     per_step = autocast is not None and mode == TRAIN_STEP
     mixed = contextlib.nullcontext() if autocast is None or per_step else \
         torch.autocast(x.device.type, dtype=autocast)
+    memory = hasattr(clock, "peak_allocated")
     try:
         with torch.no_grad(), settings, mixed:
+            baseline = clock.allocated() if memory else 0
             fn = make(name, base, mode)
             if per_step:
                 fn = Autocast(fn, autocast)
@@ -1153,6 +1184,9 @@ def _measure(row: SuiteRow, name: str, base: nn.Module, x: torch.Tensor, mode: s
                                                budget_s=budget_s)
             m.kernelbench = time_kernelbench(call, warmup=warmup, reps=reps, clock=clock,
                                              budget_s=budget_s)
+            if memory:
+                m.held_bytes = clock.allocated() - baseline
+                m.peak_bytes = clock.peak_allocated(call) - baseline
     except Exception as exc:  # noqa: BLE001  (a provider failing is a result to report)
         m.status = "n/a" if name == "torch_compile" else "ERROR"
         m.error = _one_line(exc)
@@ -1359,6 +1393,18 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _mib(n: float) -> str:
+    return _fmt(n / 2**20, ".1f")
+
+
+def _peak_cell(row: SuiteRow) -> str:
+    """numba_deconv's and eager's peak GPU memory in one call (``Measurement.peak_bytes``)."""
+    numba, eager = row.results.get("numba_deconv"), row.results.get("torch_eager")
+    if numba is None or eager is None:
+        return "—"
+    return f"{_mib(numba.peak_bytes)} / {_mib(eager.peak_bytes)}"
+
+
 def _speed_cell(v: float) -> str:
     return "—" if v != v else f"{v:.2f}x"
 
@@ -1380,6 +1426,8 @@ def suite_markdown(rows: Sequence[SuiteRow], meta: dict, complete: bool = True) 
     out.append(f"- **b2b** (back to back): {methods['back_to_back']}.")
     out.append(f"- **KB** (KernelBench-style): {methods['kernelbench']}.")
     out.append(f"- **host µs**: {methods['host_us']}.")
+    if "memory" in methods:
+        out.append(f"- **held / peak MiB**: {methods['memory']}.")
     if "autocast" in methods:
         out.append(f"- **autocast rows**: {methods['autocast']}.")
     out.append(f"- **floor µs**: compulsory bytes (input + weights + output, each once) / "
@@ -1393,8 +1441,8 @@ def suite_markdown(rows: Sequence[SuiteRow], meta: dict, complete: bool = True) 
     for p in providers:
         head += [f"{_SHORT[p]} b2b ms", f"{_SHORT[p]} KB ms"]
     head += ["numba vs eager b2b", "numba vs eager KB", "compile vs eager b2b",
-             "compile vs eager KB", "numba host µs", "numba rel. err", "floor µs",
-             "numba / floor", "status"]
+             "compile vs eager KB", "numba host µs", "peak MiB (numba / eager)",
+             "numba rel. err", "floor µs", "numba / floor", "status"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
     for r in rows:
@@ -1406,7 +1454,7 @@ def suite_markdown(rows: Sequence[SuiteRow], meta: dict, complete: bool = True) 
         cells += [_speed_cell(r.numba_speedup_b2b), _speed_cell(r.numba_speedup_kb),
                   _speed_cell(comp.speedup_b2b if comp else float("nan")),
                   _speed_cell(comp.speedup_kb if comp else float("nan")),
-                  _fmt(r.numba_host_us, ".0f"), _fmt(r.numba_rel_error, ".1e"),
+                  _fmt(r.numba_host_us, ".0f"), _peak_cell(r), _fmt(r.numba_rel_error, ".1e"),
                   _fmt(r.floor_us, ".3g"), _fmt(r.numba_over_floor, ".3g"), r.status]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "### Rows", "", "| row | shape | input | output | compulsory bytes | floor µs |",
@@ -1420,8 +1468,9 @@ def suite_markdown(rows: Sequence[SuiteRow], meta: dict, complete: bool = True) 
                    f"| {'x'.join(map(str, r.output_shape))} | {_bytes(r.compulsory_bytes)} "
                    f"| {_fmt(r.floor_us, '.3g')} |")
     out += ["", "### Spread (median, p10–p90 ms; calls) and first calls", "",
-            "| row | mode | provider | b2b | KB | host µs | first call s | rel. err | status |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| row | mode | provider | b2b | KB | host µs | held / peak MiB | first call s "
+            "| rel. err | status |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
 
     def spread(t: Timing | None) -> str:
         return "—" if t is None else (f"{t.median_ms:.4f} ({t.p10_ms:.4f}–{t.p90_ms:.4f}); "
@@ -1431,6 +1480,7 @@ def suite_markdown(rows: Sequence[SuiteRow], meta: dict, complete: bool = True) 
         for p, m in r.results.items():
             out.append(f"| {r.case} | {r.mode} | {p} | {spread(m.back_to_back)} "
                        f"| {spread(m.kernelbench)} | {_fmt(m.host_us, '.0f')} "
+                       f"| {_mib(m.held_bytes)} / {_mib(m.peak_bytes)} "
                        f"| {_fmt(m.first_call_s, '.2f')} | {_fmt(m.rel_error, '.1e')} "
                        f"| {m.status} |")
     errors = [f"- {r.case}/{r.mode}: {r.error}" for r in rows if r.error]

@@ -309,6 +309,71 @@ def test_suite_runs_on_the_cpu_records_failures_and_goes_on(tmp_path):
     assert lines[-1] == md  # the table, printed last
 
 
+class MemoryClock(bench.HostClock):
+    """The host clock with a made-up allocator: what providers keep (``held``) and what a call
+    allocates while it runs and frees after (``transient``), counted as CUDA's would be."""
+
+    def __init__(self):
+        self.current = self.peak = 0
+
+    def allocated(self) -> int:
+        return self.current
+
+    def peak_allocated(self, call) -> int:
+        self.peak = self.current
+        call()
+        return self.peak
+
+    def run(self, transient: int) -> None:
+        self.peak = max(self.peak, self.current + transient)
+
+
+def test_suite_measures_each_providers_held_and_peak_memory(tmp_path):
+    """Each provider's memory beyond what was allocated before it was built: what it keeps
+    between calls, and its peak during one call; what an earlier provider kept and released
+    is not counted; a clock without an allocator (the host's) records none."""
+    clock = MemoryClock()
+    kept = {"numba_deconv": 3 << 20, "torch_eager": 0, "torch_strict_fp32": 1 << 20}
+    transient = {"numba_deconv": 5 << 20, "torch_eager": 9 << 20, "torch_strict_fp32": 2 << 20}
+    clock.current = 7 << 20  # allocated before the suite: not any provider's
+
+    class Provider:
+        def __init__(self, name, model):
+            self.name, self.model = name, model
+            clock.current += kept[name]
+
+        def __call__(self, x):
+            clock.run(transient[self.name])
+            return self.model(x)
+
+        def __del__(self):
+            clock.current -= kept[self.name]
+
+    def make(name, base, mode):
+        if name == "torch_compile":
+            raise RuntimeError("no compiler here")
+        model = copy.deepcopy(base).train(mode != "eval")
+        return Provider(name, model)
+
+    rows = bench.run_suite(str(tmp_path), cases=[bench.tiny_case()], reps=2, warmup=0,
+                           device="cpu", clock=clock, make=make, bandwidth=(1000.0, "test"),
+                           budget_s=None, log=lambda text: None)
+    for row in rows:
+        for name in kept:
+            m = row.results[name]
+            assert m.held_bytes == kept[name], (row.mode, name)
+            assert m.peak_bytes == kept[name] + transient[name], (row.mode, name)
+        assert math.isnan(row.results["torch_compile"].peak_bytes)
+    md = (tmp_path / "suite.md").read_text()
+    assert "| 8.0 / 9.0 |" in md and "| 3.0 / 8.0 |" in md and "| 0.0 / 9.0 |" in md
+    data = json.loads((tmp_path / "suite.json").read_text())
+    assert data["rows"][0]["results"]["numba_deconv"]["peak_bytes"] == 8 << 20
+    rows = bench.run_suite(str(tmp_path), cases=[bench.tiny_case()], reps=1, warmup=0,
+                           device="cpu", clock=bench.HostClock(), make=make,
+                           bandwidth=(1000.0, "test"), budget_s=None, log=lambda text: None)
+    assert math.isnan(rows[0].results["numba_deconv"].peak_bytes)
+
+
 # ---- writers on made-up results -----------------------------------------------------------------
 def _t(median, reps=100):
     return bench.Timing(median, median * 0.95, median * 1.1, reps)
