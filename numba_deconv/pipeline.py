@@ -69,9 +69,10 @@ never capture. A call made while the caller captures a graph of its own launches
 into that graph.
 
 Memory kept between calls: at most ``PLAN_CACHE`` launch plans (scratch buffers of the size of
-the input plus per-channel sums, never of the output), ``PLAN_CACHE`` prepared calls (which keep
-their plan and derived weights alive) and, with ``graphs=True``, 8 graphs with their input and
-output buffers; ``clear_cache()`` releases all of it.
+the input plus per-channel sums, and on the Gram path its sums per block, ``gram.buffer_specs``;
+never of the output), ``PLAN_CACHE`` prepared calls (which keep their plan and derived weights
+alive) and, with ``graphs=True``, 8 graphs with their input and output buffers;
+``clear_cache()`` releases all of it.
 """
 
 from __future__ import annotations

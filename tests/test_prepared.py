@@ -129,6 +129,34 @@ def test_a_replay_returns_a_new_tensor_and_keeps_no_call_alive(device):
     assert recorded[0]() is None and recorded[1]() is None
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [False, True])
+def test_a_call_that_compiles_keeps_nothing_alive(training, device, monkeypatch):
+    """A call whose kernels numba compiles (no kernel cache, a geometry no other test runs)
+    frees its input and output when the caller drops them, without waiting for Python's
+    cyclic collector: numba's compile leaves cycles of its own frames that reach the call's
+    (``launch._collect_compiler_cycles``)."""
+    monkeypatch.setenv("NUMBA_DECONV_CACHE", "0")
+    torch.manual_seed(5)
+    conv = torch.nn.ConvTranspose3d(5, 7, (3, 1, 2), (2, 1, 3), 1 if training else 0)
+    bn = torch.nn.BatchNorm3d(7).train(training)
+    pipe = Pipeline(conv.to(device), bn.to(device), specialize=True)
+    x = torch.randn(3, 5, 5, 4, 7, device=device)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            out = pipe(x)
+        refs = weakref.ref(out), weakref.ref(x)
+        del out, x
+        alive = [r() is not None for r in refs]
+    finally:
+        if enabled:
+            gc.enable()
+    assert alive == [False, False]
+
+
 def test_shapes_and_modes_interleaved(device):
     """Replays of several shapes and both modes, interleaved: each kind of call has its own."""
     ref, _, pipe = _models(device, graphs=False)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import contextlib
 import functools
+import gc
 import warnings
 import weakref
 
@@ -481,14 +482,32 @@ def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = Fals
             _remember_direct(key, launcher)
             launcher(handle, args)
             return
+    compiled = len(kernel.overloads)
     with _quiet():
         kernel[grid, block, _external_stream(handle), smem](*views)
+    if len(kernel.overloads) != compiled:
+        _collect_compiler_cycles()
     if max_shared and direct is None:
         _prefer_shared(kernel, views)
     if flat:
         _to_disk(kernel, views)
         _remember_direct(key, _direct_launcher(kernel, views, grid, block, smem, after_prior)
                          or False)
+
+
+def _collect_compiler_cycles() -> None:
+    """Free the reference cycles a numba compile leaves behind, now that it has returned.
+
+    The compile's frames stay alive after it, in cycles, and reach through this launch's frame
+    (``f_back``) to the caller's frames, whose locals (a call's output, its input) then stay
+    allocated after the call returns, until Python's cyclic collector runs a full collection:
+    the compile's objects are long promoted to its oldest generation, and such a collection
+    may not come for many calls (ModelNew held the output of the call that compiled a row's kernels
+    through all of the suite's timed calls: ``benchmarks/results/h200_compile_cycles.log``).
+    Collected here, while the caller's frames still run, the cycles let go of them, and the
+    call's tensors are freed when their last reference goes, as any other call's. A collection
+    costs milliseconds; the compile it follows, seconds."""
+    gc.collect()
 
 
 def _remember_direct(key, launcher) -> None:
