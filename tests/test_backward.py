@@ -225,38 +225,62 @@ def test_backward_failed_after_writing_over_yc_refuses_a_retry(device, monkeypat
         torch.autograd.grad(out, (x, conv.weight), g)
 
 
+#: Training steps whose peak memory is held to eager's: (in, out channels, kernel, stride,
+#: padding, groups, dilation, input shape): a k3 s2 layer, the suite's decoder (kernel 2, stride
+#: 2, forty-eight channels), its k4 s2 p1 row, and a grouped, dilated, non-cubic kernel.
+STEP_MEMORY_CASES = {
+    "k3s2": (32, 32, 3, 2, 1, 1, 1, (4, 32, 8, 16, 16)),
+    "decoder": (96, 48, 2, 2, 0, 1, 1, (2, 96, 20, 20, 20)),
+    "k4s2p1": (24, 24, 4, 2, 1, 1, 1, (4, 24, 16, 24, 24)),
+    "groups-dilation": (16, 32, (3, 2, 4), 3, (1, 0, 1), 2, 2, (8, 16, 8, 16, 16)),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("conv_impl", ["gather", "torch"])
-def test_training_step_peak_memory_within_eagers(conv_impl, device):
+@pytest.mark.parametrize("conv_impl", ["auto", "gather", "torch"])
+@pytest.mark.parametrize("case", list(STEP_MEMORY_CASES))
+def test_training_step_peak_memory_within_eagers(case, conv_impl, device):
     """A training step (forward under grad mode, backward of an incoming gradient held
-    beforehand) allocates at its peak no more than eager PyTorch's on the same modules:
-    autograd hands the backward no zeros for the outputs it does not differentiate, and the
-    backward writes ``dy`` over the kept convolution. ``"torch"``: cuDNN's convolution and
-    both its gradients, with their workspaces."""
-    conv = nn.ConvTranspose3d(32, 32, 3, 2, 1).to(device)
-    bn = nn.BatchNorm3d(32).to(device)
-    x = torch.randn(4, 32, 8, 16, 16, device=device, requires_grad=True)
+    beforehand) allocates at its peak no more than eager PyTorch's on the same modules,
+    counting everything the pipeline keeps between calls (its plans, the input's copies, the
+    derived weights, the backward's scratch): autograd hands the backward no zeros for the
+    outputs it does not differentiate, and the backward writes ``dy`` over the kept
+    convolution. ``"torch"``: cuDNN's convolution and both its gradients, with their
+    workspaces; ``"auto"``: the planner's choice, as ``ModelNew`` runs it."""
+    cin, cout, k, stride, padding, groups, dilation, shape = STEP_MEMORY_CASES[case]
+    torch.manual_seed(0)
+    conv = nn.ConvTranspose3d(cin, cout, k, stride, padding, groups=groups,
+                              dilation=dilation).to(device)
+    bn = nn.BatchNorm3d(cout).to(device)
+    x = torch.randn(shape, device=device, requires_grad=True)
     pipe = Pipeline(conv, bn, conv_impl=conv_impl)
 
     def eager(t):
         y = bn(conv(t))
         return y - y.mean(dim=(2, 3, 4), keepdim=True)
 
+    with torch.no_grad():
+        g = torch.randn_like(eager(x))
+
     def peak(model) -> int:
-        g = torch.randn_like(model(x))
-        for _ in range(3):  # compiled, recorded, replayed
-            model(x).backward(g)
-        x.grad = None
-        for p in (*conv.parameters(), *bn.parameters()):
-            p.grad = None
+        def clear():
+            x.grad = None
+            for p in (*conv.parameters(), *bn.parameters()):
+                p.grad = None
+
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
+        for _ in range(3):  # compiled, recorded, replayed
+            model(x).backward(g)
+            clear()
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         model(x).backward(g)
+        clear()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
 
-    ours, theirs = peak(pipe), peak(eager)
+    theirs, ours = peak(eager), peak(pipe)
     assert ours <= theirs, (ours, theirs)
 
 
