@@ -729,13 +729,8 @@ def run_case(case: Case, providers: Sequence[str], peaks: dict, *, reps: int = M
 
 def peak_memory(call: Callable[[], object], out_shape, itemsize: int) -> dict:
     """Peak GPU memory one (warm) call allocates beyond what was allocated before it."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = call()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
+    before = CudaClock.allocated()
+    peak = CudaClock.peak_allocated(call) - before
     out_bytes = math.prod(out_shape) * itemsize
     return {"peak_extra_bytes": int(peak), "output_bytes": int(out_bytes),
             "peak_extra_over_output": peak / out_bytes}
