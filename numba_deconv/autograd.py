@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import folding
 from .backward import backward as run_backward
 from .kernels import batch_stats
+from .kernels.launch import COMPILED, collect_compiler_cycles
 
 _PIPELINES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
@@ -174,9 +175,12 @@ def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dil
     pipe = _PIPELINES.get(handle)
     torch_dx, torch_dw = (False, False) if pipe is None else \
         pipe.torch_grads(x.shape, x.dtype, x.device)
-    return run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
-                        weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
-                        _GROUPS[sync] if sync else None, torch_dx, torch_dw, yc_spent)
+    grads = run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
+                         weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
+                         _GROUPS[sync] if sync else None, torch_dx, torch_dw, yc_spent)
+    if COMPILED[0]:  # (the compile's cycles hold the backward's frames: freed here)
+        collect_compiler_cycles()
+    return grads
 
 
 @backward.register_fake

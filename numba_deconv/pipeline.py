@@ -95,7 +95,8 @@ from .kernels import (batch_stats, box_sums, epilogue, gather_mma, gather_simple
                       gram, mma, scatter, spatial_reduce, sync_stats)
 from .backend import tensor_device
 from .kernels.half import bits_view, kind_of
-from .kernels.launch import Replay, block_size, pin, recording
+from .kernels.launch import (COMPILED, Replay, block_size, collect_compiler_cycles, pin,
+                             recording)
 from .plan import STORED_PATHS, CallPlan, Options, build as build_plan, stages as path_stages
 from .simulator import is_simulator
 
@@ -302,9 +303,10 @@ class Pipeline:
 
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
-        if self._weights_computed():
-            return self._fresh_call(x)
-        return self._call(x)
+        out = self._fresh_call(x) if self._weights_computed() else self._call(x)
+        if COMPILED[0]:  # (the compile's cycles hold the call's frames: freed here)
+            collect_compiler_cycles()
+        return out
 
     def _call(self, x):
         if isinstance(x, torch.Tensor):
@@ -736,6 +738,7 @@ class Pipeline:
         record: dict[str, torch.Tensor] = {"input": tensor.detach().clone()}
         with dtypes.no_autocast(tensor.device.type):
             record["output"] = self._forward(tensor, record=record, half=half)
+        collect_compiler_cycles()
         return record
 
     def path(self, shape=None, dtype: torch.dtype | None = None,
@@ -1071,6 +1074,8 @@ class Pipeline:
         finally:
             self._saving = None
             self._saving_updates = False
+        if COMPILED[0]:
+            collect_compiler_cycles()
         return out, save["yc"], save["rows"], save["stats"]
 
     def _forward(self, x: torch.Tensor, record: dict | None, save: dict | None = None,

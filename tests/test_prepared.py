@@ -130,31 +130,37 @@ def test_a_replay_returns_a_new_tensor_and_keeps_no_call_alive(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("training", [False, True])
-def test_a_call_that_compiles_keeps_nothing_alive(training, device, monkeypatch):
-    """A call whose kernels numba compiles (no kernel cache, a geometry no other test runs)
-    frees its input and output when the caller drops them, without waiting for Python's
-    cyclic collector: numba's compile leaves cycles of its own frames that reach the call's
-    (``launch._collect_compiler_cycles``)."""
+@pytest.mark.parametrize("mode", ["eval", "train", "step"])
+def test_a_call_that_compiles_keeps_nothing_alive(mode, device, monkeypatch):
+    """A call whose kernels numba compiles (no kernel cache, a geometry no other test runs),
+    and a training step's forward and backward, free the tensors of the call when the caller
+    drops them, without waiting for Python's cyclic collector: numba's compile leaves cycles
+    of its own frames that reach the call's (``launch.collect_compiler_cycles``)."""
     monkeypatch.setenv("NUMBA_DECONV_CACHE", "0")
     torch.manual_seed(5)
-    conv = torch.nn.ConvTranspose3d(5, 7, (3, 1, 2), (2, 1, 3), 1 if training else 0)
-    bn = torch.nn.BatchNorm3d(7).train(training)
+    padding = {"eval": 0, "train": 1, "step": (1, 0, 0)}[mode]
+    conv = torch.nn.ConvTranspose3d(5, 7, (3, 1, 2), (2, 1, 3), padding)
+    bn = torch.nn.BatchNorm3d(7).train(mode != "eval")
     pipe = Pipeline(conv.to(device), bn.to(device), specialize=True)
-    x = torch.randn(3, 5, 5, 4, 7, device=device)
+    x = torch.randn(3, 5, 5, 4, 7, device=device, requires_grad=mode == "step")
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(mode == "step"):
             out = pipe(x)
-        refs = weakref.ref(out), weakref.ref(x)
+            refs = weakref.ref(out), weakref.ref(x)
+            if mode == "step":
+                grad = torch.randn_like(out)
+                out.backward(grad)
+                refs += weakref.ref(x.grad), weakref.ref(grad)
+                del grad
         del out, x
         alive = [r() is not None for r in refs]
     finally:
         if enabled:
             gc.enable()
-    assert alive == [False, False]
+    assert not any(alive), alive
 
 
 def test_shapes_and_modes_interleaved(device):

@@ -486,7 +486,7 @@ def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = Fals
     with _quiet():
         kernel[grid, block, _external_stream(handle), smem](*views)
     if len(kernel.overloads) != compiled:
-        _collect_compiler_cycles()
+        COMPILED[0] = True
     if max_shared and direct is None:
         _prefer_shared(kernel, views)
     if flat:
@@ -495,19 +495,29 @@ def launch(kernel, grid, block, args, *, smem: int = 0, after_prior: bool = Fals
                          or False)
 
 
-def _collect_compiler_cycles() -> None:
-    """Free the reference cycles a numba compile leaves behind, now that it has returned.
+#: Whether a launch made numba compile since ``collect_compiler_cycles`` last ran (a list, so
+#: that a call tests it without a function call).
+COMPILED = [False]
 
-    The compile's frames stay alive after it, in cycles, and reach through this launch's frame
+
+def collect_compiler_cycles() -> None:
+    """Free the reference cycles numba's compiles left behind, if a launch compiled since the
+    last time: the package's entry points (a pipeline's call, its saving forward, the
+    backward) call this as they finish, once their inner frames have returned.
+
+    A compile's frames stay alive after it, in cycles, and reach through the launch's frame
     (``f_back``) to the caller's frames, whose locals (a call's output, its input) then stay
     allocated after the call returns, until Python's cyclic collector runs a full collection:
     the compile's objects are long promoted to its oldest generation, and such a collection
-    may not come for many calls (ModelNew held the output of the call that compiled a row's kernels
-    through all of the suite's timed calls: ``benchmarks/results/h200_compile_cycles.log``).
-    Collected here, while the caller's frames still run, the cycles let go of them, and the
-    call's tensors are freed when their last reference goes, as any other call's. A collection
-    costs milliseconds; the compile it follows, seconds."""
-    gc.collect()
+    may not come for many calls (ModelNew held the output of the call that compiled a row's
+    kernels through all of the suite's timed calls: ``benchmarks/results/
+    h200_compile_cycles.log``). Collected while the entry point's own frame still runs, the
+    cycles let go of the frames, and the call's tensors are freed when their last reference
+    goes, as any other call's. One collection per call that compiled (0.23-0.27 s on an H200
+    host after a first call's compiles, which take seconds), not one per compiled kernel."""
+    if COMPILED[0]:
+        COMPILED[0] = False
+        gc.collect()
 
 
 def _remember_direct(key, launcher) -> None:
