@@ -304,7 +304,9 @@ class Pipeline:
     # ---- public calls ---------------------------------------------------------------------------
     def __call__(self, x):
         out = self._fresh_call(x) if self._weights_computed() else self._call(x)
-        if COMPILED[0]:  # (the compile's cycles hold the call's frames: freed here)
+        # (the compile's cycles hold the call's frames: freed here; a torch.compile trace runs
+        # no kernel, and its ops collect where they run)
+        if COMPILED[0] and not torch.compiler.is_compiling():
             collect_compiler_cycles()
         return out
 

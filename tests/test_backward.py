@@ -567,6 +567,43 @@ def test_compiled_model_matches_eager(device):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_compiled_pipeline_call_leaves_the_collection_to_the_ops(device):
+    """A ``Pipeline`` called in a module under ``torch.compile(fullgraph=True)``, in grad mode,
+    while a collection of numba's compile cycles is pending (``launch.COMPILED``): the trace
+    goes through ``Pipeline.__call__`` without the collection (no graph break), and the ops
+    that launch collect where they run."""
+    from numba_deconv.kernels import launch
+
+    class Wrapped(nn.Module):
+        def __init__(self, conv, bn):
+            super().__init__()
+            self.conv, self.bn = conv, bn
+            self.pipe = Pipeline(conv, bn)
+
+        def forward(self, x):
+            return self.pipe(x)
+
+    conv, bn = _modules(True, device)
+    ref_conv, ref_bn = copy.deepcopy(conv), copy.deepcopy(bn)
+    compiled = torch.compile(Wrapped(conv, bn), fullgraph=True,
+                             backend="aot_eager" if SIM else "inductor")
+    x = torch.randn(2, 2, 3, 2, 3, dtype=torch.float64, device=device, requires_grad=True)
+    launch.COMPILED[0] = True
+    try:
+        out = compiled(x)
+    finally:
+        launch.COMPILED[0] = False
+    out.square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    y = ref_bn(ref_conv(x_ref))
+    ref = y - y.mean(dim=(2, 3, 4), keepdim=True)
+    ref.square().sum().backward()
+    testing.assert_close(out, ref, 1e-12, "output")
+    testing.assert_close(x.grad, x_ref.grad, 1e-10, "dL/dx")
+    testing.assert_close(conv.weight.grad, ref_conv.weight.grad, 1e-10, "dL/dW")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_compiled_half_precision_call_matches_eager(device):
     """Under ``torch.compile(fullgraph=True)`` a bfloat16 input takes the same casts around the
     op as an eager call (``Pipeline.half_call``): the same output and gradients, bit for bit."""
