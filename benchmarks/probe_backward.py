@@ -10,11 +10,15 @@ gradient alone as ``conv3d(dy, W)``, the same cuDNN forward convolution that
 gradients as one ``aten.convolution_backward`` call, ``backward.grads_torch``).
 
     PYTHONPATH=$PWD python3 benchmarks/probe_backward.py [--rows NAME ...] [--reps R] [--host]
+        [--random N [--seed S] [--json PATH]]
 
 Rows: the shape suite's float32 rows and a channel sweep at kernel 3, stride 2, padding 1 on a
 16x32x32 input, plus a few other kernels. Each gradient is checked against float64 PyTorch
 first (relative error printed), then its launches captured ``CALLS`` times in one CUDA graph
 and the replay timed with CUDA events (median of ``--reps`` replays, per call): GPU time only.
+``--random N``: instead of the rows, N geometries drawn from ``--seed`` (``draw``: channels
+3-256, kernels 1-5 per axis, strides 1-3, dilation and groups at times, batches 1-16, inputs
+of 2-24 per axis), the planner's calibration set; ``--json`` writes every row's numbers.
 
 ``det both``: both gradients in one deterministic call, as ``backward.grads_torch`` makes it.
 ``--host`` asks instead what each costs the host: µs per call of the kernels' launches and of
@@ -27,6 +31,8 @@ the operator's backward runs; median of ``--reps`` batches.
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import statistics
 import sys
 import time
@@ -61,6 +67,41 @@ def rows() -> list[Case]:
     return suite + sweep + other
 
 
+def draw(rng: random.Random, index: int) -> Case | None:
+    """One random geometry (``--random``), or None where it is invalid or too large."""
+    groups = rng.choice([1, 1, 1, 1, 2, 4])
+    cin = groups * rng.choice([1, 3, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128])
+    cout = groups * rng.choice([1, 4, 8, 16, 32, 48, 64, 96, 128])
+    if cin > 256 or cout > 256:
+        return None
+    cubic = rng.random() < 0.8
+    k = rng.randint(1, 5)
+    kernel = (k,) * 3 if cubic else tuple(rng.randint(1, 5) for _ in range(3))
+    s = rng.randint(1, 3)
+    d = rng.choice([1, 1, 1, 2])
+    p = rng.randint(0, d * (min(kernel) - 1)) if min(kernel) > 1 else 0
+    batch = rng.choice([1, 2, 4, 8, 16])
+    spatial = tuple(rng.randint(2, 24) for _ in range(3))
+    out = [(n - 1) * s - 2 * p + d * (kk - 1) + 1 for n, kk in zip(spatial, kernel)]
+    if min(out) < 1 or batch * cout * out[0] * out[1] * out[2] > 32e6:
+        return None
+    case = Case(f"r{index}", _conv(cin, cout, kernel, s, p, dilation=d, groups=groups), batch,
+                spatial)
+    if case.geometry().macs(batch, spatial) > 30e9:
+        return None
+    return case
+
+
+def random_rows(count: int, seed: int) -> list[Case]:
+    rng, cases, index = random.Random(seed), [], 0
+    while len(cases) < count:
+        case = draw(rng, index)
+        index += 1
+        if case is not None:
+            cases.append(case)
+    return cases
+
+
 def cudnn(dy, x, w, conv, mask):
     out_pad = tuple(int(v) for v in conv.output_padding)
     return torch.ops.aten.convolution_backward(
@@ -79,7 +120,8 @@ def run(case: Case, reps: int) -> dict:
     args = (tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation))
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     scratch = conv_grads.weight_grad_scratch(x, dy, dw, *args, conv.groups)
-    row = dict(name=case.name, c=(geom.in_per_group * geom.out_per_group) ** 0.5,
+    row = dict(name=case.name, init=case.init, batch=case.batch, spatial=case.spatial,
+               c=(geom.in_per_group * geom.out_per_group) ** 0.5,
                macs=geom.macs(case.batch, case.spatial), outputs=dy.numel(), inputs=x.numel())
 
     def ours_dx():
@@ -198,6 +240,9 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", help="row names (default: all)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--host", action="store_true", help="host µs per call instead")
+    parser.add_argument("--random", type=int, default=0, help="random geometries instead")
+    parser.add_argument("--seed", type=int, default=20261201)
+    parser.add_argument("--json", help="write the rows' numbers here")
     args = parser.parse_args()
     if not torch.cuda.is_available() or bench.is_simulator():
         sys.exit("probe_backward: needs a GPU")
@@ -205,9 +250,11 @@ def main() -> None:
     if args.host:
         return main_host(args)
     table = []
-    for case in rows():
+    for case in random_rows(args.random, args.seed) if args.random else rows():
         if args.rows and case.name not in args.rows:
             continue
+        if args.random:
+            print(case.name, case.describe(), flush=True)
         try:
             r = run(case, args.reps)
         except Exception as exc:  # noqa: BLE001 - a failing row is reported, not fatal
@@ -215,6 +262,9 @@ def main() -> None:
             continue
         print(r, flush=True)
         table.append(r)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(table, f, default=list)
     print(f"{'row':24} {'c':>6} {'GMAC':>6} {'Mout':>6} | {'ours dx':>8} {'ours dw':>8} | "
           f"{'tf32 dx':>8} {'tf32 dw':>8} {'det dx':>8} {'det dw':>8} {'det both':>8} | "
           f"{'ieee dx':>8} {'ieee dw':>8} | {'err ours':>8} {'err tf32':>8}  (us)")

@@ -99,7 +99,7 @@ import torch
 
 from . import precision as precisions
 from .geometry import ConvGeometry
-from .kernels import box_sums, gather, gather_mma, gather_wide
+from .kernels import box_sums, conv_grads, gather, gather_mma, gather_wide
 from .simulator import is_simulator
 
 #: Peak rates by device-name substring (first match wins): fp32 / fp64 FLOP/s on CUDA cores,
@@ -169,6 +169,28 @@ BOX_BLOCKS_PER_SM = 2
 #: ``conv_grads.input_grad``'s multiply-add rate, a fraction of the FP32 peak (H200: 12-14
 #: TFLOP/s at kernels of 1 to 3 taps an axis; at more, ``_taps_factor`` of it).
 INPUT_GRAD_EFFICIENCY = 0.2
+#: Where ``conv_grads.input_grad`` has few blocks for its work (few input positions, many
+#: output channels and taps a position), a thread's chain sets its time, not its rate: per
+#: wave of blocks (``INPUT_GRAD_BLOCKS_PER_SM`` an SM), µs per weight a thread stages per
+#: chunk, per chunk (its two barriers) and per (valid tap, output channel) a thread walks.
+#: Least squares over 75 random geometries where the kernel ran 1.5x or more over its
+#: rate (H200, ``benchmarks/probe_backward.py --random 80``,
+#: ``results/h200_backward_random.json``).
+INPUT_GRAD_STAGE_US = 0.72
+INPUT_GRAD_CHUNK_US = 5.8
+INPUT_GRAD_TAP_US = 0.044
+INPUT_GRAD_BLOCKS_PER_SM = 8
+#: cuDNN's input gradient where its own chains are long: its rate's time scaled, plus µs per
+#: element of the reduction a position takes (output channels of a group x taps) and once;
+#: for groups of fewer than ``CUDNN_GROUPED_CHANNELS`` input channels (which cuDNN runs on
+#: CUDA cores, as slowly in TF32 as in strict float32) also per multiply-add at the FP32 peak
+#: and per reduction element again. Least squares over the same 80 geometries.
+CUDNN_DX_SCALE = 0.71
+CUDNN_DX_K_US = 0.0153
+CUDNN_DX_FIXED_US = 6.2
+CUDNN_GROUPED_CHANNELS = 32
+CUDNN_DX_GROUPED_FMA = 2.14
+CUDNN_DX_GROUPED_K_US = 0.040
 #: The backward's gradients run on cuDNN only where predicted this much faster ...
 GRAD_MARGIN = 1.5
 #: ... and at least this much sooner: the host time PyTorch's gradient call adds to a step
@@ -531,10 +553,26 @@ def predict_input_grad(geom: ConvGeometry, batch: int, in_spatial,
     ``{"kernels": ..., "torch": ...}`` (``conv_grads.input_grad`` on CUDA cores; cuDNN's TF32
     convolution of ``dy`` with the weights). Both read ``dy`` and write ``dL/dx`` once: the
     multiply-adds decide."""
-    flops = 2.0 * geom.macs(batch, in_spatial)
+    macs = geom.macs(batch, in_spatial)
+    flops = 2.0 * macs
     rate = min(CUDNN_PER_CHANNEL * geom.in_per_group, CUDNN_CAP) * peaks["tf32"]
     kernel_rate = INPUT_GRAD_EFFICIENCY * _taps_factor(geom) * peaks["fp32"]
-    return {"kernels": flops / kernel_rate * 1e6, "torch": flops / rate * 1e6}
+    kernels, torch_us = flops / kernel_rate * 1e6, flops / rate * 1e6
+    # the chains: the kernel's per thread, cuDNN's per output position
+    cin, opg, taps = geom.in_channels, geom.out_per_group, math.prod(geom.kernel_size)
+    lay = conv_grads.input_layout((batch, cin, *in_spatial), (cin, opg, *geom.kernel_size),
+                                  geom.groups, block=conv_grads.INPUT_BLOCK)
+    waves = -(-lay.blocks // (INPUT_GRAD_BLOCKS_PER_SM * int(peaks["sms"])))
+    chunks, positions = lay.chunks(opg), batch * cin * math.prod(in_spatial)
+    chain = (INPUT_GRAD_STAGE_US * chunks * lay.staged_loads() + INPUT_GRAD_CHUNK_US * chunks
+             + INPUT_GRAD_TAP_US * macs / max(1, positions))
+    reduction = opg * taps
+    long = CUDNN_DX_SCALE * torch_us + CUDNN_DX_K_US * reduction + CUDNN_DX_FIXED_US
+    if geom.groups > 1 and geom.in_per_group < CUDNN_GROUPED_CHANNELS:
+        long += CUDNN_DX_GROUPED_FMA * flops / peaks["fp32"] * 1e6 \
+            + CUDNN_DX_GROUPED_K_US * reduction
+    return {"kernels": max(kernels, waves * chain),
+            "torch": max(torch_us, long)}
 
 
 def torch_input_grad(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,

@@ -3,7 +3,9 @@ the measurements it was calibrated on."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -542,15 +544,20 @@ def test_the_gradient_kernels_elsewhere(dtype, device, asked, flag, which, monke
     assert not takes and why.startswith(f"the {which}-gradient kernel")
 
 
-@pytest.mark.parametrize("which", ["input", "weight"])
-def test_the_pipeline_follows_the_gradient_planner(which, monkeypatch):
+@pytest.mark.parametrize("which, kernel, big", [
+    # (the input gradient's kernel at kernel 3: ten staged chunks a thread, ~250 µs however
+    # few the positions, so its small call is a pointwise layer's)
+    ("input", 1, (8, 64, 32, 64, 64)),
+    ("weight", 3, (8, 64, 16, 32, 32)),
+])
+def test_the_pipeline_follows_the_gradient_planner(which, kernel, big, monkeypatch):
     """``Pipeline.torch_input_grad`` and ``torch_weight_grad``: the planner's choice per input
     shape under ``conv_impl="auto"``, following PyTorch's flag as it changes; ``"gather"``,
     ``"scatter"`` and a ``precision`` set never, ``"torch"`` always."""
     flag = [True]
     monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag[0])
-    conv, bn = nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64)
-    big, small = (8, 64, 16, 32, 32), (1, 64, 2, 2, 2)
+    conv, bn = nn.ConvTranspose3d(64, 64, kernel, 2, kernel // 2), nn.BatchNorm3d(64)
+    small = (1, 64, 2, 2, 2)
 
     def choice(pipe, shape, dtype=torch.float32, device=CUDA):
         return getattr(pipe, f"torch_{which}_grad")(shape, dtype, device)
@@ -612,3 +619,34 @@ def test_explain_names_the_backwards_choices(tf32_allowed):
     torch_notes = Pipeline(nn.ConvTranspose3d(64, 64, 3, 2, 1), nn.BatchNorm3d(64),
                            conv_impl="torch").explain(shape).notes
     assert any("backward's input and weight gradients by PyTorch's" in n for n in torch_notes)
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize("name", ["h200_backward_random.json", "h200_backward_random_check.json"])
+def test_the_input_gradient_choice_on_random_geometries(name):
+    """Over random geometries measured on an H200 (``probe_backward.py --random``: the set the
+    input gradient's chain models were fitted on, and a fresh one), the planner's choice
+    between the kernel and cuDNN costs at most 30% more GPU time in all than the faster of
+    the two at every geometry (gradients under ``MIN_SAVING_US`` apart keep the kernel, for
+    its host time), where the kernel alone costs more than twice that; and no single choice
+    of cuDNN loses more than 200 µs."""
+    rows = json.loads((RESULTS / name).read_text())
+    chosen = best = kernels = 0.0
+    for r in rows:
+        init = {k: tuple(v) if isinstance(v, list) else v for k, v in r["init"].items()}
+        geom = ConvGeometry.create(init["in_channels"], init["out_channels"],
+                                   init["kernel_size"], init["stride"], init["padding"],
+                                   dilation=init["dilation"], groups=init["groups"])
+        t = planner.predict_input_grad(geom, r["batch"], tuple(r["spatial"]),
+                                       planner.DEVICE_PEAKS["H200"])
+        takes = t["kernels"] >= planner.GRAD_MARGIN * t["torch"] \
+            and t["kernels"] - t["torch"] >= planner.MIN_SAVING_US
+        ours, cudnn = r["ours_dx"], r["tf32_dx"]
+        chosen += cudnn if takes else ours
+        best += min(ours, cudnn)
+        kernels += ours
+        assert not takes or cudnn - ours < 200, r["name"]
+    assert chosen <= 1.3 * best
+    assert kernels > 2 * best

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 from numba import cuda, float64, int32, int64, uint32, uint64
@@ -491,6 +492,44 @@ def _input_launch(dy_shape, w_shape, dx_shape, stride, padding, dilation, dtype,
                                                 dilation, groups)
     if math.prod(dx_shape) == 0:
         return None
+    lay = input_layout(dx_shape, w_shape, groups, dtype, tile, staged, block)
+    sizes = (*_sizes(dx_shape, w_shape, dy_shape, stride, padding, dilation), lay.ipg, opg,
+             lay.ctiles, lay.sblocks, lay.occ)
+    kernel = make_input_grad(dtype, lay.tc, lay.staged,
+                             _wide(dx_shape, dy_shape, math.prod(w_shape)))
+    return (kernel, min(lay.blocks, 2**31 - 1), lay.block, sizes,
+            lay.occ * lay.taps * lay.tc * ITEMSIZE[dtype] if lay.staged else 0)
+
+
+class InputLayout(NamedTuple):
+    """How ``input_grad`` splits its work (``input_layout``)."""
+    ipg: int      # input channels per group
+    tc: int       # input channels per thread (a channel tile)
+    staged: bool  # weights staged in shared memory
+    occ: int      # output channels per staged chunk (all of them when not staged)
+    taps: int     # taps of the kernel
+    ctiles: int   # channel tiles per group
+    sblocks: int  # blocks along the input positions, per (sample, group, channel tile)
+    block: int    # threads per block, one input position each
+    blocks: int   # blocks in all
+
+    def chunks(self, opg: int) -> int:
+        """Staged chunks a block walks (one round of staging and two barriers each)."""
+        return -(-opg // self.occ)
+
+    def staged_loads(self) -> int:
+        """Weights a thread loads into shared memory per chunk (0 when not staged)."""
+        return -(-self.occ * self.taps * self.tc // self.block) if self.staged else 0
+
+
+def input_layout(dx_shape, w_shape, groups: int, dtype: str = "float32",
+                 tile: int | None = None, staged: bool | None = None,
+                 block: int | None = None) -> InputLayout:
+    """``input_grad``'s work split for dx of ``dx_shape`` and weights of ``w_shape`` (the
+    launcher's, and ``planner.predict_input_grad``'s: its time on few positions is a thread's
+    chain through its chunks, not its multiply-adds). ``tile``, ``staged``, ``block``: as
+    ``launch_input_grad``'s overrides."""
+    opg = w_shape[1]
     ipg = dx_shape[1] // groups
     tc = input_tile(ipg) if tile is None else tile
     if tc not in (1, 2, 4, 8, 16):
@@ -506,13 +545,8 @@ def _input_launch(dy_shape, w_shape, dx_shape, stride, padding, dilation, dtype,
     in_sp = math.prod(dx_shape[2:])
     ctiles = -(-ipg // tc)
     sblocks = -(-in_sp // block)
-    sizes = (*_sizes(dx_shape, w_shape, dy_shape, stride, padding, dilation), ipg, opg, ctiles,
-             sblocks, occ)
-    blocks = dx_shape[0] * groups * ctiles * sblocks
-    kernel = make_input_grad(dtype, tc, bool(staged),
-                             _wide(dx_shape, dy_shape, math.prod(w_shape)))
-    return (kernel, min(blocks, 2**31 - 1), block, sizes,
-            occ * taps * tc * ITEMSIZE[dtype] if staged else 0)
+    return InputLayout(ipg, tc, bool(staged), occ, taps, ctiles, sblocks, block,
+                       dx_shape[0] * groups * ctiles * sblocks)
 
 
 def weight_tiles(dtype: str, ipg: int, opg: int, kw: int) -> tuple[int, int, int]:
