@@ -207,6 +207,17 @@ CUDNN_WEIGHT_PER_CHANNEL = 0.0016
 CUDNN_WEIGHT_CAP = 0.25
 #: ... plus this many microseconds whatever the size.
 CUDNN_WEIGHT_FIXED_US = 40.0
+#: Where ``conv_grads.weight_grad`` walks long chunks on few blocks, or its partials are
+#: many, its time is its lanes' walk and the partials' sum, not its rate: per wave of blocks
+#: (``WEIGHT_GRAD_BLOCKS_PER_SM`` an SM), µs per position a lane walks per accumulator column
+#: (OCT x KWT dy loads) and per staged batch of positions; µs per float64 partial the sum
+#: reads; and once. Least squares over the same 80 random geometries as ``INPUT_GRAD_*``
+#: (``results/h200_backward_random.json``).
+WEIGHT_GRAD_LANE_US = 0.053
+WEIGHT_GRAD_BATCH_US = 1.24
+WEIGHT_GRAD_PARTIAL_US = 7.9e-5
+WEIGHT_GRAD_FIXED_US = 6.9
+WEIGHT_GRAD_BLOCKS_PER_SM = 2
 
 
 #: The most output voxels per (sample, channel) at which a float32 call computes in float64
@@ -591,7 +602,18 @@ def predict_weight_grad(geom: ConvGeometry, batch: int, in_spatial,
     flops = 2.0 * geom.macs(batch, in_spatial)
     rate = min(CUDNN_WEIGHT_PER_CHANNEL * geom.in_per_group, CUDNN_WEIGHT_CAP) * peaks["tf32"]
     kernel_rate = WEIGHT_GRAD_EFFICIENCY * _taps_factor(geom) * peaks["fp32"]
-    return {"kernels": flops / kernel_rate * 1e6,
+    # the kernel's chain: a lane's walk through its chunk, and the partials' sum
+    cin, opg = geom.in_channels, geom.out_per_group
+    w_shape = (cin, opg, *geom.kernel_size)
+    lay = conv_grads.weight_layout((batch, cin, *in_spatial), w_shape, geom.groups)
+    _, oct_, kwt = lay["tiles"]
+    waves = -(-lay["blocks"] // (WEIGHT_GRAD_BLOCKS_PER_SM * int(peaks["sms"])))
+    per_lane = lay["chunk_pos"] / (lay["parts"] * conv_grads.WARP_SIZE)
+    batches = -(-lay["chunk_pos"] // lay["batch"])
+    chain = waves * (WEIGHT_GRAD_LANE_US * per_lane * oct_ * kwt
+                     + WEIGHT_GRAD_BATCH_US * batches) \
+        + WEIGHT_GRAD_PARTIAL_US * lay["chunks"] * math.prod(w_shape) + WEIGHT_GRAD_FIXED_US
+    return {"kernels": max(flops / kernel_rate * 1e6, chain),
             "torch": flops / rate * 1e6 + CUDNN_WEIGHT_FIXED_US}
 
 

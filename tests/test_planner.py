@@ -473,9 +473,6 @@ FITTED = {"default", "b8_64to64", "32to32", "48to48", "96to96", "128to128",
 # assumes, a saving missed, never a loss)
 FITTED_WEIGHT = {"default", "b32_32to64", "b8_64to64", "32to32", "48to48", "96to96",
                  "128to128", "256to256", "64to32", "groups4", "dilation2", "k4s2p1_48"}
-# where the weight-gradient kernel measured well under its rate, so the choice keeps it though
-# cuDNN measured 2x and 100+ µs faster
-SLOW_WEIGHT_KERNEL = {"24to24_b16"}
 # where cuDNN's weight gradient measured slower than its rate (stride 1, 48 channels: 17
 # TFLOP/s), so the choice takes it though it measured 1.39x faster, under the margin (faster
 # still: no time lost, TF32's error taken for less than the margin asks)
@@ -507,9 +504,8 @@ def test_the_input_gradient_model_against_its_measurements(row):
 def test_the_weight_gradient_model_against_its_measurements(row):
     """The backward's weight gradient: the kernel wherever cuDNN measured under the margin or
     the saving (but on the row where cuDNN ran well under its rate, faster still); cuDNN's
-    wherever it measured twice as fast and the saving is worth a call (but on the row where
-    the kernel ran well under its rate); on the fitted rows each prediction within 30% of the
-    measured time."""
+    wherever it measured twice as fast and the saving is worth a call; on the fitted rows
+    each prediction within 30% of the measured time."""
     name, cin, cout, k, s, p, d, groups, batch, spatial = row[:10]
     kernel_us, torch_us = row[12:]
     geom = ConvGeometry.create(cin, cout, k, s, p, dilation=d, groups=groups)
@@ -519,7 +515,7 @@ def test_the_weight_gradient_model_against_its_measurements(row):
     if kernel_us < planner.GRAD_MARGIN * torch_us or \
             kernel_us - torch_us < planner.MIN_SAVING_US:
         assert not takes or name in SLOW_CUDNN_WEIGHT
-    elif kernel_us >= 2 * torch_us and name not in SLOW_WEIGHT_KERNEL:
+    elif kernel_us >= 2 * torch_us:
         assert takes
     if name in FITTED_WEIGHT:
         assert abs(t["kernels"] / kernel_us - 1) < 0.3
@@ -625,28 +621,29 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
 @pytest.mark.parametrize("name", ["h200_backward_random.json", "h200_backward_random_check.json"])
-def test_the_input_gradient_choice_on_random_geometries(name):
+@pytest.mark.parametrize("which, bound", [("input", 1.3), ("weight", 1.2)])
+def test_the_gradient_choices_on_random_geometries(name, which, bound):
     """Over random geometries measured on an H200 (``probe_backward.py --random``: the set the
-    input gradient's chain models were fitted on, and a fresh one), the planner's choice
-    between the kernel and cuDNN costs at most 30% more GPU time in all than the faster of
-    the two at every geometry (gradients under ``MIN_SAVING_US`` apart keep the kernel, for
-    its host time), where the kernel alone costs more than twice that; and no single choice
-    of cuDNN loses more than 200 µs."""
+    gradients' chain models were fitted on, and a fresh one), the planner's choice between
+    each gradient's kernel and cuDNN's (the weight gradient's deterministic algorithms) costs
+    at most ``bound`` times the GPU time of the faster of the two at every geometry, in all
+    (gradients under ``MIN_SAVING_US`` apart keep the kernel, for its host time), and no
+    single choice of cuDNN loses more than 200 µs. The rate-only models miss the bound: on
+    few positions the kernels' chains are their time."""
     rows = json.loads((RESULTS / name).read_text())
-    chosen = best = kernels = 0.0
+    predict = planner.predict_input_grad if which == "input" else planner.predict_weight_grad
+    ours_key, cudnn_key = ("ours_dx", "tf32_dx") if which == "input" else ("ours_dw", "det_dw")
+    chosen = best = 0.0
     for r in rows:
         init = {k: tuple(v) if isinstance(v, list) else v for k, v in r["init"].items()}
         geom = ConvGeometry.create(init["in_channels"], init["out_channels"],
                                    init["kernel_size"], init["stride"], init["padding"],
                                    dilation=init["dilation"], groups=init["groups"])
-        t = planner.predict_input_grad(geom, r["batch"], tuple(r["spatial"]),
-                                       planner.DEVICE_PEAKS["H200"])
+        t = predict(geom, r["batch"], tuple(r["spatial"]), planner.DEVICE_PEAKS["H200"])
         takes = t["kernels"] >= planner.GRAD_MARGIN * t["torch"] \
             and t["kernels"] - t["torch"] >= planner.MIN_SAVING_US
-        ours, cudnn = r["ours_dx"], r["tf32_dx"]
+        ours, cudnn = r[ours_key], r[cudnn_key]
         chosen += cudnn if takes else ours
         best += min(ours, cudnn)
-        kernels += ours
         assert not takes or cudnn - ours < 200, r["name"]
-    assert chosen <= 1.3 * best
-    assert kernels > 2 * best
+    assert chosen <= bound * best

@@ -593,6 +593,15 @@ def _weight_plan(x_shape, w_shape, groups, dtype, tiles, warps, chunk_pos, batch
                 n_pos=n_pos)
 
 
+def weight_layout(x_shape, w_shape, groups: int, dtype: str = "float32") -> dict:
+    """``weight_grad_partials``' launch on a GPU for x of ``x_shape`` and weights of
+    ``w_shape`` (``planner.predict_weight_grad``: on few positions or many taps its time is
+    a lane's walk through its chunk and the partials' sum, not its rate): the tiles, the
+    block's warps, positions a chunk, chunks, blocks (``_weight_plan``)."""
+    return _weight_plan(x_shape, w_shape, groups, dtype, None, WEIGHT_WARPS, None,
+                        WEIGHT_BATCH)
+
+
 def weight_grad_scratch(x, dy, dw, stride, padding, dilation, groups: int = 1) -> torch.Tensor:
     """A new float64 scratch for ``launch_weight_grad`` with the same arguments and the
     launcher's own choices: (chunks * dw.numel(),)."""
