@@ -240,7 +240,8 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
                          yc_spent: bool = False) -> dict:
     """Every tensor the backward's launches with batch statistics take, by name: the call's
     inputs, a new output for each gradient asked for (``dx``, ``dw``; ``dgamma`` whenever
-    there is a gamma) and ``dy`` unless ``yc_spent`` (then ``dy`` is written over ``yc``), and
+    there is a gamma) and ``dy`` unless ``yc_spent`` (then ``dy`` is written over ``yc``), the
+    input gradient's partial sums where its launch splits (``dx_part``), and
     new scratch, or ``kept`` for this kind of call (``_keep``: its float64 scratch, and the size
     of its weight-gradient partials). Every one is contiguous and none shares another's
     address, so a replay can put another call's tensors in their places (``_replayed``).
@@ -253,7 +254,7 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
     (the launches read tensors' memory, whatever their autograd state)."""
     channels = g.shape[1]
     f64 = dict(dtype=torch.float64, device=g.device)
-    scratch, part_size = kept if kept is not None else (None, None)
+    scratch, part_size, dx_part_size = kept if kept is not None else (None, None, None)
     if scratch is None:
         # dy = k1 (g - gm) - k2 (yc - centre + m - mu): a = k1, e = -k2 and the per-(n, c)
         # constants b, worked out in one launch; the per-(n, c) sums gsum and gy and the rows'
@@ -277,6 +278,16 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
     if need_x:
         t["weight"] = weight.contiguous()
         t["dx"] = x.new_empty(x.shape)  # (contiguous, whatever x's memory format)
+        # (the input gradient's partial sums, where its launch splits the output channels)
+        if dx_part_size is None:
+            stride, padding, dilation, _ = conv
+            part = conv_grads.input_grad_scratch(g, t["weight"], t["dx"], stride, padding,
+                                                 dilation)
+        else:
+            part = torch.empty(dx_part_size, dtype=x.dtype, device=x.device) \
+                if dx_part_size else None
+        if part is not None:
+            t["dx_part"] = part
     if need_w:
         t["x"] = x.contiguous()
         t["dw"] = torch.empty_like(weight, memory_format=torch.contiguous_format)
@@ -296,11 +307,13 @@ def _dy(t: dict) -> torch.Tensor:
 
 def _keep(key: tuple, t: dict) -> None:
     """Keep the float64 scratch of ``t`` (the per-channel constants and per-(n, c) sums, a
-    few kB) and the size of its weight-gradient partials for the later calls of its kind on
-    its stream (``key``: the kind and the stream). They share the scratch: on one stream each
-    call's launches end before the next call's begin. The newest ``REPLAYS`` are kept."""
+    few kB) and the sizes of its weight- and input-gradient partials for the later calls of
+    its kind on its stream (``key``: the kind and the stream). They share the scratch: on one
+    stream each call's launches end before the next call's begin. The newest ``REPLAYS`` are
+    kept."""
     _KEPT[key] = ({name: t[name] for name in ("a", "e", "b", "gsum", "gy", "centre")},
-                  t["part"].numel() if "part" in t else None)
+                  t["part"].numel() if "part" in t else None,
+                  (t["dx_part"].numel() if "dx_part" in t else 0) if "dx" in t else None)
     if len(_KEPT) > REPLAYS:
         _KEPT.popitem(last=False)
 
@@ -328,7 +341,8 @@ def _batch_stats_launches(conv, t: dict, affine: bool, group, half: str = "") ->
     grad_rows.launch_form_grad(g, t["a"], t["b"], dy.view(batch * channels, volume), yc,
                                t["e"], half=half)
     if "dx" in t:
-        conv_grads.launch_input_grad(dy, t["weight"], t["dx"], stride, padding, dilation)
+        conv_grads.launch_input_grad(dy, t["weight"], t["dx"], stride, padding, dilation,
+                                     scratch=t.get("dx_part"))
     if "dw" in t:
         conv_grads.launch_weight_grad(t["x"], dy, t["dw"], stride, padding, dilation, groups,
                                       scratch=t["part"])

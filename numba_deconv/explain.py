@@ -53,8 +53,8 @@ from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
 from .plan import GATHER_PATHS, STORED_PATHS, gather_launch, stages as path_stages
 from .planner import DEVICE_PEAKS, device_peaks  # (the peaks are the planner's too)
-from .kernels import (box_sums, epilogue, gather, gather_mma, gather_simple, gather_wide, gram,
-                      scatter, spatial_reduce)
+from .kernels import (box_sums, conv_grads, epilogue, gather, gather_mma, gather_simple,
+                      gather_wide, gram, scatter, spatial_reduce)
 from .backend import tensor_device
 from .kernels.launch import block_size, grid_for, loaded_attributes, row_layout
 from .simulator import is_simulator
@@ -661,6 +661,16 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             grad_why = decide(pipe.geometry, input_shape, dtype, tensor_device(),
                               pipe.precision)[1]
             report.notes.append(f"backward's {what} gradient (conv_impl='auto'): {grad_why}")
+    geom = pipe.geometry
+    split = conv_grads.input_layout(
+        input_shape, (geom.in_channels, geom.out_per_group, *geom.kernel_size), geom.groups,
+        block=conv_grads.INPUT_BLOCK)
+    if pipe.conv_impl != "torch" and split.splits > 1:
+        report.notes.append(
+            f"backward's input-gradient kernel (where it runs): its {geom.out_per_group} output "
+            f"channels a group split into {split.splits} parts of up to {split.ocs}, each its "
+            f"own blocks (few input positions for a long walk through the channels and taps), "
+            f"the parts' partial sums added in a second launch")
     if pipe.conv_impl == "torch":
         report.notes.append("convolution (conv_impl='torch'): PyTorch's, at PyTorch's own "
                             "precision (its TF32 flag), then this package's finish; the "

@@ -180,6 +180,9 @@ INPUT_GRAD_STAGE_US = 0.72
 INPUT_GRAD_CHUNK_US = 5.8
 INPUT_GRAD_TAP_US = 0.044
 INPUT_GRAD_BLOCKS_PER_SM = 8
+#: ... and where the launch splits its output channels (``conv_grads.input_layout``), the
+#: sum of the parts: this many µs and its reads at the bandwidth.
+INPUT_GRAD_SUM_US = 4.0
 #: cuDNN's input gradient where its own chains are long: its rate's time scaled, plus µs per
 #: element of the reduction a position takes (output channels of a group x taps) and once;
 #: for groups of fewer than ``CUDNN_GROUPED_CHANNELS`` input channels (which cuDNN runs on
@@ -574,15 +577,18 @@ def predict_input_grad(geom: ConvGeometry, batch: int, in_spatial,
     lay = conv_grads.input_layout((batch, cin, *in_spatial), (cin, opg, *geom.kernel_size),
                                   geom.groups, block=conv_grads.INPUT_BLOCK)
     waves = -(-lay.blocks // (INPUT_GRAD_BLOCKS_PER_SM * int(peaks["sms"])))
-    chunks, positions = lay.chunks(opg), batch * cin * math.prod(in_spatial)
+    chunks, positions = lay.chunks(), batch * cin * math.prod(in_spatial)
     chain = (INPUT_GRAD_STAGE_US * chunks * lay.staged_loads() + INPUT_GRAD_CHUNK_US * chunks
-             + INPUT_GRAD_TAP_US * macs / max(1, positions))
+             + INPUT_GRAD_TAP_US * macs / max(1, positions) * lay.ocs / opg)
+    parts = 0.0
+    if lay.splits > 1:  # the parts' sums: a second launch reading every part
+        parts = INPUT_GRAD_SUM_US + lay.splits * positions * 4 / peaks["bandwidth"] * 1e6
     reduction = opg * taps
     long = CUDNN_DX_SCALE * torch_us + CUDNN_DX_K_US * reduction + CUDNN_DX_FIXED_US
     if geom.groups > 1 and geom.in_per_group < CUDNN_GROUPED_CHANNELS:
         long += CUDNN_DX_GROUPED_FMA * flops / peaks["fp32"] * 1e6 \
             + CUDNN_DX_GROUPED_K_US * reduction
-    return {"kernels": max(kernels, waves * chain),
+    return {"kernels": max(kernels, waves * chain + parts),
             "torch": max(torch_us, long)}
 
 

@@ -176,3 +176,35 @@ def test_refuses_bad_arguments():
         launch_input_grad(dy, w, torch.zeros(1, 3, 2, 2, 2, device=DEVICE), 1, 1, 1)
     with pytest.raises(ValueError, match="batch"):
         launch_weight_grad(torch.zeros(2, 2, 2, 2, 2, device=DEVICE), dy, dw, 1, 1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_split_output_channels(dtype):
+    """The input gradient with its output channels split into parts (each its own blocks,
+    their partial sums added in split order by a second launch): every split count, parts of
+    uneven size, a scratch passed in, a wrong scratch refused; bitwise the same on every run.
+    The launcher splits by itself where the positions are few and a position's walk long."""
+    args = (1, 6, 14, (2, 3, 2), (3, 2, 3), (2, 1, 2), (1, 0, 1), 0, 1, 2)
+    batch, cin, cout, spatial, kernel, stride, padding, out_pad, dilation, groups = args
+    x, w, dy, dx_ref, _ = _problem(*args, seed=3)
+    if dtype == torch.float32:
+        _, _, _, dx_ref, _ = _rounded(x, w, dy, stride, padding, out_pad, dilation, groups)
+    for splits in (1, 2, 3, 7):
+        dx = _input_grad(w, dy, x.shape, stride, padding, dilation, dtype, splits=splits)
+        assert _rel(dx, dx_ref) < RTOL[dtype], splits
+    lay = conv_grads.input_layout(tuple(x.shape), tuple(w.shape), groups, splits=3)
+    assert (lay.splits, lay.ocs) == (3, 3)  # 7 output channels a group: 3 + 3 + 1
+    again = _input_grad(w, dy, x.shape, stride, padding, dilation, dtype, splits=3)
+    assert torch.equal(again, _input_grad(w, dy, x.shape, stride, padding, dilation, dtype,
+                                          splits=3))
+    scratch = torch.full((3 * x.numel(),), float("nan"), dtype=dtype, device=DEVICE)
+    dx = _input_grad(w, dy, x.shape, stride, padding, dilation, dtype, splits=3,
+                     scratch=scratch)
+    assert _rel(dx, dx_ref) < RTOL[dtype]
+    with pytest.raises(ValueError, match="scratch must be"):
+        _input_grad(w, dy, x.shape, stride, padding, dilation, dtype, splits=3,
+                    scratch=scratch[1:])
+    # on its own: one sample of few positions, 64 output channels of 27 taps
+    lay = conv_grads.input_layout((1, 8, 2, 2, 2), (8, 64, 3, 3, 3), 1, block=128)
+    assert lay.splits == 16 and lay.ocs == 4 and lay.blocks == 16
+    assert conv_grads.input_layout((1, 4, 4, 4, 4), (4, 4, 3, 3, 3), 1).splits == 1

@@ -43,6 +43,19 @@ def test_the_generic_tier_says_so(training):
     assert any(n.startswith("tier: specialised") for n in pipe.explain(SHAPE).notes)
 
 
+def test_the_backward_input_gradients_split_says_so():
+    """Where the backward's input-gradient kernel splits its output channels (few input
+    positions for a long walk through the channels and taps), a note says into how many parts;
+    where it does not (many positions, or few channels and taps), none does."""
+    conv = nn.ConvTranspose3d(8, 64, 3, 2, 1).to(device=tensor_device())
+    bn = nn.BatchNorm3d(64).to(device=tensor_device())
+    pipe = nd.Pipeline.from_modules(conv, bn)
+    notes = pipe.explain((1, 8, 2, 2, 2)).notes
+    assert any("split into 16 parts of up to 4" in n for n in notes), notes
+    assert not any("parts of up to" in n for n in pipe.explain((16, 8, 16, 32, 32)).notes)
+    assert not any("parts of up to" in n for n in make_pipe("gather", True).explain(SHAPE).notes)
+
+
 @pytest.mark.parametrize("conv_impl", ["gather", "torch", "scatter", "gram"])
 @pytest.mark.parametrize("training", [True, False])
 def test_rows_follow_stages_and_flops(conv_impl, training):

@@ -18,7 +18,11 @@ address (vector broadcasts) for TC FMAs. Per thread the taps are the outer loops
 tested once, the output channels the inner one. Where one channel's weights would not fit the
 shared budget the weights are read from global memory instead (``staged=False``, same addresses).
 Cost: one FMA per valid (i, k, oc, ci); dy read once per channel tile (ceil(IPG/TC) times, from
-L2 for the taps' overlap), x's size written once.
+L2 for the taps' overlap), x's size written once. A thread's walk through every output
+channel and tap is one chain, so where the positions give few blocks and that walk is long
+(few input positions, many channels and taps: ``input_layout``) the output channels are split
+into parts, each its own blocks writing its partial sums to a scratch, and ``input_grad_sum``
+adds the parts in split order into dx (deterministic, no atomics).
 
 ``weight_grad`` (two kernels, deterministic: no float atomics, fixed summation order):
 dw[ci, oc, k] = sum_n sum_i x[n, ci, i] * dy[n, g*OPG + oc, s*i - p + d*k].
@@ -64,7 +68,7 @@ from ..simulator import is_simulator
 from . import fastdiv
 from .disk_cache import kernel_factory
 from .fastdiv import fast_divmod_device as fast_divmod
-from .launch import block_size, launch
+from .launch import block_size, grid_for, launch
 from .warp import FULL_MASK, WARP_SIZE
 
 INPUT_BLOCK = 128          # input_grad: threads (input positions) per block
@@ -79,6 +83,11 @@ MIN_POSITIONS = 64         # ... and at least, where there are as many (a block'
 WEIGHT_BATCH = 256         # weight_grad_partials: input positions staged at a time
 TARGET_BLOCKS = 1024       # weight_grad_partials: blocks per launch to aim at (chunks fill it)
 _OFFSET_LIMIT = 2**31      # offsets below this are signed 32-bit
+SPLIT_BELOW = 512          # input_grad: fewer blocks than this split the output channels ...
+SPLIT_WORK = 256           # ... where a position's (output channel, tap) pairs are this many ...
+SPLIT_BLOCKS = 1024        # ... into as many parts as give this many blocks ...
+SPLIT_CHANNELS = 4         # ... of at least this many output channels ...
+SPLIT_SCRATCH_BYTES = 16 << 20  # ... whose partial sums fit this
 
 
 # ---- kernels -----------------------------------------------------------------------------------
@@ -177,6 +186,128 @@ def make_input_grad(dtype: str, tc: int, staged: bool, wide: bool):
                         dx[uint64(idx(dst + c * in_sp))] = acc[c]
 
     return input_grad
+
+
+@kernel_factory
+def make_input_grad_split(dtype: str, tc: int, staged: bool, wide: bool):
+    """``make_input_grad``'s kernel with its output channels split into parts (``sizes`` ends
+    with the parts and their channels), each part's blocks writing its partial sums to one
+    dx-sized slice of the scratch in place of dx. A kernel of its own: this form, launched
+    unsplit, ran one unsplit call 1.7x slower than ``make_input_grad`` (96 -> 48 channels,
+    kernel 3x4x1, batch 16 on 7x11x12: 301 against 177 µs, H200; others unchanged; the cause
+    not found), so unsplit calls keep that kernel's code."""
+    acc_t = NUMBA[dtype]
+    idx = int64 if wide else int32
+
+    @cuda.jit
+    def input_grad_split(dy, w, dx, sizes):
+        # dy, w, dx: flattened (dx: the splits' partial sums, one dx after another); sizes:
+        # see ``launch_input_grad``
+        wsm = cuda.shared.array(0, acc_t, alignment=16)  # [oc][tap][TC] of one chunk
+        (batch, in_ch, in_d, in_h, in_w, out_ch, out_d, out_h, out_w, kd_n, kh_n, kw_n,
+         sd, sh, sw, pd, ph, pw, dd, dh, dw, ipg, opg, ctiles, sblocks, occ, splits,
+         ocs) = sizes
+        taps = idx(kd_n * kh_n * kw_n)
+        in_sp = idx(in_d * in_h * in_w)
+        out_sp = idx(out_d * out_h * out_w)
+        groups = in_ch // ipg
+        t = cuda.threadIdx.x
+        bs = cuda.blockDim.x
+        acc = cuda.local.array(tc, acc_t)
+        zero = acc_t(0)
+        per_split = batch * groups * ctiles * sblocks
+        for sbid in range(cuda.blockIdx.x, per_split * splits, cuda.gridDim.x):
+            sp = sbid // per_split                      # the split: output channels sp * ocs..
+            bid = sbid - sp * per_split
+            row = bid // sblocks
+            ng = row // ctiles
+            n = ng // groups
+            g = ng - n * groups
+            cfirst = (row - ng * ctiles) * tc            # the tile's first channel in the group
+            ci0 = g * ipg + cfirst
+            nci = idx(min(tc, ipg - cfirst))
+            pos = idx((bid - row * sblocks) * bs + t)
+            active = pos < in_sp
+            iw = idx(pos % in_w)
+            ih = idx(pos // in_w % in_h)
+            i_d = idx(pos // (in_w * in_h))
+            od0 = idx(sd * i_d - pd)                       # tap 0's output, per axis
+            oh0 = idx(sh * ih - ph)
+            ow0 = idx(sw * iw - pw)
+            for c in range(tc):
+                acc[c] = zero
+            dyn = idx((n * out_ch + g * opg) * out_sp)   # dy[n, g*OPG]
+            wci = idx(ci0 * opg * taps)                    # w[ci0]
+            oc_end = min(opg, (sp + 1) * ocs)
+            for oc0 in range(sp * ocs, oc_end, occ):
+                noc = min(occ, oc_end - oc0)
+                if staged:
+                    cuda.syncthreads()  # the previous chunk's weights are read
+                    per_ci = idx(noc * taps)
+                    src = idx(wci + oc0 * taps)
+                    for q in range(t, per_ci * tc, bs):
+                        e = idx(q // tc)
+                        c = idx(q - e * tc)
+                        wsm[uint64(q)] = w[uint64(src + c * opg * taps + e)] if c < nci else zero
+                    cuda.syncthreads()  # the chunk's weights are staged
+                if active:
+                    dyc = idx(dyn + oc0 * out_sp)
+                    for kd in range(kd_n):
+                        od = idx(od0 + dd * kd)
+                        if od < 0 or od >= out_d:
+                            continue
+                        for kh in range(kh_n):
+                            oh = idx(oh0 + dh * kh)
+                            if oh < 0 or oh >= out_h:
+                                continue
+                            rowoff = idx(dyc + (od * out_h + oh) * out_w)
+                            for kw in range(kw_n):
+                                ow = idx(ow0 + dw * kw)
+                                if ow < 0 or ow >= out_w:
+                                    continue
+                                src = idx(rowoff + ow)
+                                k = idx((kd * kh_n + kh) * kw_n + kw)
+                                if staged:
+                                    wv = k  # counted in TC-vectors: aligned vector reads
+                                    for _ in range(noc):
+                                        v = dy[uint64(src)]
+                                        for c in range(tc):
+                                            acc[c] += v * wsm[uint64(wv) * uint64(tc) + uint64(c)]
+                                        src = idx(src + out_sp)
+                                        wv = idx(wv + taps)
+                                else:
+                                    wo = idx(wci + oc0 * taps + k)
+                                    for _ in range(noc):
+                                        v = dy[uint64(src)]
+                                        for c in range(tc):
+                                            if c < nci:
+                                                acc[c] += v * w[uint64(idx(wo + c * opg * taps))]
+                                        src = idx(src + out_sp)
+                                        wo = idx(wo + taps)
+            if active:
+                dst = idx(((sp * batch + n) * in_ch + ci0) * in_sp + pos)
+                for c in range(tc):
+                    if c < nci:
+                        dx[uint64(idx(dst + c * in_sp))] = acc[c]
+
+    return input_grad_split
+
+
+@kernel_factory
+def make_input_grad_sum(dtype: str):
+    """The ``input_grad_sum`` kernel: dx from the splits' partial sums, in split order."""
+
+    @cuda.jit
+    def input_grad_sum(part, dx, splits):
+        # part: (splits * E,) in dx's dtype; dx: (E,) flattened
+        size = dx.shape[0]
+        for e in range(cuda.grid(1), size, cuda.gridsize(1)):
+            total = part[e]
+            for s in range(1, splits):  # split order: the same sum on every run
+                total += part[s * size + e]
+            dx[e] = total
+
+    return input_grad_sum
 
 
 @cuda.jit(device=True, inline="always")
@@ -459,30 +590,62 @@ def input_tile(ipg: int) -> int:
 
 
 def launch_input_grad(dy, w, dx, stride, padding, dilation, *, tile: int | None = None,
-                      staged: bool | None = None, block: int | None = None) -> None:
+                      staged: bool | None = None, block: int | None = None,
+                      splits: int | None = None, scratch: torch.Tensor | None = None) -> None:
     """Write the input gradient of ``y = conv_transpose3d(x, w, stride=stride,
-    padding=padding, dilation=dilation, groups=dy.shape[1] // w.shape[1])`` into ``dx``.
+    padding=padding, dilation=dilation, groups=dy.shape[1] // w.shape[1])`` into ``dx``,
+    bitwise the same on every run.
 
     ``dy`` (N, CO, OD, OH, OW), ``w`` (CI, OPG, KD, KH, KW), ``dx`` (N, CI, ID, IH, IW):
     contiguous torch tensors of one dtype (float32 or float64) where the kernels run; output
     padding is read off dy's shape. ``stride``, ``padding``, ``dilation``: ints or triples.
-    ``tile`` (input channels per thread), ``staged`` (weights in shared memory) and ``block``
-    override the launcher's choices (tests).
+    Where the launch splits its output channels (``input_layout``) the parts' partial sums go
+    to a scratch of (splits * dx.numel(),) in dx's dtype, added up in split order by a second
+    launch: ``scratch`` is that scratch, made by ``input_grad_scratch`` (a recorded call's
+    caller names it, ``backward``), instead of a new one. ``tile`` (input channels per thread),
+    ``staged`` (weights in shared memory), ``block`` and ``splits`` override the launcher's
+    choices (tests).
     """
     dtype = _check_tensors(("dy", "w", "dx"), (dy, w, dx))
     how = _input_launch(tuple(dy.shape), tuple(w.shape), tuple(dx.shape), _hashable(stride),
-                        _hashable(padding), _hashable(dilation), dtype, tile, staged, block)
-    if how is not None:
-        kernel, grid, block, sizes, smem = how
+                        _hashable(padding), _hashable(dilation), dtype, tile, staged, block,
+                        splits)
+    if how is None:
+        return
+    kernel, grid, block, sizes, smem, parts = how
+    if parts == 1:
         launch(kernel, grid, block, (dy.view(-1), w.view(-1), dx.view(-1), sizes), smem=smem)
+        return
+    size = parts * dx.numel()
+    part = scratch
+    if part is None:
+        part = torch.empty(size, dtype=dx.dtype, device=dx.device)
+    elif part.shape != (size,) or part.dtype != dx.dtype:
+        raise ValueError(f"scratch must be ({size},) {dx.dtype}, got {tuple(part.shape)} "
+                         f"{part.dtype}")
+    launch(kernel, grid, block, (dy.view(-1), w.view(-1), part, sizes), smem=smem)
+    sum_block = block_size(SUM_BLOCK)
+    launch(make_input_grad_sum(dtype), grid_for(dx.numel(), sum_block), sum_block,
+           (part, dx.view(-1), parts))
+
+
+def input_grad_scratch(dy, w, dx, stride, padding, dilation) -> torch.Tensor | None:
+    """A new scratch for ``launch_input_grad`` with the same arguments and the launcher's own
+    choices, or None where it does not split."""
+    how = _input_launch(tuple(dy.shape), tuple(w.shape), tuple(dx.shape), _hashable(stride),
+                        _hashable(padding), _hashable(dilation), name_of(dx.dtype), None, None,
+                        None, None)
+    if how is None or how[5] == 1:
+        return None
+    return torch.empty(how[5] * dx.numel(), dtype=dx.dtype, device=dx.device)
 
 
 @functools.lru_cache(maxsize=256)
 def _input_launch(dy_shape, w_shape, dx_shape, stride, padding, dilation, dtype, tile, staged,
-                  block):
-    """(kernel, grid, block, sizes, smem) of an ``input_grad`` launch, None when dx is empty:
-    validated and worked out once per shape and setting (a backward's host time), and the
-    same ``sizes`` object each time (the launcher keeps its parameter slots)."""
+                  block, splits):
+    """(kernel, grid, block, sizes, smem, splits) of an ``input_grad`` launch, None when dx is
+    empty: validated and worked out once per shape and setting (a backward's host time), and
+    the same ``sizes`` object each time (the launcher keeps its parameter slots)."""
     opg = w_shape[1]
     if opg < 1 or dy_shape[1] % opg:
         raise ValueError(f"dy's {dy_shape[1]} channels are not a multiple of weight.shape[1] "
@@ -492,30 +655,35 @@ def _input_launch(dy_shape, w_shape, dx_shape, stride, padding, dilation, dtype,
                                                 dilation, groups)
     if math.prod(dx_shape) == 0:
         return None
-    lay = input_layout(dx_shape, w_shape, groups, dtype, tile, staged, block)
+    lay = input_layout(dx_shape, w_shape, groups, dtype, tile, staged, block, splits)
     sizes = (*_sizes(dx_shape, w_shape, dy_shape, stride, padding, dilation), lay.ipg, opg,
              lay.ctiles, lay.sblocks, lay.occ)
-    kernel = make_input_grad(dtype, lay.tc, lay.staged,
-                             _wide(dx_shape, dy_shape, math.prod(w_shape)))
+    make = make_input_grad
+    if lay.splits > 1:
+        sizes, make = (*sizes, lay.splits, lay.ocs), make_input_grad_split
+    kernel = make(dtype, lay.tc, lay.staged,
+                  _wide(dx_shape, dy_shape, math.prod(w_shape), lay.splits * math.prod(dx_shape)))
     return (kernel, min(lay.blocks, 2**31 - 1), lay.block, sizes,
-            lay.occ * lay.taps * lay.tc * ITEMSIZE[dtype] if lay.staged else 0)
+            lay.occ * lay.taps * lay.tc * ITEMSIZE[dtype] if lay.staged else 0, lay.splits)
 
 
 class InputLayout(NamedTuple):
     """How ``input_grad`` splits its work (``input_layout``)."""
     ipg: int      # input channels per group
     tc: int       # input channels per thread (a channel tile)
-    staged: bool  # weights staged in shared memory
-    occ: int      # output channels per staged chunk (all of them when not staged)
+    staged: bool  # weights in shared memory
+    occ: int      # output channels per staged chunk (all of a split's when not staged)
     taps: int     # taps of the kernel
     ctiles: int   # channel tiles per group
     sblocks: int  # blocks along the input positions, per (sample, group, channel tile)
     block: int    # threads per block, one input position each
+    splits: int   # parts the output channels are split into, each its own blocks
+    ocs: int      # output channels per split
     blocks: int   # blocks in all
 
-    def chunks(self, opg: int) -> int:
+    def chunks(self) -> int:
         """Staged chunks a block walks (one round of staging and two barriers each)."""
-        return -(-opg // self.occ)
+        return -(-self.ocs // self.occ)
 
     def staged_loads(self) -> int:
         """Weights a thread loads into shared memory per chunk (0 when not staged)."""
@@ -524,29 +692,45 @@ class InputLayout(NamedTuple):
 
 def input_layout(dx_shape, w_shape, groups: int, dtype: str = "float32",
                  tile: int | None = None, staged: bool | None = None,
-                 block: int | None = None) -> InputLayout:
+                 block: int | None = None, splits: int | None = None) -> InputLayout:
     """``input_grad``'s work split for dx of ``dx_shape`` and weights of ``w_shape`` (the
     launcher's, and ``planner.predict_input_grad``'s: its time on few positions is a thread's
-    chain through its chunks, not its multiply-adds). ``tile``, ``staged``, ``block``: as
-    ``launch_input_grad``'s overrides."""
+    chain through its chunks, not its multiply-adds).
+
+    A thread walks every output channel and tap of its position, so where the positions give
+    fewer than ``SPLIT_BELOW`` blocks and that walk is long (``SPLIT_WORK`` output channel x
+    tap pairs or more), the output channels are split into parts of at least
+    ``SPLIT_CHANNELS``, each part its own blocks, as many parts as give ``SPLIT_BLOCKS``
+    blocks while their partial sums fit ``SPLIT_SCRATCH_BYTES``. ``tile``, ``staged``, ``block``,
+    ``splits``: as ``launch_input_grad``'s overrides."""
     opg = w_shape[1]
     ipg = dx_shape[1] // groups
     tc = input_tile(ipg) if tile is None else tile
     if tc not in (1, 2, 4, 8, 16):
         raise ValueError(f"tile must be 1, 2, 4, 8 or 16, got {tc}")
     taps = math.prod(w_shape[2:])
-    per_oc = taps * tc * ITEMSIZE[dtype]  # one output channel's staged weights, bytes
-    staged = per_oc <= SMEM_WEIGHT_BYTES if staged is None else staged
-    occ = opg
-    if staged:  # output channels per staged chunk, evened out over the chunks
-        fit = max(1, SMEM_WEIGHT_BYTES // per_oc)
-        occ = -(-opg // -(-opg // fit))
     block = block_size(INPUT_BLOCK) if block is None else block
     in_sp = math.prod(dx_shape[2:])
     ctiles = -(-ipg // tc)
     sblocks = -(-in_sp // block)
-    return InputLayout(ipg, tc, bool(staged), occ, taps, ctiles, sblocks, block,
-                       dx_shape[0] * groups * ctiles * sblocks)
+    base = dx_shape[0] * groups * ctiles * sblocks
+    if splits is None:
+        splits = 1
+        if base < SPLIT_BELOW and opg * taps >= SPLIT_WORK:
+            fit = SPLIT_SCRATCH_BYTES // (math.prod(dx_shape) * ITEMSIZE[dtype])
+            splits = max(1, min(-(-SPLIT_BLOCKS // base), opg // SPLIT_CHANNELS, fit))
+    if splits < 1:
+        raise ValueError(f"splits must be positive, got {splits}")
+    ocs = -(-opg // min(splits, opg))
+    splits = -(-opg // ocs)                               # (no part without channels)
+    per_oc = taps * tc * ITEMSIZE[dtype]  # one output channel's staged weights, bytes
+    staged = per_oc <= SMEM_WEIGHT_BYTES if staged is None else staged
+    occ = ocs
+    if staged:  # output channels per staged chunk, evened out over a part's chunks
+        fit = max(1, SMEM_WEIGHT_BYTES // per_oc)
+        occ = -(-ocs // -(-ocs // fit))
+    return InputLayout(ipg, tc, bool(staged), occ, taps, ctiles, sblocks, block, splits, ocs,
+                       base * splits)
 
 
 def weight_tiles(dtype: str, ipg: int, opg: int, kw: int) -> tuple[int, int, int]:
