@@ -565,8 +565,9 @@ def predict_input_grad(geom: ConvGeometry, batch: int, in_spatial,
                        peaks: dict[str, float]) -> dict[str, float]:
     """Predicted GPU microseconds of the backward's input gradient, per candidate:
     ``{"kernels": ..., "torch": ...}`` (``conv_grads.input_grad`` on CUDA cores; cuDNN's TF32
-    convolution of ``dy`` with the weights). Both read ``dy`` and write ``dL/dx`` once: the
-    multiply-adds decide."""
+    convolution of ``dy`` with the weights). Both read ``dy`` and write ``dL/dx`` once; each
+    takes the longer of its multiply-adds at its rate and its chain (a thread's walk through
+    its output channels and taps on few blocks, cuDNN's reduction per position)."""
     macs = geom.macs(batch, in_spatial)
     flops = 2.0 * macs
     rate = min(CUDNN_PER_CHANNEL * geom.in_per_group, CUDNN_CAP) * peaks["tf32"]

@@ -16,6 +16,7 @@ from torch import nn
 from numba_deconv import Pipeline, bench, planner, precision, testing
 from numba_deconv.backend import tensor_device
 from numba_deconv.geometry import ConvGeometry
+from numba_deconv.kernels import conv_grads
 from numba_deconv.kernels import launch
 
 H100 = planner.DEVICE_PEAKS["H100"]
@@ -647,3 +648,15 @@ def test_the_gradient_choices_on_random_geometries(name, which, bound):
         best += min(ours, cudnn)
         assert not takes or cudnn - ours < 200, r["name"]
     assert chosen <= bound * best
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_gradient_predictions_take_every_batch(batch):
+    """The gradients' predictions on an empty batch (whose backward still asks the planner)
+    and on one sample of few positions: finite, and no split without a launch."""
+    geom = ConvGeometry.create(48, 128, 5, 3, 4)
+    for predict in (planner.predict_input_grad, planner.predict_weight_grad):
+        t = predict(geom, batch, (5, 3, 11), planner.DEVICE_PEAKS["H200"])
+        assert all(math.isfinite(v) and v >= 0 for v in t.values())
+    lay = conv_grads.input_layout((batch, 48, 5, 3, 11), (48, 128, 5, 5, 5), 1, block=128)
+    assert lay.splits == (32 if batch else 1)

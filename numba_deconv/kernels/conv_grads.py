@@ -716,7 +716,7 @@ def input_layout(dx_shape, w_shape, groups: int, dtype: str = "float32",
     base = dx_shape[0] * groups * ctiles * sblocks
     if splits is None:
         splits = 1
-        if base < SPLIT_BELOW and opg * taps >= SPLIT_WORK:
+        if 0 < base < SPLIT_BELOW and opg * taps >= SPLIT_WORK:  # (an empty dx: no launch)
             fit = SPLIT_SCRATCH_BYTES // (math.prod(dx_shape) * ITEMSIZE[dtype])
             splits = max(1, min(-(-SPLIT_BLOCKS // base), opg // SPLIT_CHANNELS, fit))
     if splits < 1:
