@@ -664,7 +664,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     geom = pipe.geometry
     split = conv_grads.input_layout(
         input_shape, (geom.in_channels, geom.out_per_group, *geom.kernel_size), geom.groups,
-        name_of(dtype), block=conv_grads.INPUT_BLOCK)
+        name_of(dtype), block=conv_grads.INPUT_BLOCK, target=conv_grads.SPLIT_BLOCKS)
     if pipe.conv_impl != "torch" and split.splits > 1:
         report.notes.append(
             f"backward's input-gradient kernel (where it runs): its {geom.out_per_group} output "

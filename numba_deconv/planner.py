@@ -576,7 +576,8 @@ def predict_input_grad(geom: ConvGeometry, batch: int, in_spatial,
     # the chains: the kernel's per thread, cuDNN's per output position
     cin, opg, taps = geom.in_channels, geom.out_per_group, math.prod(geom.kernel_size)
     lay = conv_grads.input_layout((batch, cin, *in_spatial), (cin, opg, *geom.kernel_size),
-                                  geom.groups, block=conv_grads.INPUT_BLOCK)
+                                  geom.groups, block=conv_grads.INPUT_BLOCK,
+                                  target=conv_grads.SPLIT_BLOCKS)
     waves = -(-lay.blocks // (INPUT_GRAD_BLOCKS_PER_SM * int(peaks["sms"])))
     chunks, positions = lay.chunks(), batch * cin * math.prod(in_spatial)
     chain = (INPUT_GRAD_STAGE_US * chunks * lay.staged_loads() + INPUT_GRAD_CHUNK_US * chunks

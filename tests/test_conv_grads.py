@@ -204,7 +204,16 @@ def test_split_output_channels(dtype):
     with pytest.raises(ValueError, match="scratch must be"):
         _input_grad(w, dy, x.shape, stride, padding, dilation, dtype, splits=3,
                     scratch=scratch[1:])
-    # on its own: one sample of few positions, 64 output channels of 27 taps
-    lay = conv_grads.input_layout((1, 8, 2, 2, 2), (8, 64, 3, 3, 3), 1, block=128)
+    # on its own, as on a GPU: one sample of few positions, 64 output channels of 27 taps
+    gpu = dict(block=conv_grads.INPUT_BLOCK, target=conv_grads.SPLIT_BLOCKS)
+    lay = conv_grads.input_layout((1, 8, 2, 2, 2), (8, 64, 3, 3, 3), 1, **gpu)
     assert lay.splits == 16 and lay.ocs == 4 and lay.blocks == 16
-    assert conv_grads.input_layout((1, 4, 4, 4, 4), (4, 4, 3, 3, 3), 1).splits == 1
+    assert conv_grads.input_layout((1, 4, 4, 4, 4), (4, 4, 3, 3, 3), 1, **gpu).splits == 1
+    # and where it runs now (two parts at most under the simulator)
+    lay = conv_grads.input_layout((1, 8, 2, 2, 2), (8, 64, 3, 3, 3), 1)
+    assert lay.splits == (2 if conv_grads.is_simulator() else 16)
+    dy1 = torch.randn(1, 64, 3, 3, 3, dtype=torch.float64, device=DEVICE)
+    w1 = torch.randn(8, 64, 3, 3, 3, dtype=torch.float64, device=DEVICE)
+    dx1 = _input_grad(w1, dy1, (1, 8, 2, 2, 2), 2, 1, 1, torch.float64)
+    ref = F.conv3d(dy1.cpu(), w1.cpu(), None, 2, 1, 1)[..., :2, :2, :2]
+    assert _rel(dx1, ref.to(DEVICE)) < RTOL[torch.float64]

@@ -658,5 +658,6 @@ def test_gradient_predictions_take_every_batch(batch):
     for predict in (planner.predict_input_grad, planner.predict_weight_grad):
         t = predict(geom, batch, (5, 3, 11), planner.DEVICE_PEAKS["H200"])
         assert all(math.isfinite(v) and v >= 0 for v in t.values())
-    lay = conv_grads.input_layout((batch, 48, 5, 3, 11), (48, 128, 5, 5, 5), 1, block=128)
+    lay = conv_grads.input_layout((batch, 48, 5, 3, 11), (48, 128, 5, 5, 5), 1,
+                                  block=conv_grads.INPUT_BLOCK, target=conv_grads.SPLIT_BLOCKS)
     assert lay.splits == (32 if batch else 1)

@@ -85,7 +85,8 @@ TARGET_BLOCKS = 1024       # weight_grad_partials: blocks per launch to aim at (
 _OFFSET_LIMIT = 2**31      # offsets below this are signed 32-bit
 SPLIT_BELOW = 512          # input_grad: fewer blocks than this split the output channels ...
 SPLIT_WORK = 256           # ... where a position's (output channel, tap) pairs are this many ...
-SPLIT_BLOCKS = 1024        # ... into as many parts as give this many blocks ...
+SPLIT_BLOCKS = 1024        # ... into as many parts as give this many blocks (on a GPU) ...
+SIM_SPLIT_BLOCKS = 2       # ... (under the simulator, which runs every block's threads) ...
 SPLIT_CHANNELS = 4         # ... of at least this many output channels ...
 SPLIT_SCRATCH_BYTES = 16 << 20  # ... whose partial sums fit this
 
@@ -692,7 +693,8 @@ class InputLayout(NamedTuple):
 
 def input_layout(dx_shape, w_shape, groups: int, dtype: str = "float32",
                  tile: int | None = None, staged: bool | None = None,
-                 block: int | None = None, splits: int | None = None) -> InputLayout:
+                 block: int | None = None, splits: int | None = None,
+                 target: int | None = None) -> InputLayout:
     """``input_grad``'s work split for dx of ``dx_shape`` and weights of ``w_shape`` (the
     launcher's, and ``planner.predict_input_grad``'s: its time on few positions is a thread's
     chain through its chunks, not its multiply-adds).
@@ -700,9 +702,12 @@ def input_layout(dx_shape, w_shape, groups: int, dtype: str = "float32",
     A thread walks every output channel and tap of its position, so where the positions give
     fewer than ``SPLIT_BELOW`` blocks and that walk is long (``SPLIT_WORK`` output channel x
     tap pairs or more), the output channels are split into parts of at least
-    ``SPLIT_CHANNELS``, each part its own blocks, as many parts as give ``SPLIT_BLOCKS``
-    blocks while their partial sums fit ``SPLIT_SCRATCH_BYTES``. ``tile``, ``staged``, ``block``,
-    ``splits``: as ``launch_input_grad``'s overrides."""
+    ``SPLIT_CHANNELS``, each part its own blocks, as many parts as give ``target`` blocks
+    (``SPLIT_BLOCKS``; ``SIM_SPLIT_BLOCKS`` under the simulator, whose time is its blocks'
+    threads: small calls split there too, into fewer parts) while their partial sums fit
+    ``SPLIT_SCRATCH_BYTES``. ``tile``, ``staged``, ``block``, ``splits``: as
+    ``launch_input_grad``'s overrides; a GPU's layout anywhere is ``block=INPUT_BLOCK,
+    target=SPLIT_BLOCKS``."""
     opg = w_shape[1]
     ipg = dx_shape[1] // groups
     tc = input_tile(ipg) if tile is None else tile
@@ -714,11 +719,13 @@ def input_layout(dx_shape, w_shape, groups: int, dtype: str = "float32",
     ctiles = -(-ipg // tc)
     sblocks = -(-in_sp // block)
     base = dx_shape[0] * groups * ctiles * sblocks
+    if target is None:
+        target = SIM_SPLIT_BLOCKS if is_simulator() else SPLIT_BLOCKS
     if splits is None:
         splits = 1
         if 0 < base < SPLIT_BELOW and opg * taps >= SPLIT_WORK:  # (an empty dx: no launch)
             fit = SPLIT_SCRATCH_BYTES // (math.prod(dx_shape) * ITEMSIZE[dtype])
-            splits = max(1, min(-(-SPLIT_BLOCKS // base), opg // SPLIT_CHANNELS, fit))
+            splits = max(1, min(-(-target // base), opg // SPLIT_CHANNELS, fit))
     if splits < 1:
         raise ValueError(f"splits must be positive, got {splits}")
     ocs = -(-opg // min(splits, opg))
