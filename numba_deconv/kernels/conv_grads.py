@@ -608,9 +608,8 @@ def launch_input_grad(dy, w, dx, stride, padding, dilation, *, tile: int | None 
     choices (tests).
     """
     dtype = _check_tensors(("dy", "w", "dx"), (dy, w, dx))
-    how = _input_launch(tuple(dy.shape), tuple(w.shape), tuple(dx.shape), _hashable(stride),
-                        _hashable(padding), _hashable(dilation), dtype, tile, staged, block,
-                        splits)
+    how = _input_launch_of(dy, w, dx, stride, padding, dilation, dtype, tile, staged, block,
+                           splits)
     if how is None:
         return
     kernel, grid, block, sizes, smem, parts = how
@@ -633,12 +632,18 @@ def launch_input_grad(dy, w, dx, stride, padding, dilation, *, tile: int | None 
 def input_grad_scratch(dy, w, dx, stride, padding, dilation) -> torch.Tensor | None:
     """A new scratch for ``launch_input_grad`` with the same arguments and the launcher's own
     choices, or None where it does not split."""
-    how = _input_launch(tuple(dy.shape), tuple(w.shape), tuple(dx.shape), _hashable(stride),
-                        _hashable(padding), _hashable(dilation), name_of(dx.dtype), None, None,
-                        None, None)
+    how = _input_launch_of(dy, w, dx, stride, padding, dilation, name_of(dx.dtype))
     if how is None or how[5] == 1:
         return None
     return torch.empty(how[5] * dx.numel(), dtype=dx.dtype, device=dx.device)
+
+
+def _input_launch_of(dy, w, dx, stride, padding, dilation, dtype, tile=None, staged=None,
+                     block=None, splits=None) -> tuple | None:
+    """``_input_launch`` for these tensors and settings (``_weight_launch_of``'s twin)."""
+    return _input_launch(tuple(dy.shape), tuple(w.shape), tuple(dx.shape), _hashable(stride),
+                         _hashable(padding), _hashable(dilation), dtype, tile, staged, block,
+                         splits)
 
 
 @functools.lru_cache(maxsize=256)
