@@ -47,7 +47,14 @@ errors ignored; other kernels keep numpy's settings.
 
 Cost: every simulated thread is a Python thread, so a shuffle round or a barrier costs
 milliseconds per block; the package's launchers give the simulator small blocks for that reason
-(``kernels.launch.block_size``).
+(``kernels.launch.block_size``). A device function's call: numba-cuda's simulator puts the
+launch's fake ``cuda`` into the function's module around every call, under a lock, and where no
+other thread is inside that module it scans the module's globals to swap them and restores
+them after; with a block's threads calling device functions of another module in turn (the
+tensor-core stand-ins of ``kernels.mma``) that swapping took half of a test's time. Here a
+launch swaps each module once, at its first device call, and restores it when the launch ends
+(:func:`_launch_keeping_modules`): the same fake module in the same globals, without the
+per-call work (the simulator runs one launch at a time).
 
 Nothing here touches a device; on a real GPU :func:`install` does nothing.
 """
@@ -553,6 +560,41 @@ _METHODS = {
 }
 
 
+def _launch_keeping_modules(call):
+    """``FakeCUDAKernel.__call__`` with a launch's module swaps kept for the launch: a device
+    function called during a launch runs in its module with the launch's fake ``cuda`` put in
+    at its module's first call and taken out when the launch ends (numba-cuda does both around
+    every call). Outside a launch, and for the launch itself, ``call`` as it was."""
+    from numba.cuda.simulator import kernel as sim_kernel
+
+    lock = threading.Lock()
+    launch = {"swaps": None, "kept": set()}
+
+    def __call__(self, *args):
+        swaps = launch["swaps"]
+        if swaps is not None and (self._device or sim_kernel._kernel_context is not None):
+            module = id(self.fn.__globals__)
+            if module not in launch["kept"]:
+                with lock:
+                    if module not in launch["kept"]:
+                        swaps.enter_context(sim_kernel.swapped_cuda_module(
+                            self.fn, sim_kernel._get_kernel_context()))
+                        launch["kept"].add(module)
+            return self.fn(*args)
+        if self._device or sim_kernel._kernel_context is not None or swaps is not None:
+            return call(self, *args)  # (a device function called outside a launch)
+        with contextlib.ExitStack() as swaps:
+            launch["swaps"] = swaps
+            try:
+                return call(self, *args)
+            finally:
+                with lock:
+                    launch["swaps"] = None
+                    launch["kept"] = set()
+
+    return __call__
+
+
 def install() -> None:
     """Add the warp intrinsics to the simulator's fake ``cuda`` module. Idempotent.
 
@@ -596,6 +638,8 @@ def install() -> None:
                 _on_thread_exit(self)
 
         sim_kernel.BlockThread.run = run
+        sim_kernel.FakeCUDAKernel.__call__ = _launch_keeping_modules(
+            sim_kernel.FakeCUDAKernel.__call__)
 
         # cuda.shared.array(..., alignment=16) lets NVVM vectorise shared loads on a GPU; the
         # simulator rejects any alignment. numpy buffers are aligned for their dtype already and

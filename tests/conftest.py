@@ -40,7 +40,7 @@ def _per_shard(examples: int) -> int:
 # finds a CI variable such as CI=true): derandomized, every shard of a property draws the same.
 _SHARD_DRAWS = {"derandomize": False} if SHARDS > 1 else {}
 # ci: 6 examples a property, the same ones every run (hypothesis derandomizes under CI=true;
-# the whole CI run stays within its 20 minutes on 2 cores); the gpu profile draws
+# every example runs its kernels under the simulator, seconds each); the gpu profile draws
 # NUMBA_DECONV_EXAMPLES at random, 300 by default
 settings.register_profile(
     "ci", max_examples=_per_shard(6), deadline=None, print_blob=True,

@@ -578,3 +578,38 @@ def test_static_shared_array_is_one_array_per_block(monkeypatch):
     out = np.zeros(8, np.int64)
     kernel[8, 128](out)
     assert (out == 128 * 129 // 2).all()
+
+
+def _device_function_of_another_module():
+    """A device function defined in a module of its own, as ``kernels.mma``'s are to the kernels
+    that call them: its ``cuda`` is its module's global, the real module outside a launch."""
+    module = {"cuda": cuda}
+    exec("def lane_plus(k):\n    return cuda.threadIdx.x + k\n", module)
+    return module, cuda.jit(device=True)(module["lane_plus"])
+
+
+@pytest.mark.sim
+def test_a_launch_keeps_a_device_functions_module_swapped_until_it_ends():
+    """During a launch a device function of another module sees the launch's fake ``cuda`` at
+    every call (the swap kept from its first call), and the launch gives the module its real
+    ``cuda`` back when it ends, also when a thread raised; the next launch swaps it again."""
+    module, lane_plus = _device_function_of_another_module()
+
+    @cuda.jit
+    def kernel(out, k):
+        t = cuda.threadIdx.x
+        acc = 0
+        for r in range(3):
+            acc += lane_plus(r)
+        out[cuda.blockIdx.x, t] = acc
+        if k < 0 and t == 5:
+            raise ValueError("a lane fails")
+
+    for k in (1, 2):
+        out = np.full((2, 40), -1, np.int64)
+        kernel[2, 40](out, k)
+        assert (out == 3 * np.arange(40) + 3).all()
+        assert module["cuda"] is cuda
+    with pytest.raises(ValueError):
+        kernel[1, 40](np.zeros((1, 40), np.int64), -1)
+    assert module["cuda"] is cuda
