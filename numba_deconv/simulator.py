@@ -54,7 +54,11 @@ them after; with a block's threads calling device functions of another module in
 tensor-core stand-ins of ``kernels.mma``) that swapping took half of a test's time. Here a
 launch swaps each module once, at its first device call, and restores it when the launch ends
 (:func:`_launch_keeping_modules`): the same fake module in the same globals, without the
-per-call work (the simulator runs one launch at a time).
+per-call work (the simulator runs one launch at a time). A barrier: numba-cuda's block manager
+polls every thread's flags in a loop while the lanes compute, holding the interpreter's lock
+for about half of the time; here the thread that completes a barrier releases it and the
+manager sleeps until the block ends (:func:`_run_block`), which halves a barrier-heavy
+kernel's time, and Python's own switch interval (5 ms) serves it best.
 
 Nothing here touches a device; on a real GPU :func:`install` does nothing.
 """
@@ -76,7 +80,6 @@ __all__ = [
     "WARP_SIZE",
     "WARP_TIMEOUT_S",
     "TIMEOUT_ENV",
-    "SWITCH_INTERVAL_S",
     "install",
     "is_simulator",
     "is_installed",
@@ -90,11 +93,6 @@ __all__ = [
 TIMEOUT_ENV = "NUMBA_DECONV_SIM_WARP_TIMEOUT"
 #: How long a lane waits for the rest of its mask before declaring a deadlock (0/inf: forever).
 WARP_TIMEOUT_S = float(os.environ.get(TIMEOUT_ENV, "10"))
-#: GIL switch interval while the simulator is in use. The simulator's block manager polls its
-#: threads in a busy loop, so every hand-off of the GIL to a lane that was woken from a barrier
-#: costs up to one interval (Python's default is 5 ms); a shorter one speeds barrier-heavy kernels
-#: up several times over.
-SWITCH_INTERVAL_S = 5e-4
 
 _installed = False
 _install_lock = threading.Lock()
@@ -595,11 +593,93 @@ def _launch_keeping_modules(call):
     return __call__
 
 
+def _run_block(self, grid_point, *args):
+    """``BlockManager.run`` without its busy loop: a thread that reaches ``syncthreads`` or
+    exits says so under the block's condition, and whichever makes every live thread wait
+    releases them; the launching thread sleeps until the block ends or a thread raises.
+
+    numba-cuda's manager polls every thread's flags in a loop, which holds the interpreter's
+    lock for about half of the time while lanes compute, and scans the whole block after every
+    thread's step. Same semantics: a thread that has exited counts as arrived; the first
+    exception aborts the block's other threads (each raises at its next barrier) and is raised
+    here, with its traceback.
+    """
+    from numba.cuda.simulator import kernel as sim_kernel
+
+    cond = threading.Condition()
+    self._nd_cond = cond
+    self._nd_blocked = []
+    self._nd_failed = None
+    threads = [
+        sim_kernel.BlockThread(
+            lambda: self._f(*args), self, grid_point, block_point, self._debug)
+        for block_point in np.ndindex(*self._block_dim)
+    ]
+    self._nd_live = len(threads)
+    for t in threads:
+        t.start()
+    with cond:
+        while self._nd_live and self._nd_failed is None:
+            cond.wait()
+        failed = self._nd_failed
+    if failed is not None:
+        for t in threads:  # as numba-cuda's manager: abort the others, do not join them
+            t.abort = True
+            t.syncthreads_blocked = False
+            t.syncthreads_event.set()
+        raise failed.exception[0].with_traceback(failed.exception[1])
+    for t in threads:
+        if t.exception:
+            raise t.exception[0].with_traceback(t.exception[1])
+
+
+def _release_if_all_wait(manager):
+    """Release the block's barrier when every live thread waits at it (caller holds the
+    block's condition)."""
+    if manager._nd_blocked and len(manager._nd_blocked) == manager._nd_live:
+        for t in manager._nd_blocked:
+            t.syncthreads_blocked = False
+            t.syncthreads_event.set()
+        manager._nd_blocked = []
+
+
+def _syncthreads(self):
+    """``BlockThread.syncthreads`` for :func:`_run_block`: the last thread to arrive releases
+    the others."""
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    manager = self._manager
+    with manager._nd_cond:
+        self.syncthreads_blocked = True
+        manager._nd_blocked.append(self)
+        _release_if_all_wait(manager)
+    self.syncthreads_event.wait()
+    self.syncthreads_event.clear()
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
+
+
+def _thread_ended(thread):
+    """Count ``thread`` out of its block: release a barrier that waited only for it, or wake
+    the launching thread (the block ended, or ``thread`` raised)."""
+    manager = thread._manager
+    cond = getattr(manager, "_nd_cond", None)
+    if cond is None:
+        return
+    with cond:
+        manager._nd_live -= 1
+        if thread.exception is not None and manager._nd_failed is None:
+            manager._nd_failed = thread
+        _release_if_all_wait(manager)
+        if manager._nd_live == 0 or manager._nd_failed is not None:
+            cond.notify()
+
+
 def install() -> None:
     """Add the warp intrinsics to the simulator's fake ``cuda`` module. Idempotent.
 
-    Does nothing when ``numba.cuda`` targets a real GPU. Also lowers the interpreter's GIL
-    switch interval to :data:`SWITCH_INTERVAL_S` (never raises it).
+    Does nothing when ``numba.cuda`` targets a real GPU. Also replaces the simulator's block
+    manager with one that sleeps between barriers (:func:`_run_block`).
     """
     global _installed
     if not is_simulator():
@@ -636,8 +716,11 @@ def install() -> None:
                 pass  # released because another thread raised: that one is reported
             finally:
                 _on_thread_exit(self)
+                _thread_ended(self)
 
         sim_kernel.BlockThread.run = run
+        sim_kernel.BlockThread.syncthreads = _syncthreads
+        sim_kernel.BlockManager.run = _run_block
         sim_kernel.FakeCUDAKernel.__call__ = _launch_keeping_modules(
             sim_kernel.FakeCUDAKernel.__call__)
 
@@ -668,6 +751,4 @@ def install() -> None:
 
         FakeCUDAShared.array = array
 
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
         _installed = True

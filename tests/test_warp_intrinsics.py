@@ -508,6 +508,66 @@ def test_lane_error_releases_waiting_lanes():
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("block", [1, 5, 64, (4, 3, 2)])
+def test_barriers_order_shared_memory_and_count_exited_threads(block):
+    """The block manager (``simulator._run_block``): each barrier waits for every thread that
+    has not exited (threads that returned early count as arrived), ``syncthreads_count``,
+    ``_and`` and ``_or`` see every waiting thread's value, and barriers in a loop do not mix
+    rounds."""
+    rounds = 6
+
+    @cuda.jit
+    def kernel(out, counts):
+        n = cuda.blockDim.x * cuda.blockDim.y * cuda.blockDim.z
+        t = cuda.threadIdx.x + cuda.blockDim.x * (
+            cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        live = n - n // 3
+        counts[0, t] = cuda.syncthreads_count(t % 2)
+        counts[1, t] = cuda.syncthreads_and(t < n)
+        counts[2, t] = cuda.syncthreads_or(t == 0)
+        if t >= live:  # the last third returns here
+            return
+        buf = cuda.shared.array(256, int64)
+        for r in range(rounds):
+            buf[t] = r * 1000 + t
+            cuda.syncthreads()
+            out[r, t] = buf[(t + 1) % live]  # a neighbour's value of this round
+            cuda.syncthreads()
+
+    threads = int(np.prod(block))
+    live = threads - threads // 3
+    out = np.full((rounds, threads), -1, np.int64)
+    counts = np.full((3, threads), -1, np.int64)
+    kernel[2, block](out, counts)
+    t = np.arange(live)
+    for r in range(rounds):
+        assert (out[r, :live] == r * 1000 + (t + 1) % live).all()
+    assert (counts[0] == np.count_nonzero(np.arange(threads) % 2)).all()
+    assert (counts[1:] == 1).all()
+    assert (out[:, live:] == -1).all()
+
+
+@pytest.mark.sim
+def test_a_thread_that_raises_ends_the_launch_while_others_wait_at_a_barrier():
+    @cuda.jit
+    def kernel(x):
+        i = cuda.threadIdx.x
+        if i == 5:
+            x[100] = 1.0  # out of bounds: this thread dies before the barrier
+        cuda.syncthreads()
+        cuda.syncthreads()
+        x[i] = 1.0
+
+    t0 = time.monotonic()
+    with pytest.raises(IndexError, match=r"tid=\[5, 0, 0\]"):
+        kernel[1, 64](np.zeros(64))
+    assert time.monotonic() - t0 < 10
+    x = np.zeros(64)  # (the next launch is unaffected)
+    kernel_ok = cuda.jit(lambda x: cuda.syncthreads())
+    kernel_ok[2, 64](x)
+
+
 # --- GPU-only (marked `gpu`: skipped under the simulator) ---------------------------------
 
 
