@@ -173,8 +173,10 @@ def _backward_body(grad, x, weight, gamma, yc, rows, stats, stride, padding, dil
     """The backward op's body on its arguments: ``backward.backward``'s gradients, None where
     not needed. ``yc_spent``: nothing reads ``yc`` after this call (``backward.backward``)."""
     pipe = _PIPELINES.get(handle)
-    torch_dx, torch_dw = (False, False) if pipe is None else \
-        pipe.torch_grads(x.shape, x.dtype, x.device)
+    # (measured on this backward's own tensors, ``grad_choice``; a half-precision call's keeps
+    # the prediction)
+    torch_dx, torch_dw = (False, False) if pipe is None else pipe.torch_grads(
+        x.shape, x.dtype, x.device, (x, weight, (yc, grad)), measured=grad.dtype == x.dtype)
     grads = run_backward((tuple(stride), tuple(padding), tuple(dilation), groups), grad, x,
                          weight, gamma, yc, rows, stats, batch_stats, tuple(needs),
                          _GROUPS[sync] if sync else None, torch_dx, torch_dw, yc_spent)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from . import folding, planner, precision as precisions, tiers
+from . import folding, grad_choice, planner, precision as precisions, tiers
 from .dtypes import ITEMSIZE, name_of
 from .kernels import batch_stats as batch_stats_kernels
 from .gram_plan import CB
@@ -661,6 +661,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             grad_why = decide(pipe.geometry, input_shape, dtype, tensor_device(),
                               pipe.precision)[1]
             report.notes.append(f"backward's {what} gradient (conv_impl='auto'): {grad_why}")
+        measured = grad_choice.recorded(pipe.geometry, input_shape, dtype, tensor_device())
+        if measured is not None:
+            report.notes.append(_measured_grads(measured, "kept on disk"))
     geom = pipe.geometry
     split = conv_grads.input_layout(
         input_shape, (geom.in_channels, geom.out_per_group, *geom.kernel_size), geom.groups,
@@ -745,7 +748,23 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
         report.notes.append(f"measured: median of {repeats} CUDA-event timings; per-stage events "
                             "bracket single launches, so they include numba's launch overhead "
                             "(tens of us) whenever the GPU waits on the host; host stages untimed")
+        if pipe.conv_impl == "auto" and pipe.precision is None \
+                and not planner.tf32_refusal(dtype, device, None):
+            record = grad_choice.measure(pipe.geometry, tuple(input_shape), dtype, device)
+            report.notes.append(_measured_grads(record, "measured now"))
     return report
+
+
+def _measured_grads(record: dict, where: str) -> str:
+    """A note of ``grad_choice``'s measurement of the backward's gradient paths."""
+    parts = []
+    for what, takes in zip(("input", "weight"), record["takes_torch"]):
+        us = record["us"][what]
+        parts.append(f"{what}: kernel {us['kernels']:.0f} us, cuDNN {us['torch']:.0f} us -> "
+                     + ("cuDNN" if takes else "the kernel"))
+    return (f"backward's gradients measured at this shape on this GPU ({where}; "
+            f"KernelBench-style medians, grad_choice; the backward follows these from call "
+            f"{grad_choice.MEASURE_AT} of the shape): " + "; ".join(parts))
 
 
 __all__ = ["DEVICE_PEAKS", "ExplainReport", "StageRow", "device_peaks", "explain",

@@ -88,7 +88,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 from torch.nn.utils import parametrize
 
-from . import autograd, dtypes, folding, planner, precision as precisions, sync, tiers
+from . import autograd, dtypes, folding, grad_choice, planner, precision as precisions, sync, tiers
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather_mma, gather_simple, gather_wide,
@@ -988,18 +988,25 @@ class Pipeline:
         ``torch_input_grad``, by ``planner.torch_weight_grad``."""
         return self.torch_grads(shape, dtype, device)[1]
 
-    def torch_grads(self, shape, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+    def torch_grads(self, shape, dtype: torch.dtype, device: torch.device,
+                    operands: tuple | None = None,
+                    measured: bool = True) -> tuple[bool, bool]:
         """``(torch_input_grad, torch_weight_grad)`` at once: what the backward asks, one
-        cached lookup per call."""
+        cached lookup per call. With ``conv_impl="auto"`` the planner's prediction for the
+        first calls of a shape, then what ``grad_choice`` measured on this device (at the
+        shape's ``grad_choice.MEASURE_AT``-th call, on ``operands``, or read from disk);
+        ``measured=False``: the prediction always (a half-precision call's backward, whose
+        incoming gradient is in half precision: cuDNN's float32 gradients would hold more
+        memory than eager's, which runs in half precision)."""
         if self.conv_impl != "auto":
             return (True, True) if self.conv_impl == "torch" else (False, False)
         if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
                 or len(shape) != 5:
             return False, False
         shape = tuple(shape)
-        return self._flag_keyed(("grads", shape, device), lambda: tuple(
-            decide(self.geometry, shape, dtype, device, None)[0]
-            for decide in (planner.torch_input_grad, planner.torch_weight_grad)))
+        choice = self._flag_keyed(("grads", shape, device), lambda: grad_choice.GradChoice(
+            self.geometry, shape, dtype, device))
+        return choice(operands) if measured else choice.predicted
 
     def _flag_keyed(self, key: tuple, decide):
         """``decide()``, kept in ``_torch_choice`` under ``key`` while PyTorch's flags

@@ -262,7 +262,7 @@ def wide(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
         return False, (f"{volume} output voxels per (sample, channel), but {steps} steps of the "
                        f"float64 gather's warps, more than {WIDE_WORK}")
     if (steps > WIDE_LIBRARY_WORK or chain > WIDE_LIBRARY_CHAIN) and library \
-            and device is not None and not _tf32_refusal(dtype, device, precision):
+            and device is not None and not tf32_refusal(dtype, device, precision):
         return False, _past_library(volume, steps, chain)
     return True, (f"{volume} output voxel(s) per (sample, channel): the convolution and its "
                   "finish in float64, the output rounded to float32 once")
@@ -479,7 +479,7 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     ``MIN_OUTPUTS`` outputs or ``box_sums``' rounds outlasting its call; and always for a call
     of a few output voxels past ``WIDE_LIBRARY_WORK`` (``few_voxels_past``). Elsewhere the
     FFMA gather."""
-    refused = _tf32_refusal(dtype, device, precision)
+    refused = tf32_refusal(dtype, device, precision)
     if refused:
         # (with ``precision`` set the pipeline picks its gather itself: the FFMA one for
         # "ieee", the tensor-core one for "tf32" where the kernel takes the geometry)
@@ -645,19 +645,26 @@ def _backward_choice(what: str, predict_costs, geom: ConvGeometry, shape: tuple,
                      dtype: torch.dtype, device: torch.device, precision) -> tuple[bool, str]:
     """One of the backward's gradients: cuDNN's where it would run on TF32 tensor cores and is
     predicted ``GRAD_MARGIN`` faster and ``MIN_SAVING_US`` sooner than the kernel."""
-    refused = _tf32_refusal(dtype, device, precision)
+    refused = tf32_refusal(dtype, device, precision)
     if refused:
         return False, f"the {what} kernel: {refused}"
     t = predict_costs(geom, shape[0], tuple(shape[2:]), peaks_of(device))
     costs = f"predicted {t['kernels']:.0f} us on the {what} kernel, {t['torch']:.0f} us on cuDNN"
-    if t["kernels"] >= GRAD_MARGIN * t["torch"] \
-            and t["kernels"] - t["torch"] >= MIN_SAVING_US:
+    if takes_torch_grad(t["kernels"], t["torch"]):
         return True, f"PyTorch's (cuDNN, TF32): {costs}"
     return False, (f"the {what} kernel: {costs} (cuDNN taken from {GRAD_MARGIN}x "
                    f"and {MIN_SAVING_US:.0f} us)")
 
 
-def _tf32_refusal(dtype: torch.dtype, device: torch.device, precision) -> str:
+def takes_torch_grad(kernel_us: float, torch_us: float, margin: float = GRAD_MARGIN,
+                     saving_us: float = MIN_SAVING_US) -> bool:
+    """The rule for one of the backward's gradients: cuDNN's where it is ``margin`` times and
+    ``saving_us`` faster than the kernel (on predicted times ``GRAD_MARGIN`` and
+    ``MIN_SAVING_US``; ``grad_choice`` applies its own to measured times)."""
+    return kernel_us >= margin * torch_us and kernel_us - torch_us >= saving_us
+
+
+def tf32_refusal(dtype: torch.dtype, device: torch.device, precision) -> str:
     """Why PyTorch's convolution would not run on TF32 tensor cores for this call ('' where it
     would): the conditions every PyTorch-convolution choice shares."""
     if dtype != torch.float32:

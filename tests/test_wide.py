@@ -45,7 +45,7 @@ def test_large_calls_take_pytorchs_convolution_where_it_is_a_candidate(monkeypat
     """Where PyTorch's convolution is a candidate (its TF32 allowed on a GPU), the float64 kernel
     takes at most ``WIDE_LIBRARY_WORK`` steps: past them PyTorch's convolution and the float64
     finish (faster there, and as accurate as PyTorch's), not the gathers' float32 sums."""
-    monkeypatch.setattr(planner, "_tf32_refusal", lambda *args: "")
+    monkeypatch.setattr(planner, "tf32_refusal", lambda *args: "")
     cuda = torch.device("cuda", 0)  # (a device object only: nothing runs on it here)
     geom = GEOM(4, 6, 2, 2, 0)
     past = planner.WIDE_LIBRARY_WORK // (6 * (8 * 1 + 8)) + 1
@@ -88,7 +88,7 @@ def test_long_warp_chains_take_pytorchs_convolution_where_it_is_a_candidate(monk
     3x4x6: 8 voxels, 64 warps) are fewer steps in all than ``WIDE_LIBRARY_WORK`` but each a
     chain past ``WIDE_LIBRARY_CHAIN``: PyTorch's convolution and the float64 finish where it is
     a candidate, the float64 kernel elsewhere and up to the chain's bound."""
-    monkeypatch.setattr(planner, "_tf32_refusal", lambda *args: "")
+    monkeypatch.setattr(planner, "tf32_refusal", lambda *args: "")
     cuda = torch.device("cuda", 0)  # (a device object only: nothing runs on it here)
     geom, shape = GEOM(128, 32, 3, 1, 2), (2, 128, 3, 4, 6)
     volume, steps, chain = planner._wide_steps(geom, shape)

@@ -67,13 +67,14 @@ STALE_TMP_S = 600
 
 
 def clear() -> int:
-    """Remove every entry (and dead temporary files; writes in flight finish); returns how many
+    """Remove every entry and record (and dead temporary files; writes in flight finish);
+    returns how many
     files were removed."""
     removed = 0
     root = directory()
     if root.is_dir():
         for path in root.iterdir():
-            if path.suffix in (".cubin", ".json", ".ready") or _dead_tmp(path):
+            if path.suffix in (".cubin", ".json", ".ready", *RECORDS) or _dead_tmp(path):
                 path.unlink(missing_ok=True)
                 removed += 1
     return removed
@@ -199,6 +200,29 @@ def load(name: str) -> tuple[bytes, dict] | None:
     except OSError:
         pass
     return cubin, meta
+
+
+#: the suffixes of the small JSON records other modules keep here (``store_record``):
+#: ``.grads``, the backward's measured gradient paths (``grad_choice``), a few hundred bytes
+#: per measured shape; removed by ``clear()``, not counted out by ``trim``
+RECORDS = (".grads",)
+
+
+def store_record(name: str, suffix: str, record: dict) -> None:
+    """Keep ``record`` (JSON) as ``name + suffix``, renamed into place."""
+    if suffix not in RECORDS:
+        raise ValueError(f"unknown record suffix {suffix!r}; known: {RECORDS}")
+    root = directory()
+    root.mkdir(parents=True, exist_ok=True)
+    _write(root / f"{name}{suffix}", json.dumps(record).encode())
+
+
+def load_record(name: str, suffix: str) -> dict | None:
+    """The record ``store_record`` kept as ``name + suffix``, or None."""
+    try:
+        return json.loads((directory() / f"{name}{suffix}").read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 def _write(path: Path, data: bytes) -> None:
