@@ -493,19 +493,34 @@ def test_mask_without_own_lane_is_an_error():
 
 
 @pytest.mark.sim
-def test_lane_error_releases_waiting_lanes():
+@pytest.mark.parametrize("wait", ["shuffle", "barrier"])
+def test_lane_error_releases_waiting_lanes(wait):
+    """A thread that raises ends the launch with its error at once, whether the others wait
+    for it in a warp operation or at a barrier (the block manager, ``simulator._run_block``),
+    and the next launch is unaffected."""
     @cuda.jit
-    def kernel(x):
+    def at_shuffle(x):
         i = cuda.threadIdx.x
         if i == 3:
             x[100] = 1.0  # out of bounds: this lane dies before the shuffle
         x[i] = cuda.shfl_sync(FULL, x[i], 3)
 
+    @cuda.jit
+    def at_barrier(x):
+        i = cuda.threadIdx.x
+        if i == 3:
+            x[100] = 1.0  # out of bounds: this thread dies before the barrier
+        cuda.syncthreads()
+        cuda.syncthreads()
+        x[i] = 1.0
+
+    kernel = at_shuffle if wait == "shuffle" else at_barrier
     t0 = time.monotonic()
     with simulator.warp_timeout(30):
-        with pytest.raises(IndexError):
+        with pytest.raises(IndexError, match=r"tid=\[3, 0, 0\]"):
             kernel[1, WARP](np.zeros(WARP))
     assert time.monotonic() - t0 < 10
+    cuda.jit(lambda x: cuda.syncthreads())[2, WARP](np.zeros(WARP))  # (the next launch runs)
 
 
 @pytest.mark.sim
@@ -546,26 +561,6 @@ def test_barriers_order_shared_memory_and_count_exited_threads(block):
     assert (counts[0] == np.count_nonzero(np.arange(threads) % 2)).all()
     assert (counts[1:] == 1).all()
     assert (out[:, live:] == -1).all()
-
-
-@pytest.mark.sim
-def test_a_thread_that_raises_ends_the_launch_while_others_wait_at_a_barrier():
-    @cuda.jit
-    def kernel(x):
-        i = cuda.threadIdx.x
-        if i == 5:
-            x[100] = 1.0  # out of bounds: this thread dies before the barrier
-        cuda.syncthreads()
-        cuda.syncthreads()
-        x[i] = 1.0
-
-    t0 = time.monotonic()
-    with pytest.raises(IndexError, match=r"tid=\[5, 0, 0\]"):
-        kernel[1, 64](np.zeros(64))
-    assert time.monotonic() - t0 < 10
-    x = np.zeros(64)  # (the next launch is unaffected)
-    kernel_ok = cuda.jit(lambda x: cuda.syncthreads())
-    kernel_ok[2, 64](x)
 
 
 # --- GPU-only (marked `gpu`: skipped under the simulator) ---------------------------------
