@@ -18,8 +18,9 @@ cuDNN is taken where it measures ``MARGIN`` times and ``SAVING_US`` faster
 cover the model's error, and a larger saving. Timed alone, a candidate's time misses what it
 adds to a step that waits on the host: cuDNN's call takes 50-80 µs of the host's against 10-20
 for a launch of the kernel's, and on an H200 a small step (a 96 -> 48 decoder layer) whose
-weight gradient measured 90 µs faster on cuDNN ran 270 µs slower with it (docs/performance.md,
-"Training steps", has the steps under each choice). The result is kept on disk
+weight gradient measured 90-100 µs faster on cuDNN ran level with the kernel's in one process
+and 270 µs slower in another (docs/performance.md, "Training steps", has the steps under each
+choice). The result is kept on disk
 (``kernels.disk_cache``, a ``.grads`` record keyed by the GPU, PyTorch's and cuDNN's
 versions, PyTorch's TF32 and cuDNN switches, the package's sources, the geometry, the input's
 shape and dtype), so a later process reads it at its first call and never measures that shape
