@@ -88,7 +88,8 @@ from torch import nn
 from torch.autograd.graph import increment_version
 from torch.nn.utils import parametrize
 
-from . import autograd, dtypes, folding, grad_choice, planner, precision as precisions, sync, tiers
+from . import (autograd, dtypes, folding, grad_choice, planner, precision as precisions, sync,
+               tiers)
 from .geometry import ConvGeometry
 from .gram_plan import gram_fits
 from .kernels import (batch_stats, box_sums, epilogue, gather_mma, gather_simple, gather_wide,

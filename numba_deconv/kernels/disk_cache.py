@@ -68,8 +68,7 @@ STALE_TMP_S = 600
 
 def clear() -> int:
     """Remove every entry and record (and dead temporary files; writes in flight finish);
-    returns how many
-    files were removed."""
+    returns how many files were removed."""
     removed = 0
     root = directory()
     if root.is_dir():
