@@ -10,8 +10,8 @@ model of the shape predicts it (docs/performance.md, "Training steps").
 So a pipeline's backward (``Pipeline.torch_grads``) keeps one :class:`GradChoice` per input
 shape, device and PyTorch flags. Its first ``MEASURE_AT - 1`` calls take the prediction; call
 ``MEASURE_AT`` (off the first call's path, as the specialised kernels' compile is) times both
-candidates of each gradient on random tensors of the call's shapes (:func:`measure`):
-KernelBench-style, a CUDA-event pair around one call and a synchronize after it, so the host's
+candidates of each gradient on that backward's own tensors (:func:`measure`):
+KernelBench-style (``bench.time_kernelbench``), a CUDA-event pair around one call and a synchronize after it, so the host's
 time to issue the call counts as well as the GPU's; the median of ``REPEATS`` after a warm-up.
 cuDNN is taken where it measures ``MARGIN`` times and ``SAVING_US`` faster
 (``planner.takes_torch_grad``): a narrower margin than the prediction's, which must also
@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import threading
 
 import torch
@@ -77,14 +76,11 @@ class GradChoice:
         decided = [planner.torch_input_grad(geom, self.shape, dtype, device, None),
                    planner.torch_weight_grad(geom, self.shape, dtype, device, None)]
         self.value = self.predicted = tuple(takes for takes, _ in decided)
-        # measurable: cuDNN is a candidate here (the refusals apply to both gradients alike)
-        self.settled = not (measurable(device) and
-                            not planner.tf32_refusal(dtype, device, None))
-        self.record = None
+        self.settled = not _measures(dtype, device)
         if not self.settled:
-            self.record = load(self.geom, self.shape, dtype, device)
-            if self.record is not None:
-                self.value, self.settled = tuple(self.record["takes_torch"]), True
+            record = load(self.geom, self.shape, dtype, device)
+            if record is not None:
+                self.value, self.settled = tuple(record["takes_torch"]), True
 
     def __call__(self, operands: tuple | None = None) -> tuple[bool, bool]:
         """The choice for the next backward of this shape (measuring at call ``MEASURE_AT``,
@@ -96,18 +92,24 @@ class GradChoice:
             with _LOCK:
                 if not self.settled:
                     try:
-                        self.record = measure(self.geom, self.shape, self.dtype, self.device,
-                                              operands=operands)
+                        record = measure(self.geom, self.shape, self.dtype, self.device,
+                                         operands=operands)
                     except torch.cuda.OutOfMemoryError:
                         self.settled = True  # (the prediction stands)
                         return self.value
-                    store(self.geom, self.shape, self.dtype, self.device, self.record)
-                    self.value, self.settled = tuple(self.record["takes_torch"]), True
+                    store(self.geom, self.shape, self.dtype, self.device, record)
+                    self.value, self.settled = tuple(record["takes_torch"]), True
         return self.value
 
 
 def measurable(device: torch.device) -> bool:
     return enabled() and device.type == "cuda" and not is_simulator()
+
+
+def _measures(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a call of ``dtype`` on ``device`` is measured: it can be, and cuDNN is a
+    candidate there (``planner``'s refusals apply to both gradients alike)."""
+    return measurable(device) and not planner.tf32_refusal(dtype, device, None)
 
 
 def _capturing() -> bool:
@@ -124,7 +126,7 @@ def measure(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.
     of ``dtype`` stands for the gradient ``dy`` (read only; the times do not depend on
     values): the backward that measures then holds no output-sized tensor more than it
     would. Random tensors stand in for what is not given."""
-    from . import backward  # (backward imports nothing of the pipeline's; late to keep it so)
+    from . import backward, bench  # (neither imports the pipeline's; late to keep it so)
 
     stride, padding, dilation, groups = geom.stride, geom.padding, geom.dilation, geom.groups
     conv = (stride, padding, dilation, groups)
@@ -139,8 +141,10 @@ def measure(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.
                                                              dilation, groups),
             "torch": lambda: backward.weight_grad_torch(dy, x, w, conv)},
     }
-    us = {what: {name: _time(call, repeats) for name, call in paths.items()}
-          for what, paths in candidates.items()}
+    with torch.no_grad():
+        us = {what: {name: bench.time_kernelbench(call, warmup=1, reps=repeats).median_ms * 1e3
+                     for name, call in paths.items()}
+              for what, paths in candidates.items()}
     return {"us": us, "takes_torch": [takes_torch(us[w]) for w in _WHAT]}
 
 
@@ -170,22 +174,6 @@ def measured_operands(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
     return x, w, torch.randn(dy_shape, **new) if dy is None else dy
 
 
-def _time(call, repeats: int) -> float:
-    """Median microseconds of ``call``, KernelBench-style, after one warm-up call."""
-    with torch.no_grad():
-        call()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(repeats):
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def key(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.device) -> str:
     """The record's name: a hash of everything the measured times depend on."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -208,6 +196,6 @@ def store(geom, shape, dtype, device, record: dict) -> None:
 
 def recorded(geom, shape, dtype, device) -> dict | None:
     """The measurement kept on disk for this shape, if any (``explain``)."""
-    if not measurable(device) or planner.tf32_refusal(dtype, device, None):
+    if not _measures(dtype, device):
         return None
     return load(geom, tuple(shape), dtype, device)

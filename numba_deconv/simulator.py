@@ -602,7 +602,9 @@ def _run_block(self, grid_point, *args):
     lock for about half of the time while lanes compute, and scans the whole block after every
     thread's step. Same semantics: a thread that has exited counts as arrived; the first
     exception aborts the block's other threads (each raises at its next barrier) and is raised
-    here, with its traceback.
+    here, with its traceback: every thread's exception is recorded before it counts itself out
+    (``_thread_ended``), so a block that ends without a failure had none. numba-cuda's
+    ``syncthreads_blocked`` flags, which only its polling read, are not kept.
     """
     from numba.cuda.simulator import kernel as sim_kernel
 
@@ -625,12 +627,8 @@ def _run_block(self, grid_point, *args):
     if failed is not None:
         for t in threads:  # as numba-cuda's manager: abort the others, do not join them
             t.abort = True
-            t.syncthreads_blocked = False
             t.syncthreads_event.set()
         raise failed.exception[0].with_traceback(failed.exception[1])
-    for t in threads:
-        if t.exception:
-            raise t.exception[0].with_traceback(t.exception[1])
 
 
 def _release_if_all_wait(manager):
@@ -638,7 +636,6 @@ def _release_if_all_wait(manager):
     block's condition)."""
     if manager._nd_blocked and len(manager._nd_blocked) == manager._nd_live:
         for t in manager._nd_blocked:
-            t.syncthreads_blocked = False
             t.syncthreads_event.set()
         manager._nd_blocked = []
 
@@ -650,7 +647,6 @@ def _syncthreads(self):
         raise RuntimeError("abort flag set on syncthreads call")
     manager = self._manager
     with manager._nd_cond:
-        self.syncthreads_blocked = True
         manager._nd_blocked.append(self)
         _release_if_all_wait(manager)
     self.syncthreads_event.wait()
