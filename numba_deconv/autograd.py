@@ -122,11 +122,15 @@ def _batch_stats(running_mean, training: bool) -> bool:
 
 @forward.register_fake
 def _(x, weight, bias, gamma, beta, running_mean, running_var, handle, training):
-    geom = _pipeline(handle).geometry
+    pipe = _pipeline(handle)
+    geom = pipe.geometry
     batch, spatial = geom.check_input_shape(tuple(x.shape))
     out = x.new_empty((batch, geom.out_channels, *spatial))
     batch_stats = _batch_stats(running_mean, training)
-    yc = torch.empty_like(out) if batch_stats and batch else x.new_empty(0)
+    yc = x.new_empty(0)
+    if batch_stats and batch:
+        wide = pipe.wide_yc(tuple(x.shape), x.dtype, x.device)
+        yc = torch.empty_like(out, dtype=torch.float64 if wide else x.dtype)
     rows = x.new_empty((2, batch if batch_stats else 0, geom.out_channels), dtype=torch.float64)
     return out, yc, rows, x.new_empty((4, geom.out_channels), dtype=torch.float64)
 

@@ -104,8 +104,8 @@ def backward(conv: tuple, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
             _batch_stats_launches(conv, t, gamma is not None, group, half)
         else:
             key = (conv, g.shape, g.dtype, g.device, x.shape, x.dtype, weight.shape,
-                   weight.dtype, None if gamma is None else gamma.dtype, kernel_dx, kernel_dw,
-                   yc_spent)
+                   weight.dtype, None if gamma is None else gamma.dtype, yc.dtype, kernel_dx,
+                   kernel_dw, yc_spent)
             # (the scratch is the stream's: calls of one kind on two streams stay independent;
             # none is kept from a graph capture, whose memory is the graph's)
             where = (key, current_stream() if g.device.type == "cuda" else None)
@@ -240,7 +240,8 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
                          yc_spent: bool = False) -> dict:
     """Every tensor the backward's launches with batch statistics take, by name: the call's
     inputs, a new output for each gradient asked for (``dx``, ``dw``; ``dgamma`` whenever
-    there is a gamma) and ``dy`` unless ``yc_spent`` (then ``dy`` is written over ``yc``), the
+    there is a gamma) and ``dy`` unless ``yc_spent`` (then ``dy`` is written over ``yc``,
+    where that is in the parameters' dtype: not a wide call's float64 one), the
     input gradient's partial sums where its launch splits (``dx_part``), and
     new scratch, or ``kept`` for this kind of call (``_keep``: its float64 scratch, and the size
     of its weight-gradient partials). Every one is contiguous and none shares another's
@@ -270,8 +271,8 @@ def _batch_stats_tensors(conv, g, x, weight, gamma, yc, rows, stats, need_x: boo
     yc = yc.contiguous()
     t["g"], t["yc"], t["stats"] = bits_view(g), yc, stats.contiguous()
     t["off"], t["means"] = rows.contiguous().unbind()
-    if not yc_spent:
-        t["dy"] = torch.empty_like(g, dtype=yc.dtype)
+    if not yc_spent or yc.dtype != weight.dtype:  # (a wide call's float64 yc: ``wide_yc``)
+        t["dy"] = torch.empty_like(g, dtype=weight.dtype)
     if gamma is not None:
         t["gamma"] = gamma = gamma.contiguous()
         t["dgamma"] = torch.empty_like(gamma)  # A_c(local) / sigma

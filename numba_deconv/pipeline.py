@@ -939,6 +939,17 @@ class Pipeline:
             and planner.wide(self.geometry, tuple(shape), dtype, device, self.precision,
                              self.library_candidate)[0]
 
+    def wide_yc(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> bool:
+        """Whether a saving call with batch statistics on an input of ``shape`` and ``dtype``
+        keeps its convolution (``forward_saving``'s ``yc``) in float64 where the input is not:
+        a ``"wide"`` call's (``wide``), whose statistics come from those float64 values. Where
+        a row has two voxels the normalised output is +-1 whatever the input, and the
+        backward's ``dL/dy`` is the small remainder of two terms (1 part in ~10^5 at batch
+        norm's eps where the spread is ~1): values rounded to float32 against float64
+        statistics would leave an error of their rounding's size there, 100 times PyTorch's,
+        whose statistics and normalised values come from the same float32 ones."""
+        return dtype != torch.float64 and self.wide(shape, dtype, device)
+
     def torch_conv(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on an input of ``shape``, ``dtype`` and ``device`` runs PyTorch's
         convolution (the ``"torch"`` path): always with ``conv_impl="torch"``; with
@@ -1068,7 +1079,8 @@ class Pipeline:
         On the Gram path (``variance="gram"``) such a call takes the epilogue path: the Gram
         path never stores the unscaled convolution. ``half``: a half-precision call's output
         dtype, the output made in it where ``_forward_body`` can (else float32; ``yc`` is
-        float32 either way)."""
+        float32 either way). ``yc`` is in the parameters' dtype, but for a ``"wide"`` call's
+        float64 convolution (``wide_yc``)."""
         save: dict = {}
         x = x.detach()
         self._saving = save
@@ -1231,8 +1243,8 @@ class Pipeline:
             centre = means if plan.path in STORED_PATHS else \
                 plan.scratch.zero_bias.expand_as(means)
             rows = torch.stack((centre, means))
-            # (a wide call's float64 convolution, kept in the input's dtype as any other's)
-            yc = conv_out if conv_out.dtype == x.dtype else conv_out.to(x.dtype)
+            # (a wide call's float64 convolution as it is, ``wide_yc``)
+            yc = conv_out
         else:
             rows = torch.empty((2, x.shape[0] if batch_stats else 0, c), **f64)
         # written by the statistics kernel (``_finish_batch_stats``, ``_finish_synced``)
