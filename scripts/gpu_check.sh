@@ -40,7 +40,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     status=${PIPESTATUS[0]}
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-    python3 -m numba_deconv bench --tiny --geometry --sweep --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+    python3 -m numba_deconv bench --suite --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$WHAT" = notebooks ] || [ "$WHAT" = all ]; then
