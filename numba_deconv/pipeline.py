@@ -942,13 +942,10 @@ class Pipeline:
     def wide_yc(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> bool:
         """Whether a saving call with batch statistics on an input of ``shape`` and ``dtype``
         keeps its convolution (``forward_saving``'s ``yc``) in float64 where the input is not:
-        a ``"wide"`` call's (``wide``), whose statistics come from those float64 values. Where
-        a row has two voxels the normalised output is +-1 whatever the input, and the
-        backward's ``dL/dy`` is the small remainder of two terms (1 part in ~10^5 at batch
-        norm's eps where the spread is ~1): values rounded to float32 against float64
-        statistics would leave an error of their rounding's size there (in
-        ``tests/test_backward.py``'s case 20x PyTorch's, whose statistics and normalised
-        values come from the same float32 ones)."""
+        a ``"wide"`` call's (``wide``), whose statistics come from those float64 values: the
+        backward's ``dL/dy`` must see the same values, for where a row has two voxels it is
+        the small remainder of two terms that their rounding would swamp (docs/design.md
+        §2.8)."""
         return dtype != torch.float64 and self.wide(shape, dtype, device)
 
     def torch_conv(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
@@ -1080,8 +1077,7 @@ class Pipeline:
         On the Gram path (``variance="gram"``) such a call takes the epilogue path: the Gram
         path never stores the unscaled convolution. ``half``: a half-precision call's output
         dtype, the output made in it where ``_forward_body`` can (else float32; ``yc`` is
-        float32 either way). ``yc`` is in the parameters' dtype but on a float32 ``"wide"``
-        call, whose float64 convolution it is (``wide_yc``)."""
+        float32 either way, but for a ``"wide"`` call's float64 convolution: ``wide_yc``)."""
         save: dict = {}
         x = x.detach()
         self._saving = save
