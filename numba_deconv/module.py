@@ -44,7 +44,10 @@ class ModelNew(nn.Module):
         return self._pipeline
 
     def forward(self, x):
-        pipe = self._pipeline.train(self.training)
+        # (batch norm's own mode decides its statistics, as in the reference's forward: a
+        # model in training with its batch norm frozen by ``batch_norm.eval()`` normalises with
+        # the running statistics and leaves them alone)
+        pipe = self._pipeline.train(self.batch_norm.training)
         if torch.compiler.is_compiling():  # what dynamo traces: the op alone
             half = dtypes.half_output(x)
             if half is not None:

@@ -294,6 +294,29 @@ class Pipeline:
         pipe.training = model.training
         return pipe
 
+    # ---- copies ---------------------------------------------------------------------------------
+    #: What a pipeline keeps between calls, each made anew (empty) in a copy: it names this
+    #: pipeline's buffers and recorded launches, not the copy's (``clear_cache`` empties most).
+    _CACHES = {"_plans": OrderedDict, "_shapes": OrderedDict, "_weights": dict,
+               "_prepared": OrderedDict, "_graphs": OrderedDict, "_captured_plans": list,
+               "_kinds": dict, "_torch_choice": dict}
+
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, ``pickle``, ``torch.save`` of a model holding it) takes the
+        settings and the modules, and starts without this pipeline's caches and handle."""
+        state = dict(self.__dict__)
+        for name, empty in self._CACHES.items():
+            state[name] = empty()
+        del state["_handle"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy's own handle in the ops' registry (``autograd.register``): a handle copied
+        with the rest would name the original pipeline, and one pickled in another process,
+        whichever pipeline holds that number here."""
+        self.__dict__.update(state)
+        self._handle = autograd.register(self)
+
     # ---- nn.Module-like mode switches ---------------------------------------------------------
     def train(self, mode: bool = True) -> "Pipeline":
         self.training = bool(mode)
@@ -841,8 +864,11 @@ class Pipeline:
             self._plans.move_to_end(key)
             return plan
         _, _, _, path, _, options, tensor_cores = key
-        plan = build_plan(self.geometry, x, out_spatial, path, batch_stats, options,
-                          GRAM_ITEMSIZE, tensor_cores)
+        # (normal tensors, also for a call under ``torch.inference_mode``: later calls outside
+        # it write the buffers in place, which an inference tensor refuses)
+        with torch.inference_mode(False):
+            plan = build_plan(self.geometry, x, out_spatial, path, batch_stats, options,
+                              GRAM_ITEMSIZE, tensor_cores)
         self._plans[key] = plan
         if len(self._plans) > PLAN_CACHE:  # a captured graph keeps its own plan alive
             self._plans.popitem(last=False)

@@ -156,3 +156,97 @@ def test_plan_cache_is_bounded_and_evicted_shapes_still_work(device, monkeypatch
             testing.assert_close(new(x.float()), ref(x), 1e-5)
         assert len(new.pipeline._plans) <= 2
     assert [k[0][0] for k in new.pipeline._plans] == [3, 1]
+
+
+def _pair(device, seed=0):
+    """The reference and ``ModelNew`` in float64 with the same parameters and statistics."""
+    torch.manual_seed(seed)
+    ref = Model(2, 3, 3, 2, 1).double().to(device)
+    with torch.no_grad():
+        ref.batch_norm.running_mean.uniform_(-1, 1)
+        ref.batch_norm.running_var.uniform_(0.5, 1.5)
+        ref.batch_norm.weight.uniform_(0.5, 1.5)
+        ref.batch_norm.bias.uniform_(-1, 1)
+    new = ModelNew(2, 3, 3, 2, 1).double().to(device)
+    new.load_state_dict(ref.state_dict())
+    return ref, new
+
+
+@pytest.mark.parametrize("model_training", [True, False], ids=["frozen", "unfrozen"])
+def test_batch_norms_own_mode_decides(device, model_training):
+    """A model in training whose batch norm is frozen (``batch_norm.eval()``: fine-tuning)
+    normalises with the running statistics and leaves them alone, and a model in evaluation
+    whose batch norm trains takes batch statistics and updates them: the batch norm's mode
+    decides, as in the reference's forward."""
+    ref, new = _pair(device)
+    for m in (ref, new):
+        m.train(model_training)
+        m.batch_norm.train(not model_training)
+    x = torch.randn(2, 2, 2, 3, 3, dtype=torch.float64, device=device) * 2 + 1
+    for step in range(3):  # (recorded at the second call, replayed at the third)
+        with torch.no_grad():
+            testing.assert_close(new(x), ref(x), 1e-10, f"call {step}")
+    for name, t in ref.batch_norm.state_dict().items():
+        testing.assert_close(new.batch_norm.state_dict()[name], t, 1e-12, name, atol=0)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_runs_its_own_modules(device, how):
+    """A copy of a model (``copy.deepcopy``, or ``torch.save`` and ``torch.load``) runs its own
+    parameters and statistics in every kind of call, the backward's included, and not those of
+    the model it was copied from; the copy starts without the original's caches."""
+    import io
+
+    ref, new = _pair(device)
+    x = torch.randn(2, 2, 2, 3, 3, dtype=torch.float64, device=device)
+    new.eval()
+    with torch.no_grad():
+        new(x), new(x)  # (the original's calls recorded)
+    if how == "deepcopy":
+        copied = copy.deepcopy(new)
+    else:
+        buf = io.BytesIO()
+        torch.save(new, buf)
+        buf.seek(0)
+        copied = torch.load(buf, weights_only=False)
+    assert copied.pipeline._handle != new.pipeline._handle
+    assert not copied.pipeline._prepared and not copied.pipeline._plans
+    ref_copy = copy.deepcopy(ref)
+    with torch.no_grad():
+        for m in (copied, ref_copy):
+            m.conv_transpose.weight.mul_(-3)
+    for m in (new, copied, ref, ref_copy):
+        m.train()
+    xg = x.clone().requires_grad_(True)
+    out = copied(xg)  # grad mode: through the ops, which name the pipeline by its handle
+    xr = x.clone().requires_grad_(True)
+    expected = ref_copy(xr)
+    testing.assert_close(out, expected, 1e-10, "output")
+    g = torch.randn_like(expected)
+    out.backward(g)
+    expected.backward(g)
+    testing.assert_close(xg.grad, xr.grad, 1e-10, "dL/dx")
+    testing.assert_close(copied.conv_transpose.weight.grad, ref_copy.conv_transpose.weight.grad,
+                         1e-10, "dL/dW")
+    assert int(copied.batch_norm.num_batches_tracked) == 1
+    assert int(new.batch_norm.num_batches_tracked) == 0  # (the original's calls: evaluation)
+    assert new.conv_transpose.weight.grad is None
+
+
+def test_a_call_under_inference_mode_keeps_later_calls_working(device):
+    """A shape's first call under ``torch.inference_mode`` (recalibrating batch norm, say)
+    makes its buffers as normal tensors: later calls outside it, after an in-place parameter
+    update, write them again and match the reference."""
+    ref, new = _pair(device)
+    x = torch.randn(2, 2, 2, 3, 3, dtype=torch.float64, device=device)
+    for training in (True, False):
+        for m in (ref, new):
+            m.train(training)
+        with torch.inference_mode():
+            testing.assert_close(new(x), ref(x), 1e-10, "inside inference mode")
+        with torch.no_grad():
+            for m in (ref, new):
+                m.conv_transpose.bias.add_(0.5)
+                m.conv_transpose.weight.mul_(1.1)
+            for step in range(3):
+                testing.assert_close(new(x), ref(x), 1e-10, f"after it, call {step}")
