@@ -47,9 +47,13 @@ def half_output(x: torch.Tensor) -> torch.dtype | None:
     ``torch.autocast`` for ``x``'s device type, the autocast dtype for a float32 or half input
     (eager's convolution casts its input to it there; float64 stays float64); outside it, a
     half-precision input's own dtype. A float32 call outside any autocast costs a dtype check
-    and one flag read (0.2 µs)."""
+    and one flag read (0.2 µs). An input of any other dtype (integer, bool, complex) is no
+    half-precision call, under autocast or not: the pipeline's checks refuse it, as eager's
+    convolution does."""
     dtype = x.dtype
     if dtype == torch.float64 or (dtype == torch.float32 and not _ANY_AUTOCAST()):
+        return None
+    if dtype != torch.float32 and dtype not in HALF:
         return None
     device_type = x.device.type
     # (the kernels run on CUDA tensors, or on CPU ones under the simulator; another device's

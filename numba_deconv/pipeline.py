@@ -834,6 +834,14 @@ class Pipeline:
         if weight.dtype != x.dtype:
             raise TypeError(
                 f"input dtype {x.dtype} does not match the parameters' dtype {weight.dtype}")
+        for tensors, name in self._watched[:6]:  # (not num_batches_tracked, an int64 count)
+            t = tensors.get(name)
+            if t is not None and t.dtype != weight.dtype:
+                raise TypeError(
+                    f"the convolution's weight is {weight.dtype} but {name} of the "
+                    f"{'convolution' if tensors is self.conv._parameters else 'batch norm'} is "
+                    f"{t.dtype}: PyTorch's modules refuse mixed dtypes too (convert both "
+                    f"modules with .to(dtype))")
         device = tensor_device()
         if x.device != device and not (x.device.type == device.type == "cuda"
                                        and x.device.index == device.index):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from numba_deconv import Pipeline
+from numba_deconv import ModelNew, Pipeline
 from numba_deconv.reference import Model
 
 
@@ -162,3 +162,28 @@ def test_non_contiguous_and_channels_last(device):
             expected = model(x)
         got = ours(x.float())
         testing.assert_close(got, expected, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_non_float_input_refused_under_autocast(device, dtype):
+    """Under ``torch.autocast`` only a float32 or half-precision input is cast to the autocast
+    dtype (as eager's convolution does); any other is refused, as eager refuses it."""
+    model = ModelNew(2, 3, 3, 2, 1).to(device)
+    x = torch.ones(1, 2, 2, 3, 3, device=device).to(dtype)
+    with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="input dtype"):
+            model(x)
+
+
+@pytest.mark.parametrize("conv_dtype, bn_dtype", [(torch.float64, torch.float32),
+                                                  (torch.float32, torch.float64)])
+@pytest.mark.parametrize("training", [False, True])
+def test_modules_of_two_dtypes_refused(device, conv_dtype, bn_dtype, training):
+    """A convolution and a batch norm in different dtypes are refused with a clear error, as
+    PyTorch's modules refuse them."""
+    model = ModelNew(2, 3, 3, 2, 1).to(device).train(training)
+    model.conv_transpose.to(conv_dtype)
+    model.batch_norm.to(bn_dtype)
+    x = torch.randn(1, 2, 2, 3, 3, device=device, dtype=conv_dtype)
+    with torch.no_grad(), pytest.raises(TypeError, match="refuse mixed dtypes"):
+        model(x)
