@@ -271,7 +271,8 @@ class _Eager(torch.autograd.Function):
     """The forward op and its autograd formula as a plain ``autograd.Function``: what a call on
     real tensors runs outside any tracer (``_plain_eager``). The same bodies without the
     dispatcher's layers, which cost more host time than the whole operator's work at small
-    sizes; tracers (torch.compile, fake tensors, make_fx, torch.func) see the ops."""
+    sizes; tracers (torch.compile, fake tensors, make_fx) see the ops. torch.func's transforms
+    (``grad``, ``vmap``, ``jacrev``) are not supported: under them the op's autograd raises."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -311,7 +312,7 @@ def apply(pipe, x: Tensor, half: Optional[torch.dtype] = None) -> Tensor:
         pipe._check(x)  # bad input fails here, on any device (meta tensors run no kernel)
     tracks = folding.tracks_running_stats(bn)
     training = pipe.training
-    # the ops where a tracer (torch.compile, make_fx, fake tensors, torch.func) must see them;
+    # the ops where a tracer (torch.compile, make_fx, fake tensors) must see them;
     # plain eager calls run the forward's body as ``_Eager``, whose statistics kernel updates
     # the running statistics too
     plain = _plain_eager(compiling)
