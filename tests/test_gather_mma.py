@@ -53,10 +53,21 @@ def _expected_copy(x: torch.Tensor, launch, groups: int, operand: str = "tf32") 
     """``round_input``'s copy built in numpy: (N, groups, chunks, ID, IH, padded_w, 8) words,
     each column's slots ``chunk_slot(k)`` holding the group's channel ``8 * chunk + k`` at input
     column ``col - lpad``, TF32-rounded, zeros elsewhere; with half-precision operands 16
-    half-precision slots a column (``half_slot``), channel ``16 * chunk + k``, as int32 words."""
+    half-precision slots a column (``half_slot``), channel ``16 * chunk + k``, as int32 words;
+    with split operands 16 float32 words a column, channel ``8 * chunk + k``'s big and small
+    TF32 halves in ``split_slots(k)``."""
     n, ci, d, h, w = x.shape
     kc = gather_mma.chunk_channels(operand)
     ipg, chunks = ci // groups, -(-(ci // groups) // kc)
+    if operand == gather_mma.SPLIT:
+        copy = np.zeros((n, groups, chunks, d, h, launch.padded_w, 16), np.float32)
+        xc = x.cpu().numpy().reshape(n, groups, ipg, d, h, w)
+        big = mma.round_tf32(xc)
+        small = mma.round_tf32(xc - big)
+        for c in range(ipg):
+            for half_, slot in zip((big, small), gather_mma.split_slots(c % kc)):
+                copy[:, :, c // kc, :, :, launch.lpad:launch.lpad + w, slot] = half_[:, :, c]
+        return copy.reshape(-1)
     half = operand != "tf32"
     copy = np.zeros((n, groups, chunks, d, h, launch.padded_w, 2 * gather_mma.WORDS if half
                      else gather_mma.WORDS), np.uint16 if half else np.float32)
@@ -78,7 +89,10 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int 
     w = torch.randn(*geom.weight_shape(), generator=gen).to(device)
     conv = lambda a, b: torch.nn.functional.conv_transpose3d(  # noqa: E731
         a, b, None, geom.stride, geom.padding, geom.output_padding, g, geom.dilation)
-    xr, wr = _rounded(x, operand).double(), _rounded(w, operand).double()
+    split = operand == gather_mma.SPLIT
+    # (split operands: the exact convolution, within float32's order)
+    xr, wr = (x.double(), w.double()) if split else \
+        (_rounded(x, operand).double(), _rounded(w, operand).double())
     y = conv(xr, wr)
     bound_y = conv(xr.abs(), wr.abs())
     out_spatial = tuple(y.shape[2:])
@@ -90,23 +104,26 @@ def _kernel_run(device, case, mode: str, zero_mean: bool = False, resident: int 
     scale = (torch.rand(co, generator=gen) + 0.5).to(device)
     out = torch.full((batch, co, *out_spatial), float("nan"), device=device)
     ss = torch.full((batch, co, launch.slots), float("nan"), dtype=torch.float64, device=device)
-    x_tf32 = torch.empty(x.numel(), device=device)
+    x_tf32 = None if split else torch.empty(x.numel(), device=device)
     # poisoned: NaN, or for int32 words a NaN's pattern in both halves
     x_pad = torch.full((launch.padded_numel,), float("nan"), device=device) \
-        if operand == "tf32" else torch.full((launch.padded_numel,), 0x7FC17FC1,
-                                             dtype=torch.int32, device=device)
+        if operand in ("tf32", gather_mma.SPLIT) else torch.full(
+            (launch.padded_numel,), 0x7FC17FC1, dtype=torch.int32, device=device)
     launch.round_input(x.view(-1), x_tf32, x_pad)
-    assert torch.equal(x_tf32, _rounded(x, operand).view(-1))
+    if not split:
+        assert torch.equal(x_tf32, _rounded(x, operand).view(-1))
     assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, g, operand))
     launch.run("float32", mode in ("train", "sums"), x_pad, wmm, mean, out.view(-1), ss,
                scale=scale if mode in ("scaled", "rescaled") else None, mode=mode)
     a = scale.double().view(1, -1, 1, 1, 1) if mode in ("scaled", "rescaled") else 1.0
     mu = mean.view(batch, co, 1, 1, 1)
-    # float32 accumulation of exact TF32 products, the mean rounded to float32
+    # float32 accumulation of exact TF32 products, the mean rounded to float32; split operands
+    # lose up to ~3 * 2**-22 of each product and accumulate three mma a product
+    rel = 2.0**-19 if split else 2.0**-20
     if mode == "rescaled":
-        want, bound = (y - mu) * a, 2.0**-20 * (bound_y + mu.abs()) * a
+        want, bound = (y - mu) * a, rel * (bound_y + mu.abs()) * a
     else:
-        want, bound = y * a - mu, 2.0**-20 * (bound_y * a + mu.abs())
+        want, bound = y * a - mu, rel * (bound_y * a + mu.abs())
     return out, ss, want, bound, launch
 
 
@@ -228,6 +245,46 @@ def test_split_k_with_half_operands(device, monkeypatch):
     _check(out, ss, want, bound, "train")
 
 
+# split operands (3xTF32): the default problem's pattern in every mode, the odd strides with
+# dilation and groups, ragged channel tiles, channel tiles of 16 and a W stride of 5
+SPLIT_OPERAND_CASES = [
+    *((KERNEL_CASES[0], mode) for mode in MODES),
+    *((KERNEL_CASES[i], mode) for i in (1, 6) for mode in ("eval", "train")),
+    (KERNEL_CASES[4], "eval"), (KERNEL_CASES[7], "eval")]
+
+
+@pytest.mark.parametrize("case, mode", SPLIT_OPERAND_CASES,
+                         ids=lambda c: c if isinstance(c, str) else "x".join(map(str, c[:2])))
+def test_split_operands_against_the_exact_convolution(device, case, mode):
+    """Strict float32 on tensor cores (``SPLIT``): within float32's order of the exact float64
+    convolution of the unrounded operands, element by element (TF32 operands miss it by
+    ~1e-4); the copy is each value's big and small halves (``_kernel_run`` checks it)."""
+    out, ss, want, bound, launch = _kernel_run(device, case, mode, operand=gather_mma.SPLIT)
+    assert launch.operand == gather_mma.SPLIT
+    _check(out, ss, want, bound, mode)
+    if mode != "sums":
+        assert relative_error(out, want) < 1e-6
+
+
+def test_split_k_with_split_operands(device, monkeypatch):
+    monkeypatch.setattr(gather_mma, "MIN_SPLIT_MMA", 1)
+    case, splits, _ = SPLIT_CASES[0]
+    out, ss, want, bound, launch = _kernel_run(device, case, "train", resident=132 * 512,
+                                               operand=gather_mma.SPLIT)
+    assert (launch.tiling.chunk_split, launch.tiling.tap_split) == splits
+    _check(out, ss, want, bound, "train")
+
+
+def test_split_copy_slots_are_the_b_fragments():
+    """Lane t's 16-byte load of a column (words 4t .. 4t + 3) is its B fragment's two registers'
+    big halves (channels t and t + 4), then their small halves; every slot once."""
+    for t in range(4):
+        for reg, name in enumerate(("b0", "b1")):
+            k, _ = mma.FRAGMENTS[name][1](0, t)
+            assert gather_mma.split_slots(k) == (4 * t + reg, 4 * t + 2 + reg)
+    assert sorted(s for k in range(8) for s in gather_mma.split_slots(k)) == list(range(16))
+
+
 def test_the_kernel_rounds_to_tf32(device):
     """Not float32 arithmetic: the kernel's convolution is the TF32 one, ~1e-4 away from the
     exact convolution of the same (unrounded) operands."""
@@ -248,18 +305,22 @@ def test_the_input_copys_64_bit_form(device):
     geom = ConvGeometry.create(12, 4, 3, 1, 0, 0, 2, False, 1)
     spatial = (2, 3, 5)
     x = torch.randn(2, 12, *spatial, generator=torch.Generator().manual_seed(3)).to(device)
-    for operand in ("tf32", "bfloat16"):
+    for operand in ("tf32", "bfloat16", gather_mma.SPLIT):
         launch = gather_mma.mma_launch(geom, 2, spatial, geom.output_spatial(spatial),
                                        operand=operand)
         assert launch.lpad > 0 and launch.padded_w > launch.lpad + spatial[2]
         sizes, divs = launch.copy_sizes
+        split = operand == gather_mma.SPLIT
         for wide in (False, True):
             x_tf32 = torch.full((x.numel(),), float("nan"), device=device)
             x_pad = torch.full((launch.padded_numel,), -1, device=device,
-                               dtype=torch.float32 if operand == "tf32" else torch.int32)
-            launch_kernel(gather_mma.make_round_input(wide, operand), 2, 64,
+                               dtype=torch.int32 if operand == "bfloat16" else torch.float32)
+            launch_kernel(gather_mma.make_round_input(wide, operand, not split), 2, 64,
                           (x.view(-1), x_tf32, x_pad, sizes, divs))
-            assert torch.equal(x_tf32, _rounded(x, operand).view(-1))
+            if split:   # (the input is not rounded: nothing written there)
+                assert torch.isnan(x_tf32).all()
+            else:
+                assert torch.equal(x_tf32, _rounded(x, operand).view(-1))
             assert np.array_equal(x_pad.cpu().numpy(), _expected_copy(x, launch, 2, operand))
 
 
@@ -343,6 +404,19 @@ def test_arranged_weights_are_tf32(device):
         flat = torch.cat([w.reshape(-1), w.new_zeros(1)])[index.reshape(-1)]
         assert words.dtype == torch.int32 and words.numel() == index.numel() // 2
         assert torch.equal(words.view(getattr(torch, operand)), flat.to(getattr(torch, operand)))
+    # split operands: per lane its four big halves, then its four small ones, both TF32, adding
+    # up to the weight within 2**-22 of it
+    launch = gather_mma.mma_launch(geom, 1, (2, 2, 2), geom.output_spatial((2, 2, 2)),
+                                   operand=gather_mma.SPLIT)
+    index = torch.from_numpy(launch.weight_index(geom)).to(device)
+    assert index.shape[-1] == 4
+    flat = torch.cat([w.reshape(-1), w.new_zeros(1)])[index.reshape(-1)]
+    both = gather_mma.arrange_weights(w, index, operand=gather_mma.SPLIT).view(-1, 2, 4)
+    big, small = both[:, 0].reshape(-1), both[:, 1].reshape(-1)
+    assert torch.equal(big, _rounded(flat, "tf32")) and torch.equal(small, _rounded(small, "tf32"))
+    assert torch.equal(small, _rounded(flat - big, "tf32"))
+    assert ((big.double() + small.double() - flat.double()).abs()
+            <= 2.0**-22 * flat.double().abs()).all()
 
 
 @pytest.mark.parametrize("opg", [1, 3, 8, 16, 17, 24, 40, 48, 49, 64, 80, 112, 128])

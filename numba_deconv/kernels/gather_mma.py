@@ -58,6 +58,18 @@ weight: ``mma.sync`` m16n8k16, chunks of 16 input channels, each 32-bit word of 
 the arranged weights two half values (``half_slot``: a lane's two B registers still one 8-byte
 load), float32 accumulation. The kernel is the same but for the ``mma`` and the chunk; a call
 computes in float32 (its parameters', as eager's autocast keeps batch norm).
+
+Strict float32 on tensor cores (``"tf32x3"``, the split CUTLASS calls fast-accurate fp32): each
+operand is the sum of two TF32 values, ``big = tf32(v)`` and ``small = tf32(v - big)``, which
+together keep 22 of float32's 24 mantissa bits, and each product is three ``mma``:
+``a_small b_big + a_big b_small + a_big b_big`` (``a_small b_small``, 2**-22 of the product,
+left out), each step's three summed from zero by the tensor cores and added to the
+accumulators in float32 (the tensor cores' additions truncate: over hundreds of steps their
+bias would grow to ~1e-5 of the output). A column of the input's copy holds both halves, 16 words
+(``column_words``: lane t's big pair, then its small pair, so its four B registers are one
+16-byte load), and a lane's arranged weights 8 words (its four big A registers, then its four
+small ones). Its error against float64 is float32's order (docs/design.md §2.9), and the means
+box_sums takes are of the unrounded operands, as the FFMA gather's.
 """
 
 from __future__ import annotations
@@ -86,9 +98,10 @@ from .warp import FULL_MASK, WARP_SIZE
 KC = 8                    # input channels per K step of TF32 operands (the mma's k)
 WORDS = 8                 # 32-bit words of a column of the input's copy: a chunk's channels
 #: the operands' precision: TF32 (a float32 call's; ``mma.sync`` m16n8k8, 8 channels a chunk),
-#: or a half dtype's (a half-precision call's, as eager's autocast casts its convolution's
-#: operands; m16n8k16, 16 channels a chunk, two to a word)
-OPERANDS = ("tf32", "bfloat16", "float16")
+#: a half dtype's (a half-precision call's, as eager's autocast casts its convolution's
+#: operands; m16n8k16, 16 channels a chunk, two to a word), or two TF32 values each (a strict
+#: float32 call's, ``"tf32x3"``: three m16n8k8 a product)
+OPERANDS = ("tf32", "bfloat16", "float16", "tf32x3")
 #: False: half-precision calls on TF32 operands, as float32 calls (probes)
 HALF_OPERANDS = True
 ROWS = 4                  # warps (output rows) per block
@@ -147,7 +160,25 @@ def chunk_channels(operand: str) -> int:
     """Input channels of one K step (a chunk) with ``operand``'s precision (``OPERANDS``)."""
     if operand not in OPERANDS:
         raise ValueError(f"no tensor-core operand {operand!r} (one of {OPERANDS})")
-    return KC if operand == "tf32" else 2 * KC
+    return 2 * KC if operand in HALF_OPERAND_KINDS else KC
+
+
+#: the operands of two half-precision values a word (m16n8k16)
+HALF_OPERAND_KINDS = ("bfloat16", "float16")
+SPLIT = "tf32x3"          # strict float32 as a big and a small TF32 value (3xTF32)
+
+
+def column_words(operand: str) -> int:
+    """32-bit words of one column of the input's copy: a chunk's channels, each value as one
+    word (TF32), two values a word (half precision), or its big and small TF32 halves
+    (``SPLIT``)."""
+    return 2 * WORDS if operand == SPLIT else WORDS
+
+
+def lane_words(operand: str) -> int:
+    """32-bit words of a lane's A registers of one (tap, chunk, m-tile) in the arranged
+    weights: four, or eight for ``SPLIT`` (the big four, then the small four)."""
+    return 8 if operand == SPLIT else 4
 
 
 def _tile_stride(seg: int) -> int:
@@ -357,8 +388,8 @@ def mma_launch(geom: ConvGeometry, batch: int, in_spatial, out_spatial,
     if grid >= fastdiv.LIMIT:
         raise ValueError(f"tensor-core gather grid of {grid} blocks exceeds the 2**31 - 1 a "
                          "launch allows")
-    padded_numel = batch * geom.groups * chunks * WORDS * in_spatial[0] * in_spatial[1] \
-        * padded_w
+    padded_numel = batch * geom.groups * chunks * column_words(operand) * in_spatial[0] \
+        * in_spatial[1] * padded_w
     wide = max(padded_numel, batch * geom.out_channels * math.prod(out_spatial)) >= fastdiv.LIMIT
     dims = (tuple(int(sizes[k]) for k in _SIZES),
             tuple(fastdiv.divisor(sizes[k]) for k in _DIVISORS))
@@ -379,7 +410,8 @@ def weight_index(geom: ConvGeometry, mt: int, operand: str = "tf32") -> np.ndarr
     block ``A[c, ci] = w[ci, c, tap]``. -1 marks a zero slot (a D tap the phase does not have, an
     input or output channel past the group's end). With half-precision operands (``operand``)
     chunks of 16 input channels and a last axis of 2: each register holds two consecutive
-    columns of the 16 x 16 block, the lower first (``mma.FRAGMENTS_K16``)."""
+    columns of the 16 x 16 block, the lower first (``mma.FRAGMENTS_K16``). With ``SPLIT``
+    operands the same index as TF32's: ``arrange_weights`` places each weight's two halves."""
     d_axis, h_axis, w_axis = geom.axes()
     d_taps = d_axis.phase_taps()
     tdmax = d_axis.most_phase_taps()
@@ -437,11 +469,16 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     call's, whose output this epilogue writes last), as the FFMA gather's does. ``operand``: the
     precision of the operands its ``x`` and ``wmm`` hold (``OPERANDS``): TF32 in float32
     arrays, or a half dtype's, two values to an int32 word, multiplied by ``mma.sync`` m16n8k16
-    (16 input channels a chunk)."""
+    (16 input channels a chunk), or (``SPLIT``) each value's big and small TF32 halves in
+    float32 arrays, three ``mma`` a product."""
     idx = int64 if wide else int32
     chunk_channels(operand)
-    mma_op = {"tf32": mma_tf32, "bfloat16": mma_bf16, "float16": mma_f16}[operand]
-    bits = f32_bits if operand == "tf32" else _word
+    split = operand == SPLIT
+    mma_op = {"tf32": mma_tf32, "bfloat16": mma_bf16, "float16": mma_f16,
+              SPLIT: mma_tf32}[operand]
+    bits = _word if operand in HALF_OPERAND_KINDS else f32_bits
+    cw = column_words(operand)      # words of a column of the input's copy
+    lw = lane_words(operand)        # words of a lane's A registers of one fragment
     assert mode in MODES, mode
     # ``sums``: train's partials and no output; ``rescaled``: (acc - mean) * scale
     train, scaled, rescaled = mode in ("train", "sums"), mode == "scaled", mode == "rescaled"
@@ -466,12 +503,12 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     n_wt = len(w_taps)
     w_rw = tuple(r for r, _ in w_taps) or (0,)
     nct = 16 * mt
-    frag = WARP_SIZE * 4                          # floats of one (tap, chunk, m-tile) block
+    frag = WARP_SIZE * lw                         # words of one (tap, chunk, m-tile) block
     seg = 8 * nq * sw
     stride = _tile_stride(seg)
     passes = -(-seg // WARP_SIZE)
     n_acc = sw * nq * mt * 4
-    n_a = 4 * mt
+    n_a = lw * mt
     n_sq = 2 * mt
     part_shape = (rows, nct) if train else (1, 1)
     splits = chunk_split * tap_split
@@ -482,9 +519,9 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
     # the simulator's jit takes no register cap (and has no registers)
     @cuda.jit(**({} if is_simulator() else {"max_registers": MAX_REGS}))
     def conv_transpose3d_gather_mma(
-        x,      # (N, groups, chunks, ID, IH, padded_w, 8) 32-bit words, flattened: the input's
-                # copy (``round_input``: float32 TF32 values, or int32 pairs of half values),
-                # 8-byte aligned
+        x,      # (N, groups, chunks, ID, IH, padded_w, cw) 32-bit words, flattened: the input's
+                # copy (``round_input``: float32 TF32 values, int32 pairs of half values, or
+                # (``SPLIT``) big and small halves), 8-byte (``SPLIT``: 16-byte) aligned
         wmm,    # (…,) the weights arranged by ``weight_index`` (``arrange_weights``: float32
                 # TF32 values, or int32 pairs of half values), 16-byte aligned
         mean,   # (N, CO) f64: spatial mean of the bias-free convolution (scaled except TRAIN)
@@ -537,15 +574,16 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         for k in range(n_acc):
             acc[k] = float32(0)
         a = cuda.local.array(n_a, uint32)
-        # word strides of the input copy (``round_input``): a row of columns of 8 words (a
+        # word strides of the input copy (``round_input``): a row of columns of cw words (a
         # chunk's channels), a plane, a chunk
-        wp = int32(in_wp * WORDS)
+        wp = int32(in_wp * cw)
         plane = idx(in_h * wp)
         chunk_stride = idx(in_d * plane)
         # the group's first chunk, at this lane's first column (quotient q0 + g) and its
-        # channels t and t + 4 (side by side: its two B registers, one 8-byte load)
+        # channels t and t + 4 (side by side: its two B registers, one 8-byte load; ``SPLIT``:
+        # their big halves, then their small ones, one 16-byte load)
         xg = idx(idx((n * gchunks + grp * chunks) * chunk_stride)
-                 + (q0 + g + shift_wp) * WORDS + 2 * tq)
+                 + (q0 + g + shift_wp) * cw + (lw // 2) * tq)
         # The warp's phases, read once from the tables (a tuple indexed at run time would be a
         # switch at every step): its D taps td = 0 .. nd - 1 read input plane id0 - td * d_step, its
         # H taps j = 0 .. nh - 1 input row ih0 - j * h_step. Their arranged weights
@@ -562,7 +600,7 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
         wtap_h = uint32(uint32(ctiles) * uint32(chunks) * wchunk)
         wtap_d = uint32(nht * wtap_h)
         w0 = uint32(uint32(uint32(rd * tdmax * nht + h_tab[2, rh]) * wtap_h)
-                    + uint32(ctile) * uint32(chunks) * wchunk + uint32(lane * 4))
+                    + uint32(ctile) * uint32(chunks) * wchunk + uint32(lane * lw))
         if row_ok:
             for chunk_ in range(ks_c, chunks, chunk_split):
                 chunk = int32(chunk_)
@@ -590,23 +628,58 @@ def make_mma_kernel(mt: int, nq: int, rows: int, dpat: tuple, hpat: tuple, wpat:
                             e = w_e[wi]
                             for m in range(mt):
                                 f0, f1, f2, f3 = load4(wmm, base + uint64((wi * mt + m) * frag))
-                                a[4 * m] = bits(f0)
-                                a[4 * m + 1] = bits(f1)
-                                a[4 * m + 2] = bits(f2)
-                                a[4 * m + 3] = bits(f3)
+                                a[lw * m] = bits(f0)
+                                a[lw * m + 1] = bits(f1)
+                                a[lw * m + 2] = bits(f2)
+                                a[lw * m + 3] = bits(f3)
+                                if split:   # the small halves
+                                    f0, f1, f2, f3 = load4(
+                                        wmm, base + uint64((wi * mt + m) * frag + 4))
+                                    a[lw * m + 4] = bits(f0)
+                                    a[lw * m + 5] = bits(f1)
+                                    a[lw * m + 6] = bits(f2)
+                                    a[lw * m + 7] = bits(f3)
                             for u in range(nq):
-                                v0, v1 = load2(x, r0 + uint64((e + 8 * u) * WORDS))
+                                if split:   # the big pair, then the small one
+                                    v0, v1, v2, v3 = load4(x, r0 + uint64((e + 8 * u) * cw))
+                                    s0 = bits(v2)
+                                    s1 = bits(v3)
+                                else:
+                                    v0, v1 = load2(x, r0 + uint64((e + 8 * u) * cw))
+                                    s0 = s1 = uint32(0)
                                 b0 = bits(v0)
                                 b1 = bits(v1)
                                 for m in range(mt):
                                     k = ((rw * nq + u) * mt + m) * 4
-                                    d0, d1, d2, d3 = mma_op(
-                                        a[4 * m], a[4 * m + 1], a[4 * m + 2], a[4 * m + 3],
-                                        b0, b1, acc[k], acc[k + 1], acc[k + 2], acc[k + 3])
-                                    acc[k] = d0
-                                    acc[k + 1] = d1
-                                    acc[k + 2] = d2
-                                    acc[k + 3] = d3
+                                    if split:
+                                        # the step's three products from zero, the small ones
+                                        # first (a_big b_small, a_small b_big, a_big b_big),
+                                        # then added to the accumulators: the tensor cores'
+                                        # own additions truncate, so the sum over the steps
+                                        # is float32's, rounded to nearest
+                                        z = float32(0)
+                                        d0, d1, d2, d3 = mma_op(
+                                            a[lw * m], a[lw * m + 1], a[lw * m + 2],
+                                            a[lw * m + 3], s0, s1, z, z, z, z)
+                                        d0, d1, d2, d3 = mma_op(
+                                            a[lw * m + 4], a[lw * m + 5], a[lw * m + 6],
+                                            a[lw * m + 7], b0, b1, d0, d1, d2, d3)
+                                        d0, d1, d2, d3 = mma_op(
+                                            a[lw * m], a[lw * m + 1], a[lw * m + 2],
+                                            a[lw * m + 3], b0, b1, d0, d1, d2, d3)
+                                        acc[k] += d0
+                                        acc[k + 1] += d1
+                                        acc[k + 2] += d2
+                                        acc[k + 3] += d3
+                                    else:
+                                        d0, d1, d2, d3 = mma_op(
+                                            a[lw * m], a[lw * m + 1], a[lw * m + 2],
+                                            a[lw * m + 3], b0, b1, acc[k], acc[k + 1],
+                                            acc[k + 2], acc[k + 3])
+                                        acc[k] = d0
+                                        acc[k + 1] = d1
+                                        acc[k + 2] = d2
+                                        acc[k + 3] = d3
 
         # ---- epilogue: centre (and scale), the shared tile, stores of whole segments --------
         # This lane's channels: c0 + 16m + 8h + g, h in (0, 1) (the C fragment's rows); its
@@ -716,8 +789,9 @@ def launch_gather_mma(launch: MmaLaunch, train: bool, x, wmm, mean, out, ss, *, 
     ``arrange_weights`` make them."""
     if wmm.data_ptr() % 16:  # the fragments' 16-byte loads (arrange_weights' tensors are)
         raise ValueError("gather_mma: the arranged weights must be 16-byte aligned")
-    if x.data_ptr() % 8:     # a lane's two B registers, one 8-byte load
-        raise ValueError("gather_mma: the input's copy must be 8-byte aligned")
+    align = 16 if launch.operand == SPLIT else 8   # a lane's B registers, one load
+    if x.data_ptr() % align:
+        raise ValueError(f"gather_mma: the input's copy must be {align}-byte aligned")
     if mode is None:
         mode = "train" if train else ("scaled" if scale is not None else "eval")
     kernel = mma_kernel(launch, mode, store)
@@ -730,14 +804,25 @@ def arrange_weights(weight, index, out=None, operand: str = "tf32"):
     """The kernel's ``wmm``: ``gather.arrange_weights`` rounded to TF32 (in place), or with
     half-precision operands (``index`` of ``weight_index``'s pairs) rounded to nearest even in
     that dtype, as eager's autocast casts its convolution's weight, each pair one int32 word
-    (the lower column in its low half; ``out``: int32, a word a pair)."""
-    if operand == "tf32":
-        from .mma import launch_round_to_tf32
+    (the lower column in its low half; ``out``: int32, a word a pair); with ``SPLIT`` operands
+    each lane's four values as their big TF32 halves, then their small ones (``out``: float32,
+    twice ``index``'s size)."""
+    from .mma import launch_round_to_tf32
 
+    if operand == "tf32":
         arranged = gather.arrange_weights(weight, index, out=out)
         launch_round_to_tf32(arranged, arranged)
         return arranged
     import torch
+
+    if operand == SPLIT:
+        arranged = gather.arrange_weights(weight, index)
+        big = torch.empty_like(arranged)
+        launch_round_to_tf32(arranged, big)
+        small = arranged.sub_(big)           # exact: big holds v's leading bits
+        launch_round_to_tf32(small, small)
+        both = torch.stack((big.view(-1, 4), small.view(-1, 4)), 1).view(-1)
+        return both if out is None else out.copy_(both)
 
     chunk_channels(operand)
     words = gather.arrange_weights(weight, index).to(getattr(torch, operand)).view(torch.int32)
@@ -751,6 +836,14 @@ def chunk_slot(k):
     """The slot of a chunk's input channel ``k`` (0-7) in a column of the interleaved copy: the
     B fragment's channels t and t + 4 side by side (0, 4, 1, 5, 2, 6, 3, 7)."""
     return 2 * (k % 4) + k // 4
+
+
+def split_slots(k):
+    """The slots of a chunk's input channel ``k`` (0-7) in a column of 16 words of a ``SPLIT``
+    copy: its big half's and its small half's. Lane t's four words ``4t .. 4t + 3`` are its B
+    registers' big halves (channels t and t + 4), then their small halves."""
+    big = 4 * (k % 4) + k // 4
+    return big, big + 2
 
 
 def half_slot(k):
@@ -769,13 +862,18 @@ def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
     of a column holds input channel ``chunk * 8 + k`` of the group at input column
     ``col - lpad``, rounded to TF32 (``mma.to_tf32``); with half-precision ones (``operand``;
     int32 words) a column holds 16 channels, channel ``chunk * 16 + k`` in half slot
-    ``half_slot(k)``, rounded to nearest even in that dtype. With ``rounded``, ``dst`` (the
+    ``half_slot(k)``, rounded to nearest even in that dtype; with ``SPLIT`` operands a column
+    is 16 words, channel ``chunk * 8 + k``'s big and small TF32 halves in ``split_slots(k)``.
+    With ``rounded`` (not for ``SPLIT``: box_sums takes its means of the unrounded input), ``dst`` (the
     input's shape, flattened) gets the same rounded values, as float32. ``wide``: 64-bit
     divisions (``padded`` has 2**31 words or more; otherwise ``fastdiv``'s). A thread decodes
     its column's place once; a warp reads 32 consecutive columns of each channel (whole
     sectors) and writes its columns' 1 KiB in order, 16 bytes a store (``vecload.store4``)."""
-    half = operand != "tf32"
+    half = operand in HALF_OPERAND_KINDS
+    two = operand == SPLIT
+    assert not (two and rounded), "a SPLIT copy's input is not rounded"
     kc = chunk_channels(operand)
+    cw = column_words(operand)
     pack = pack_f16x2 if operand == "float16" else pack_bf16x2
     value = load_value(operand if half else "bfloat16")
     word = int32 if half else float32
@@ -787,10 +885,10 @@ def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
         in_w, lpad, ipg, in_ch = sizes
         pw_d, h_d, d_d, chunks_d, groups_d = divs
         chan = int64(d_d[0]) * h_d[0] * in_w    # from one input channel to the next
-        words = cuda.local.array(WORDS, word)
+        words = cuda.local.array(cw, word)
         i = cuda.grid(1)
         step = cuda.gridsize(1)
-        while i < padded.size // WORDS:
+        while i < padded.size // cw:
             rest, col = split(index_t(i), pw_d)
             rest, h = split(rest, h_d)
             rest, d = split(rest, d_d)
@@ -802,7 +900,16 @@ def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
             left = int64(ipg) - c0                 # the chunk's channels that exist
             j = (((int64(n) * in_ch + int64(grp) * ipg + c0) * d_d[0] + int64(d)) * h_d[0]
                  + int64(h)) * in_w + w          # channel c0 at this column
-            for s in range(WORDS):
+            if two:   # channel k's big half in slot 4(k % 4) + k // 4, its small two after
+                for k in range(KC):
+                    v = float32(0)
+                    if inside and k < left:
+                        v = src[j + k * chan]
+                    big = to_tf32(v)
+                    slot = 4 * (k % 4) + k // 4
+                    words[slot] = big
+                    words[slot + 2] = to_tf32(v - big)
+            for s in range(0 if two else WORDS):
                 if half:   # channels 2t and 2t + 1 (slot 2t), 2t + 8 and 2t + 9 (slot 2t + 1)
                     k = 2 * (s >> 1) + 8 * (s & 1)
                     lo = float32(0)
@@ -825,9 +932,12 @@ def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
                         if rounded:
                             dst[j + k * chan] = v
                     words[s] = v
-            o = uint64(i) * uint64(WORDS)
+            o = uint64(i) * uint64(cw)
             store4(padded, o, words[0], words[1], words[2], words[3])
             store4(padded, o + uint64(4), words[4], words[5], words[6], words[7])
+            if two:
+                store4(padded, o + uint64(8), words[8], words[9], words[10], words[11])
+                store4(padded, o + uint64(12), words[12], words[13], words[14], words[15])
             i += step
 
     return round_input
@@ -836,7 +946,7 @@ def make_round_input(wide: bool, operand: str = "tf32", rounded: bool = True):
 def launch_round_input(x, x_tf32, x_pad, copy_sizes: tuple, operand: str = "tf32") -> None:
     """``x`` (1-D float32, the input flattened) rounded to the operands' precision
     (``operand``) into the gather's copy ``x_pad`` (``MmaLaunch.copy_sizes``; float32 for TF32
-    operands, int32 for half-precision ones), every word of which it writes, and into
+    and ``SPLIT`` operands, int32 for half-precision ones), every word of which it writes, and into
     ``x_tf32`` unless it is None (the Gram path's sums of the rounded input; box_sums rounds
     as it loads, ``box_sums.ROUNDINGS``)."""
     if x_pad.data_ptr() % 16:  # its columns' 16-byte stores
@@ -846,5 +956,5 @@ def launch_round_input(x, x_tf32, x_pad, copy_sizes: tuple, operand: str = "tf32
     sizes, divs = copy_sizes
     rounded = x_tf32 is not None
     launch_kernel(make_round_input(wide, operand, rounded),
-                  grid_for(x_pad.numel() // WORDS, block), block,
+                  grid_for(x_pad.numel() // column_words(operand), block), block,
                   (x, x_tf32 if rounded else x, x_pad, sizes, divs))
