@@ -210,7 +210,8 @@ def _gather_label(launch, variant: str) -> str:
     t = launch.tiling
     if isinstance(launch, gather_mma.MmaLaunch):
         split = f",split={t.chunk_split}x{t.tap_split}" if t.splits > 1 else ""
-        return (f"conv_transpose3d_gather_mma[tf32,mt={t.mt},nq={t.nq},rows={t.rows}{split}"
+        return (f"conv_transpose3d_gather_mma[{launch.operand},mt={t.mt},nq={t.nq},rows={t.rows}"
+                f"{split}"
                 f"{variant}]")
     rows, cols = launch.edges
     return f"conv_transpose3d_gather[nc={t.nc},mh={t.mh},qw={t.qw},edges={rows}x{cols}{variant}]"
@@ -286,10 +287,11 @@ def _stage_rows(pipe, path: str, batch: int, in_spatial, out_spatial, dtype: tor
         # the kernel of an aligned input (whole quads of float32 read by 16-byte loads)
         vec = box_sums.whole_quads(dtype, in_spatial[2])
         # on tensor cores box_sums rounds the input to the gather's operands as it loads it
-        # (but on the Gram path, whose sums read it rounded)
+        # (but on the Gram path, whose sums read it rounded, and on split operands, whose
+        # means are the unrounded input's)
         operand = pipe.mma_operand((batch, geom.in_channels, *in_spatial), dtype,
                                    tensor_device())
-        rounding = operand if not gram_path else ""
+        rounding = operand if not gram_path and operand != gather_mma.SPLIT else ""
         box_rows = [("box_sums", "box_sums",
                      box_sums.make_box_sums(kd, kh, kw, name, vec=vec, rounding=rounding),
                      (box_sums.grid_size(planes),), blk,
@@ -564,13 +566,27 @@ def _precision_note(pipe, input_shape, dtype: torch.dtype, tensor_cores: bool) -
     """Which units run the gather's multiply-adds, at which precision, and why."""
     asked = "precision=None follows PyTorch's cuDNN flag" if pipe.precision is None \
         else f"precision={pipe.precision!r}"
+    strict = dtype == torch.float32 and pipe.strict(tensor_device())
+    if tensor_cores and strict:
+        why = "Options(split_tf32=True)" if pipe.options.split_tf32 is True else \
+            planner.strict_convolution(pipe.geometry, input_shape, tensor_device(),
+                                       folding.uses_batch_statistics(pipe.bn, pipe.training))[1]
+        return (f"convolution: tensor cores on split operands (3xTF32: each operand a big and a "
+                f"small TF32 value, three mma a product), float32 accumulation, strict float32 "
+                f"({asked}): {why}; box_sums sums the unrounded input and weights")
     if tensor_cores:
         return (f"convolution: TF32 tensor cores, float32 accumulation ({asked}); box_sums sums "
                 "the input and the weights rounded to TF32 first (two launches, one pass over "
                 "the input), so the means are the TF32 convolution's")
     if dtype != torch.float32:
         why = f"{name_of(dtype)} runs exact on CUDA cores"
-    elif precisions.resolve(pipe.precision, tensor_device()) != "tf32":
+    elif strict and pipe.options.split_tf32 is False:
+        why = f"{asked}: strict float32, Options(split_tf32=False)"
+    elif strict and tensor_device().type == "cuda" and pipe._mma_unsupported is None:
+        why = f"{asked}: " + planner.strict_convolution(
+            pipe.geometry, input_shape, tensor_device(),
+            folding.uses_batch_statistics(pipe.bn, pipe.training))[1]
+    elif strict:
         why = f"{asked}: strict float32"
     elif pipe._mma_unsupported is not None:
         why = f"the tensor-core gather does not take it: {pipe._mma_unsupported}"
@@ -619,7 +635,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     tf32 = tensor_cores or (path == "torch" and dtype == torch.float32
                             and precisions.resolve(None, tensor_device()) == "tf32"
                             and planner.capability(tensor_device()) >= planner.TF32_CC)
-    flops_peak = (peak_flops or table["tf32"]) if tf32 else cuda_cores_peak
+    # (split operands: three mma a multiply-add)
+    split = tensor_cores and dtype == torch.float32 and pipe.strict(tensor_device())
+    flops_peak = (peak_flops or table["tf32"] / (3 if split else 1)) if tf32 else cuda_cores_peak
     bw = bandwidth or table["bandwidth"]
     peaks = {"flops": float(flops_peak), "bandwidth": float(bw)}
     label = gpu_name or f"{key} (assumed)"

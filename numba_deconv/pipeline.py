@@ -697,7 +697,7 @@ class Pipeline:
                 folding.uses_batch_statistics(bn, self.training), self.training,
                 ptr(conv.weight), ptr(conv.bias), ptr(bn.weight), ptr(bn.bias),
                 ptr(bn.running_mean), ptr(bn.running_var), ptr(bn.num_batches_tracked),
-                bn.eps, bn.momentum, self.poison, self.tensor_cores(x.shape, x.dtype, x.device),
+                bn.eps, bn.momentum, self.poison, self.mma_operand(x.shape, x.dtype, x.device),
                 # (the "torch" path's convolution at PyTorch's precision, which its flag sets)
                 precisions.torch_uses_tf32())
 
@@ -903,27 +903,41 @@ class Pipeline:
 
     def tensor_cores(self, shape, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a call on an input of ``shape``, ``dtype`` and ``device`` runs its
-        convolution on tensor cores (``kernels.gather_mma``): float32 at TF32 precision, a
-        device that has them, a geometry the kernel takes (``explain`` says why not).
-        ``precision="tf32"`` asks for them; with ``precision=None`` they run where PyTorch's
-        flag allows TF32 and the planner predicts them the fastest (``convolution``)."""
+        convolution on tensor cores (``kernels.gather_mma``): float32, a device that has them,
+        a geometry the kernel takes (``explain`` says why not). ``precision="tf32"`` asks for
+        them; with ``precision=None`` they run where PyTorch's flag allows TF32 and the planner
+        predicts them the fastest (``convolution``); in strict float32 (``strict``) on split
+        operands where ``Options.split_tf32`` asks for them or the planner predicts them the
+        faster."""
         if dtype != torch.float32 or self._mma_unsupported is not None \
-                or self.precision == "ieee" or self.wide(shape, dtype, device):
+                or self.wide(shape, dtype, device):
             return False
         if self.precision == "tf32":
             return gather_mma.device_supports(device)
+        if self.options.split_tf32 != "auto" and self.strict(device):
+            return bool(self.options.split_tf32) and gather_mma.device_supports(device)
         return self.convolution(shape, dtype, device) == "gather_mma"
+
+    def strict(self, device: torch.device) -> bool:
+        """Whether a float32 call on ``device`` computes in strict float32: ``precision="ieee"``,
+        or ``precision=None`` where PyTorch's convolution would not use TF32
+        (``planner.tf32_refusal``: its flag, a device without TF32 tensor cores, cuDNN off)."""
+        return self.precision == "ieee" or (
+            self.precision is None and bool(planner.tf32_refusal(torch.float32, device, None)))
 
     def mma_operand(self, shape, dtype: torch.dtype, device: torch.device,
                     half: torch.dtype | None = None) -> str:
         """The precision of the operands a call's tensor-core gather multiplies
         (``gather_mma.OPERANDS``), "" where its convolution does not run on tensor cores
-        (``tensor_cores``, asked of the float32 call): TF32 for a float32 call; for a
-        half-precision call (``half_call``: ``half`` its dtype, ``dtype`` float32) its half
-        dtype, the input and weight rounded to it as eager's autocast casts them, on
+        (``tensor_cores``, asked of the float32 call): TF32 for a float32 call, split operands
+        (3xTF32, ``gather_mma.SPLIT``) in strict float32 (``strict``); for a half-precision
+        call (``half_call``: ``half`` its dtype, ``dtype`` float32) where TF32 is allowed its
+        half dtype, the input and weight rounded to it as eager's autocast casts them, on
         ``mma.sync`` m16n8k16 (docs/design.md §2.9)."""
         if not self.tensor_cores(shape, dtype, device):
             return ""
+        if self.strict(device):
+            return gather_mma.SPLIT
         return "tf32" if half is None or not gather_mma.HALF_OPERANDS else kind_of(half)
 
     def second_pass(self, shape, device: torch.device) -> tuple[bool, str]:
@@ -936,8 +950,9 @@ class Pipeline:
         if option != "auto":
             return option, f"Options(second_pass={option!r})"
         shape = tuple(shape)
-        return self._flag_keyed(("second_pass", shape, device),
-                                lambda: planner.second_pass(self.geometry, shape, device))
+        split = self.mma_operand(shape, torch.float32, device) == gather_mma.SPLIT
+        return self._flag_keyed(("second_pass", shape, device, split),
+                                lambda: planner.second_pass(self.geometry, shape, device, split))
 
     def conv_precision(self, shape, dtype: torch.dtype, device: torch.device) -> str:
         """The precision a call on an input of ``shape``, ``dtype`` and ``device`` runs its
@@ -948,12 +963,14 @@ class Pipeline:
         operands' precision, ``mma_operand``); elsewhere it computes in float32, as asked with
         ``torch.float32``."""
         if kind_of(dtype):
-            return self.mma_operand(shape, torch.float32, device, dtype) \
-                or self.conv_precision(shape, torch.float32, device)
+            operand = self.mma_operand(shape, torch.float32, device, dtype)
+            if operand in gather_mma.HALF_OPERAND_KINDS:
+                return operand
+            return self.conv_precision(shape, torch.float32, device)
         if dtype != torch.float32:
             return "ieee"
         if self.tensor_cores(shape, dtype, device):
-            return "tf32"
+            return "ieee" if self.strict(device) else "tf32"
         if self.path(shape, dtype, device) == "torch" and device.type == "cuda" \
                 and precisions.resolve(None, device) == "tf32" \
                 and planner.capability(device) >= planner.TF32_CC:
@@ -993,12 +1010,13 @@ class Pipeline:
 
     def convolution(self, shape, dtype: torch.dtype, device: torch.device) -> str:
         """The planner's choice for a call on an input of ``shape``, ``dtype`` and ``device``
-        (``planner.convolution``): ``"gather"``, ``"gather_mma"`` or ``"torch"``. Only
-        ``precision=None`` leaves the choice to it, on float32 CUDA inputs; PyTorch's
+        (``planner.convolution``): ``"gather"``, ``"gather_mma"`` or ``"torch"``.
+        ``precision=None`` and ``"ieee"`` leave the choice to it, on float32 CUDA inputs (in
+        strict float32 between the FFMA gather and split operands on tensor cores); PyTorch's
         convolution is a candidate with ``conv_impl="auto"``, never synchronized
         (``process_group``) nor with ``variance="gram"`` (the gather's Gram path, asked for).
         ``conv_impl="torch"`` and ``"scatter"`` run no gather: ``"gather"`` for them."""
-        if dtype != torch.float32 or device.type != "cuda" or self.precision is not None \
+        if dtype != torch.float32 or device.type != "cuda" or self.precision == "tf32" \
                 or len(shape) != 5 or self.conv_impl not in ("auto", "gather"):
             return "gather"
         shape = tuple(shape)
@@ -1006,9 +1024,9 @@ class Pipeline:
         batch_stats = folding.uses_batch_statistics(self.bn, self.training)
         library = self.library_candidate
         return self._flag_keyed(
-            (shape, device, batch_stats, library),
-            lambda: planner.convolution(self.geometry, shape, dtype, device, None, batch_stats,
-                                        library)[0])
+            (shape, device, batch_stats, library, self.precision),
+            lambda: planner.convolution(self.geometry, shape, dtype, device, self.precision,
+                                        batch_stats, library)[0])
 
     @property
     def library_candidate(self) -> bool:
@@ -1637,7 +1655,13 @@ class Pipeline:
         dtype = dtypes.name_of(x.dtype)
         s = plan.scratch
         rounding = ""
-        if s.x_pad is not None:
+        if s.x_pad is not None and launch.operand == gather_mma.SPLIT:
+            # strict float32 on tensor cores: the means of the unrounded operands, as the FFMA
+            # gather's
+            launch.round_input(x.reshape(-1), None, s.x_pad)
+            box_inputs = (x, flat_w)
+            conv_in = s.x_pad
+        elif s.x_pad is not None:
             # the tensor-core gather multiplies operands rounded to TF32 (or a half-precision
             # call's dtype): its means (box_sums) are taken of the same ones, so its output is
             # centred as that convolution's would be (design.md §2.9). box_sums rounds the

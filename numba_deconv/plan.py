@@ -63,11 +63,17 @@ class Options:
     #: (``planner.second_pass``), rather than stored centred and scaled in place; ``"auto"``
     #: where predicted faster, or always (True) or never (False)
     second_pass: bool | str = "auto"
+    #: a strict float32 convolution (``precision="ieee"``, or PyTorch's flag refusing TF32) on
+    #: the tensor-core gather with split operands (3xTF32, ``gather_mma.SPLIT``) rather than
+    #: the FFMA gather: ``"auto"`` where predicted faster (``planner.strict_convolution``), or
+    #: always (True: where the device and the kernel take it) or never (False)
+    split_tf32: bool | str = "auto"
 
     def __post_init__(self):
-        if self.second_pass not in (True, False, "auto"):
-            raise ValueError(f"second_pass must be True, False or 'auto', got "
-                             f"{self.second_pass!r}")
+        for name in ("second_pass", "split_tf32"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto', got "
+                                 f"{getattr(self, name)!r}")
 
 
 def stages(path: str, batch_statistics: bool, options: Options) -> tuple[str, ...]:
@@ -239,10 +245,16 @@ def build(geom: ConvGeometry, x: torch.Tensor, out_spatial, path: str, batch_sta
         # the arranged weights: float32 values, or (half-precision operands) int32 words of two
         words, word_dtype = wph_index.numel(), x.dtype
         if tensor_cores:
-            if tensor_cores != "tf32":
+            # (the split operands' means are of the unrounded input and weights: no copies)
+            split = tensor_cores == gather_mma.SPLIT
+            if tensor_cores in gather_mma.HALF_OPERAND_KINDS:
                 words, word_dtype = words // 2, torch.int32
-            common.update(x_tf32=empty(x.numel(), dtype=x.dtype) if path == "gram" else None,
-                          w_tf32=empty(int(np.prod(geom.weight_shape())), dtype=x.dtype),
+            elif split:   # each value's big and small halves
+                words *= 2
+            common.update(x_tf32=empty(x.numel(), dtype=x.dtype) if path == "gram" and not split
+                          else None,
+                          w_tf32=None if split else empty(int(np.prod(geom.weight_shape())),
+                                                          dtype=x.dtype),
                           x_pad=empty(launch.padded_numel, dtype=word_dtype))
         common.update(
             box_lo=torch.from_numpy(lo).to(dev), box_hi=torch.from_numpy(hi).to(dev),

@@ -6,8 +6,10 @@ later) may run at TF32 too, and ``convolution`` picks the fastest predicted of t
 gather (``gather``, exact in float32), the tensor-core gather (``gather_mma``, TF32) and, with
 ``conv_impl="auto"``, PyTorch's convolution stored, then this package's finish (its spatial
 moments, the statistics, one pass that centres and scales in place: the ``"torch"`` path).
-Elsewhere the FFMA gather runs (``precision="tf32"`` asks for the tensor-core gather, and
-``"ieee"`` for the FFMA one, whatever is faster).
+A float32 call in strict float32 (``precision="ieee"``, or PyTorch's flag refusing TF32, or
+cuDNN off) runs the FFMA gather or the tensor-core gather on split operands (3xTF32:
+``gather_mma.SPLIT``, float32's accuracy at three ``mma`` a product), whichever is predicted
+faster (``strict_convolution``); ``precision="tf32"`` asks for the tensor-core gather in TF32.
 
 The cost model, per call (``predict``), calibrated against measurements (an H100's for the
 FFMA gather and cuDNN, docs/performance.md "Known limits"; an H200's sweep of 31 geometries,
@@ -21,7 +23,8 @@ factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
 * the tensor-core gather: its padded multiply-adds (channel tiles of 16, chunks of 8 input
   channels, row segments) at ``MMA_EFFICIENCY`` of the TF32 peak per unit of its fragment reuse,
   the same writes and its epilogue's share more (``MMA_EPILOGUE_PASSES``), and the input's
-  rounding (a read and two writes);
+  rounding (a read and two writes); on split operands its multiply-adds ``SPLIT_MMA_FACTOR``
+  times as long and its copy twice the size;
 * both gathers: a launch of fewer threads than the SMs hold (``RESIDENT_THREADS``) runs at that
   fraction of the rate, and a partial last wave costs a whole one (``_waves``); and both wait
   for ``box_sums``' rounds of dependent loads (``_box_sums_seconds``: each plane's share of
@@ -134,6 +137,15 @@ MMA_EFFICIENCY = 0.215
 #: each, both modes), where a warp of few input channels spends more of its time in its
 #: epilogue.
 MMA_EPILOGUE_PASSES = 0.6
+#: The tensor-core gather's multiply-adds on split operands (``gather_mma.SPLIT``: three
+#: ``mma`` a product, twice the loads, each step's sum added to the accumulators) take this
+#: many times as long as on TF32 operands (H200, ``benchmarks/probe_tf32.py --strict``: 2.3-3.5
+#: on the six calls of 0.15 ms or more, 3.1 their median) ...
+SPLIT_MMA_FACTOR = 3.1
+#: ... and are taken in strict float32 where predicted this much cheaper than the FFMA gather
+#: (the model's misses on the calls measured: docs/performance.md, "Strict float32 on tensor
+#: cores")
+STRICT_MARGIN = 1.1
 #: Threads an SM holds of either gather (128 registers a thread): a launch of fewer than the
 #: device's SMs times this runs at that fraction of the rate, and a partial last wave as a
 #: whole one.
@@ -344,11 +356,12 @@ def peaks_of(device: torch.device) -> dict[str, float]:
 
 
 def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
-            peaks: dict[str, float]) -> dict[str, float]:
+            peaks: dict[str, float], split: bool = False) -> dict[str, float]:
     """Predicted GPU microseconds of the convolution and what follows it, per candidate:
     ``{"gather": ..., "gather_mma": ..., "torch": ...}`` (the FFMA gather; the tensor-core
-    gather, absent where it does not take the geometry; PyTorch's TF32 convolution and this
-    package's finish). Each includes the output's compulsory write."""
+    gather, on TF32 operands or with ``split`` on split ones, absent where it does not take the
+    geometry; PyTorch's TF32 convolution and this package's finish). Each includes the output's
+    compulsory write."""
     out_spatial = geom.output_spatial(in_spatial)
     outputs = batch * geom.out_channels * math.prod(out_spatial)
     if outputs == 0:
@@ -368,8 +381,11 @@ def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
     mma = _mma_seconds(geom, batch, in_spatial, out_spatial, peaks)
     if mma is not None:
         in_bytes = 4.0 * batch * geom.in_channels * math.prod(in_spatial)
-        times["gather_mma"] = mma + writes + MMA_EPILOGUE_PASSES * out_bytes / bandwidth \
-            + 3 * in_bytes / bandwidth + box
+        # (the input read, its copy written, and read again by box_sums; a split copy is twice
+        # the size)
+        times["gather_mma"] = mma * (SPLIT_MMA_FACTOR if split else 1.0) + writes \
+            + MMA_EPILOGUE_PASSES * out_bytes / bandwidth \
+            + (4 if split else 3) * in_bytes / bandwidth + box
     c = math.sqrt(geom.in_per_group * geom.out_per_group)
     rate = min(CUDNN_PER_CHANNEL * c, CUDNN_CAP) * peaks["tf32"]
     times["torch"] = flops / rate + (1 + FINISH_PASSES[training]) * out_bytes / bandwidth
@@ -465,6 +481,36 @@ def _waves(threads: float, peaks: dict[str, float]) -> float:
 CANDIDATES = {"gather": "the gather (FFMA)", "gather_mma": "the gather on tensor cores (TF32)",
               "torch": "PyTorch's convolution (cuDNN, TF32) and this package's finish"}
 SHORT = {"gather": "the FFMA gather", "gather_mma": "tensor cores"}
+#: strict float32's candidates (``strict_convolution``)
+STRICT_CANDIDATES = {"gather": "the gather (FFMA, strict float32)",
+                     "gather_mma": "the gather on tensor cores (3xTF32 split operands, strict "
+                                   "float32)"}
+
+
+def strict_convolution(geom: ConvGeometry, shape: tuple, device: torch.device,
+                       training: bool) -> tuple[str, str]:
+    """``(choice, why)`` for a float32 call in strict float32: ``"gather"`` (the FFMA gather)
+    or ``"gather_mma"`` (the tensor-core gather on split operands, ``gather_mma.SPLIT``), the
+    latter where predicted ``STRICT_MARGIN`` cheaper (``_call_cost``, as ``convolution``'s
+    candidates); the FFMA
+    gather where the GPU has no TF32 tensor cores (``TF32_CC``) or the kernel does not take the
+    geometry."""
+    if capability(device) < TF32_CC:
+        return "gather", f"{STRICT_CANDIDATES['gather']}: no TF32 tensor cores on this GPU"
+    unsupported = gather_mma.unsupported(geom, "float32")
+    if unsupported is not None:
+        return "gather", f"{STRICT_CANDIDATES['gather']}: {unsupported}"
+    t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device), split=True)
+    host = HOST_US[bool(training)]
+    cost = {"gather": _call_cost(host, t["gather"])}
+    if "gather_mma" in t:
+        cost["gather_mma"] = _call_cost(host, t["gather_mma"], MMA_HOST_US)
+    choice = "gather_mma" if "gather_mma" in cost \
+        and STRICT_MARGIN * cost["gather_mma"] < cost["gather"] else "gather"
+    costs = ", ".join(f"{cost[name]:.0f} us on {name.replace('gather_mma', '3xTF32')}"
+                      for name in cost)
+    return choice, (f"{STRICT_CANDIDATES[choice]}: predicted {costs} (back to back and "
+                    f"synchronized together; 3xTF32 from {STRICT_MARGIN}x)")
 
 
 def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: torch.device,
@@ -472,17 +518,22 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     """``(choice, why)``: which convolution a call with an input of ``shape`` runs where its
     pipeline leaves the choice to the planner (``precision=None``): ``"gather"`` (the FFMA
     gather, exact in float32), ``"gather_mma"`` (TF32 tensor cores) or ``"torch"`` (PyTorch's
-    convolution and this package's finish; only with ``library``). Where PyTorch's convolution
-    would run in TF32 the cheapest predicted wins, back to back and synchronized together
+    convolution and this package's finish; only with ``library``); ``precision="ieee"`` (or
+    PyTorch's strict flag) the strict candidates (``strict_convolution``). Where PyTorch's
+    convolution would run in TF32 the cheapest predicted wins, back to back and synchronized together
     (``_call_cost``: its host time, ``HOST_US`` and what its path adds, and its GPU time);
     PyTorch's only ``MARGIN`` cheaper, and with
     ``MIN_OUTPUTS`` outputs or ``box_sums``' rounds outlasting its call; and always for a call
     of a few output voxels past ``WIDE_LIBRARY_WORK`` (``few_voxels_past``). Elsewhere the
     FFMA gather."""
     refused = tf32_refusal(dtype, device, precision)
+    if refused and dtype == torch.float32 and precision != "tf32":
+        # strict float32 (the flag, cuDNN off, or "ieee")
+        choice, why = strict_convolution(geom, shape, device, training)
+        return choice, f"{why}; {refused}"
     if refused:
-        # (with ``precision`` set the pipeline picks its gather itself: the FFMA one for
-        # "ieee", the tensor-core one for "tf32" where the kernel takes the geometry)
+        # (with ``precision="tf32"`` the pipeline takes the tensor-core gather itself where
+        # the kernel takes the geometry)
         label = CANDIDATES["gather"] if precision is None else "this package's gather"
         return "gather", f"{label}: {refused}"
     past = few_voxels_past(geom, shape) if library else ""
@@ -526,14 +577,16 @@ def _call_cost(host: float, gpu: float, extra: float = 0.0) -> float:
     return max(host + extra, gpu) + gpu + extra
 
 
-def second_pass(geom: ConvGeometry, shape: tuple, device: torch.device) -> tuple[bool, str]:
+def second_pass(geom: ConvGeometry, shape: tuple, device: torch.device,
+                split: bool = False) -> tuple[bool, str]:
     """``(second, why)``: whether a training call on the tensor-core gather (epilogue path,
     nothing kept for a backward) writes its output in a second pass of the convolution, the
     first one storing nothing and summing only the centred squares, rather than storing the
     centred output and scaling it in place (one more read and write of it). Predicted: the
     tensor-core gather's multiply-adds and epilogue (``predict``'s model without the output's
     write, which either way is made once; the first run's epilogue centres and squares what it
-    does not store) against that read and write at the bandwidth. Both give the same output,
+    does not store; on split operands, ``split``, ``SPLIT_MMA_FACTOR`` times the
+    multiply-adds') against that read and write at the bandwidth. Both give the same output,
     bit for bit."""
     in_spatial = tuple(shape[2:])
     out_spatial = geom.output_spatial(in_spatial)
@@ -543,7 +596,8 @@ def second_pass(geom: ConvGeometry, shape: tuple, device: torch.device) -> tuple
         return False, "the tensor-core gather does not take this geometry"
     outputs = shape[0] * geom.out_channels * math.prod(out_spatial)
     bandwidth = peaks["bandwidth"] * BANDWIDTH_EFFICIENCY
-    again = mma + MMA_EPILOGUE_PASSES * 4.0 * outputs / bandwidth
+    again = mma * (SPLIT_MMA_FACTOR if split else 1.0) \
+        + MMA_EPILOGUE_PASSES * 4.0 * outputs / bandwidth
     rescale = 2 * 4.0 * outputs / bandwidth
     costs = (f"predicted {again * 1e6:.0f} us for the convolution again against "
              f"{rescale * 1e6:.0f} us to scale its output in place")
@@ -699,5 +753,5 @@ _cudnn_enabled_getter = getattr(torch._C, "_get_cudnn_enabled", None)
 
 __all__ = ["CANDIDATES", "DEVICE_PEAKS", "DEFAULT_DEVICE", "convolution", "device_peaks",
            "peaks_of", "predict",
-           "predict_input_grad", "predict_weight_grad", "second_pass", "torch_conv", "torch_flags",
+           "predict_input_grad", "strict_convolution", "predict_weight_grad", "second_pass", "torch_conv", "torch_flags",
            "torch_input_grad", "torch_weight_grad"]

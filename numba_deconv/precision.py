@@ -14,7 +14,10 @@
   only where the new one is missing). PyTorch's CPU convolution, which the simulator's tensors
   would take, computes in float32: ``"ieee"`` there.
 * ``"tf32"``: TF32 operands (10 mantissa bits), float32 accumulation, on every device.
-* ``"ieee"``: float32 throughout (the FFMA gather on CUDA cores).
+* ``"ieee"``: float32 throughout: the FFMA gather on CUDA cores, or the tensor-core gather on
+  split operands (3xTF32, ``kernels.gather_mma.SPLIT``: each operand a big and a small TF32
+  value, float32's accuracy) where the planner predicts it faster
+  (``planner.strict_convolution``). ``None`` where PyTorch's flag refuses TF32 is the same.
 
 float64 convolutions are exact whatever the setting; TF32 applies to float32 only. A
 half-precision call (a bfloat16 or float16 input, or ``torch.autocast``) asks the same of its

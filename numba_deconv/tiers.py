@@ -95,10 +95,12 @@ def kind_key(pipe, shape: tuple, dtype: torch.dtype, device: torch.device, offse
     return (pipe.geometry, tuple(shape), dtype, device, offset16, pipe.training,
             folding.uses_batch_statistics(bn, pipe.training), saving, pipe.variance,
             # ("auto" runs the gather's kernels wherever it runs kernels of its own)
-            "gather" if pipe.conv_impl == "auto" else pipe.conv_impl, pipe.options,
+            "gather" if pipe.conv_impl == "auto" else pipe.conv_impl,
+            dataclasses.replace(pipe.options, split_tf32="auto"),
             pipe._synced(), bn.affine,
             folding.tracks_running_stats(bn), bn.momentum is None, pipe.conv.bias is None,
-            pipe.tensor_cores(shape, dtype, device), half)
+            # (the operands say what ``Options.split_tf32`` chose: the spec sets it so)
+            pipe.mma_operand(shape, dtype, device), half)
 
 
 def kind_name(key: tuple) -> str:
@@ -220,7 +222,10 @@ def status(pipe, shape, dtype: torch.dtype) -> str:
 def spec(pipe, x: torch.Tensor, saving: bool, name: str,
          half: torch.dtype | None = None) -> dict:
     """What a background process needs to make the same kind of call (JSON)."""
+    from .kernels import gather_mma
+
     g, bn = pipe.geometry, pipe.bn
+    operand = pipe.mma_operand(x.shape, x.dtype, x.device)
     return {
         "name": name,
         "conv": {"in_channels": g.in_channels, "out_channels": g.out_channels,
@@ -230,9 +235,12 @@ def spec(pipe, x: torch.Tensor, saving: bool, name: str,
         "bn": {"num_features": bn.num_features, "eps": float(bn.eps),
                "momentum": None if bn.momentum is None else float(bn.momentum),
                "affine": bn.affine, "track_running_stats": bn.track_running_stats},
+        # the convolution as this call runs it: TF32 (or a half-precision call's operands) on
+        # tensor cores, or strict float32 on tensor cores (split operands) or CUDA cores
         "pipeline": {"conv_impl": pipe.conv_impl, "variance": pipe.variance,
-                     "options": dataclasses.asdict(pipe.options),
-                     "precision": "tf32" if pipe.tensor_cores(x.shape, x.dtype, x.device) else "ieee"},
+                     "options": dataclasses.asdict(dataclasses.replace(
+                         pipe.options, split_tf32=operand == gather_mma.SPLIT)),
+                     "precision": "ieee" if operand in ("", gather_mma.SPLIT) else "tf32"},
         "dtype": str(x.dtype).replace("torch.", ""), "shape": list(x.shape),
         "offset_bytes": x.data_ptr() % 16, "training": pipe.training, "saving": saving,
         "half": None if half is None else str(half).replace("torch.", ""),

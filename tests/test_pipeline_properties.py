@@ -94,6 +94,23 @@ def test_tf32_matches_pytorch_any_geometry(data, limits, device):
             precision="auto" if specialize else "ieee")
 
 
+# (2 examples under the simulator, as the TF32 property's; the GPU profile draws the full count)
+@settings(max_examples=min(2, settings().max_examples) if SIM else settings().max_examples)
+@given(data=st.data())
+def test_strict_tensor_cores_match_pytorch_any_geometry(data, limits, device):
+    """``precision="ieee"`` on the tensor cores (``Options(split_tf32=True)``: 3xTF32 split
+    operands), both modes, float32 and half-precision inputs: on the specialised tier the
+    tensor-core gather where it takes the drawn geometry (the FFMA gather elsewhere), held to
+    strict float32's tolerance (``testing.tolerance``), as the FFMA gather is."""
+    case = data.draw(testing.cases(limits, dtypes=(torch.float32, torch.float16,
+                                                   torch.bfloat16)))
+    options = Options(split_tf32=True)
+    for specialize in testing.tiers_of(case):
+        testing.check_case(case, lambda conv, bn: Pipeline.from_modules(
+            conv, bn, precision="ieee", specialize=specialize, poison=True, options=options),
+            device, precision="ieee")
+
+
 @pytest.mark.parametrize("training", [False, True])
 # (4 examples a mode under the simulator, ~5 s each: the float32 properties draw the same
 # geometries on the same kernels; the GPU profile draws the full count)

@@ -18,6 +18,7 @@ from numba_deconv.backend import tensor_device
 from numba_deconv.geometry import ConvGeometry
 from numba_deconv.kernels import conv_grads
 from numba_deconv.kernels import launch
+from numba_deconv.plan import Options
 
 H100 = planner.DEVICE_PEAKS["H100"]
 CUDA = torch.device("cuda", 0)  # (a device object only: nothing runs on it here)
@@ -399,6 +400,119 @@ def test_a_gpu_without_tf32_keeps_the_gather(on_h200, monkeypatch):
     monkeypatch.setattr(planner, "capability", lambda device: (7, 0))
     takes, why = planner.torch_conv(geom, shape, torch.float32, CUDA, None, False)
     assert not takes and "without TF32" in why
+
+
+# strict float32 on an H200, ms back to back (benchmarks/probe_tf32.py --strict,
+# results/h200_strict_sweep.log): (row, training, the FFMA gather, 3xTF32 split operands)
+STRICT_MEASURED = [
+    ("default", False, 0.237, 0.296), ("default", True, 0.384, 0.461),
+    ("b32_32to64", False, 1.543, 1.646), ("b32_32to64", True, 2.091, 2.226),
+    ("b8_64to64", False, 0.797, 0.780), ("b8_64to64", True, 0.942, 0.919),
+    ("decoder_k2s2", False, 0.083, 0.069), ("decoder_k2s2", True, 0.100, 0.096),
+    ("k4s2p1", False, 0.134, 0.112), ("k4s2p1", True, 0.148, 0.130),
+    ("c16to32 k3s1", False, 0.072, 0.077), ("c16to32 k3s1", True, 0.093, 0.104),
+    ("c16 k5s1", False, 0.091, 0.073), ("c16 k5s1", True, 0.099, 0.091),
+    ("c32 k5s2", False, 0.107, 0.100), ("c32 k5s2", True, 0.121, 0.110),
+    ("c48 k3s3", False, 0.069, 0.077), ("c48 k3s3", True, 0.094, 0.104),
+    ("c64to32 k2s2", False, 0.070, 0.069), ("c64to32 k2s2", True, 0.093, 0.096),
+    ("c64 k1s1", False, 0.066, 0.076), ("c64 k1s1", True, 0.089, 0.098),
+    ("c128 k3s2", False, 0.275, 0.212), ("c128 k3s2", True, 0.298, 0.245),
+    ("c128to64 k4s2", False, 0.331, 0.180), ("c128to64 k4s2", True, 0.352, 0.195),
+    ("c3to5 k3s2", False, 0.064, 0.071), ("c3to5 k3s2", True, 0.094, 0.099),
+    ("c128 k3s2 b4 32", False, 1.507, 1.406), ("c128 k3s2 b4 32", True, 1.647, 1.516),
+    ("c256to64 k4s2", False, 0.247, 0.121), ("c256to64 k4s2", True, 0.261, 0.133),
+]
+
+
+# the rows outside the suite (``probe_tf32.SWEEP``'s): in, out, kernel, stride, padding, batch,
+# input
+STRICT_GEOMETRIES = {
+    "c16to32 k3s1": (16, 32, 3, 1, 1, 4, (16, 32, 32)), "c16 k5s1": (16, 16, 5, 1, 2, 2, (16,) * 3),
+    "c32 k5s2": (32, 32, 5, 2, 2, 2, (16,) * 3), "c48 k3s3": (48, 48, 3, 3, 0, 4, (12,) * 3),
+    "c64to32 k2s2": (64, 32, 2, 2, 0, 4, (16,) * 3), "c64 k1s1": (64, 64, 1, 1, 0, 8, (16,) * 3),
+    "c128 k3s2": (128, 128, 3, 2, 1, 2, (16,) * 3),
+    "c128to64 k4s2": (128, 64, 4, 2, 1, 2, (12,) * 3), "c3to5 k3s2": (3, 5, 3, 2, 0, 2, (10,) * 3),
+    "c128 k3s2 b4 32": (128, 128, 3, 2, 1, 4, (16, 32, 32)),
+    "c256to64 k4s2": (256, 64, 4, 2, 1, 2, (8,) * 3),
+}
+
+
+def _strict_case(name) -> tuple[ConvGeometry, tuple]:
+    """A row's geometry and input shape."""
+    if name in STRICT_GEOMETRIES:
+        cin, cout, k, s, p, batch, spatial = STRICT_GEOMETRIES[name]
+        return ConvGeometry.create(cin, cout, k, s, p), (batch, cin, *spatial)
+    case = next(case for case in bench.suite_cases() if case.name == name)
+    return case.geometry(), case.input_shape()
+
+
+@pytest.mark.parametrize("name, training, ffma_ms, split_ms", STRICT_MEASURED,
+                         ids=[f"{r[0]}-{'train' if r[1] else 'eval'}" for r in STRICT_MEASURED])
+def test_the_strict_choice_against_its_measurements(name, training, ffma_ms, split_ms, on_h200):
+    """Strict float32 leaves the exact FFMA gather for split operands on tensor cores only
+    where they measured at most 12% slower (calls the host bounds, within their spread: 7-12%
+    on 16 -> 32 channels k3 s1), and takes them wherever they measured 1.1x faster but on the
+    calls whose FFMA time the model underestimates (128 -> 128 channels on 16^3, batch 2;
+    128 -> 64 k4 s2: docs/performance.md)."""
+    geom, shape = _strict_case(name)
+    choice, why = planner.strict_convolution(geom, shape, CUDA, training)
+    assert planner.convolution(geom, shape, torch.float32, CUDA, "ieee", training)[0] == choice
+    if choice == "gather_mma":
+        assert split_ms <= 1.12 * ffma_ms, why
+    elif name not in ("c128 k3s2", "c128to64 k4s2"):
+        assert split_ms * 1.1 >= ffma_ms, why
+
+
+def test_strict_float32_on_the_suite(on_h200):
+    """The default problem, 32 -> 64 and 64 -> 64 channels keep the FFMA gather in strict
+    float32 (64 -> 64 measured 2% faster on split operands, within the margin); the decoder and
+    k4 s2 p1 take split operands."""
+    for name, split in (("default", False), ("b32_32to64", False), ("b8_64to64", False),
+                        ("decoder_k2s2", True), ("k4s2p1", True)):
+        geom, shape = _strict_case(name)
+        for training in (False, True):
+            choice, _ = planner.strict_convolution(geom, shape, CUDA, training)
+            assert (choice == "gather_mma") == split, (name, training)
+
+
+def test_the_pipeline_follows_the_strict_choice(on_h200, monkeypatch):
+    """In strict float32 (``precision="ieee"``, or PyTorch's flag against TF32) ``tensor_cores``
+    follows ``planner.strict_convolution`` and the operands are split (3xTF32), reported as
+    strict float32; ``Options(split_tf32=...)`` forces either way; a GPU without TF32 tensor
+    cores (the capability forced) keeps the FFMA gather."""
+    flag = [True]
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag[0])
+    conv, bn = nn.ConvTranspose3d(128, 128, 3, 2, 1), nn.BatchNorm3d(128)
+    shape = (4, 128, 16, 32, 32)
+    for asked in (None, "ieee"):
+        flag[0] = asked is not None
+        pipe = Pipeline(conv, bn, precision=asked)
+        assert pipe.strict(CUDA)
+        assert pipe.tensor_cores(shape, torch.float32, CUDA)
+        assert pipe.mma_operand(shape, torch.float32, CUDA) == "tf32x3"
+        # a half-precision call in strict float32: split operands too, in float32
+        assert pipe.mma_operand(shape, torch.float32, CUDA, torch.bfloat16) == "tf32x3"
+        assert pipe.conv_precision(shape, torch.float32, CUDA) == "ieee"
+        assert pipe.conv_precision(shape, torch.bfloat16, CUDA) == "ieee"
+        small = (1, 128, 2, 2, 2)
+        assert not pipe.tensor_cores(small, torch.float32, CUDA)
+    flag[0] = True
+    tf32 = Pipeline(conv, bn)
+    assert not tf32.strict(CUDA) and tf32.mma_operand(shape, torch.float32, CUDA) == "tf32"
+    for split in (True, False):
+        pipe = Pipeline(conv, bn, precision="ieee", options=Options(split_tf32=split))
+        assert pipe.tensor_cores(shape, torch.float32, CUDA) == split
+        assert pipe.tensor_cores((1, 128, 2, 2, 2), torch.float32, CUDA) == split
+        assert pipe.mma_operand(shape, torch.float32, CUDA) == ("tf32x3" if split else "")
+    # split_tf32 says nothing where TF32 is allowed
+    assert Pipeline(conv, bn, options=Options(split_tf32=False)).mma_operand(
+        shape, torch.float32, CUDA) == "tf32"
+    monkeypatch.setattr(planner, "capability", lambda device: (7, 5))
+    choice, why = planner.strict_convolution(ConvGeometry.create(128, 128, 3, 2, 1), shape,
+                                             CUDA, False)
+    assert choice == "gather" and "no TF32 tensor cores" in why
+    with pytest.raises(ValueError, match="split_tf32"):
+        Options(split_tf32="yes")
 
 
 def test_the_benchmark_holds_a_tf32_call_to_tf32s_error(monkeypatch):
