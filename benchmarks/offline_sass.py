@@ -8,7 +8,8 @@ one's with four teams per slot) and ``box_sums`` (``box``, the default problem's
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
     python benchmarks/offline_sass.py [eval|train|scaled|mma|mma-train] [--out PREFIX]
-    python benchmarks/offline_sass.py mma|mma-train --operand bfloat16|float16 [--out PREFIX]
+    python benchmarks/offline_sass.py mma|mma-train --operand bfloat16|float16|tf32x3
+        [--out PREFIX]
     python benchmarks/offline_sass.py gram [--case default|small] [--dtype float32|float64]
         [--out PREFIX]
     python benchmarks/offline_sass.py box [--dtype float32|float64] [--out PREFIX]
@@ -116,7 +117,7 @@ def compile_gather_mma(mode: str, prefix: str, operand: str = "tf32") -> tuple[s
     geom = case.geometry()
     out_spatial = tuple(a.output_size(n) for a, n in zip(geom.axes(), case.spatial))
     launch = gather_mma.mma_launch(geom, case.batch, case.spatial, out_spatial, operand=operand)
-    half = operand != "tf32"
+    half = operand in gather_mma.HALF_OPERAND_KINDS
     store = operand if half and mode == "eval" else ""
     kernel = gather_mma.mma_kernel(launch, mode, store)
     sizes, divs = launch.dims
@@ -216,7 +217,8 @@ def main() -> None:
                         help="gram: which problem's gram_sums")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="gram, box: the input's dtype")
-    parser.add_argument("--operand", default="tf32", choices=("tf32", "bfloat16", "float16"),
+    parser.add_argument("--operand", default="tf32",
+                        choices=("tf32", "bfloat16", "float16", "tf32x3"),
                         help="mma, mma-train: the tensor-core operands' precision")
     parser.add_argument("--out", default="gather_sm90")
     args = parser.parse_args()

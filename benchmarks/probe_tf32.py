@@ -6,11 +6,14 @@ evaluation and training, back to back and KernelBench-style, how far is each fro
 how does the tensor-core gather's tiling move it? With ``--sweep``: which of the three
 convolutions that ``precision=None`` may run under PyTorch's TF32 flag (the FFMA gather, the
 tensor-core gather, cuDNN's with this package's finish) is the fastest on a spread of
-geometries, and does the planner pick it?
+geometries, and does the planner pick it? With ``--strict``: the same for strict float32's two
+(the FFMA gather, the tensor-core gather on split operands, 3xTF32) against eager in strict
+fp32, with each one's error against float64.
 
     PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py [--rows default,tiny] [--modes eval,train]
-        [--tilings ROWS,ACC_TILES[,phase|mixed] ...]
+        [--tilings ROWS,ACC_TILES[,phase|mixed] ...] [--split]
     PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py --sweep [--jobs 14] [--rows c4 k3s2,...]
+    PYTHONPATH=$PWD python3 benchmarks/probe_tf32.py --strict [--jobs 14] [--rows ...]
 
 Per float32 suite row (``bench --suite``'s, or geometries of :data:`SWEEP` named in
 ``--rows``) and mode: ``Pipeline(precision="tf32")`` on the gather (per ``--tilings`` entry:
@@ -26,6 +29,9 @@ groups, dilation, batches 1 to 32) and mode, each of the three convolutions forc
 (``conv_impl="gather"`` with ``precision="ieee"`` and ``"tf32"``; ``conv_impl="torch"``) and
 eager, medians of 50 calls per method; the planner's choice under ``precision=None`` beside
 the fastest measured. ``--jobs`` processes compile the kernels into the kernel cache first.
+``--strict``: per geometry and mode ``precision="ieee"`` with ``Options(split_tf32=False)``
+(the FFMA gather) and ``True`` (3xTF32), eager under ``bench.strict_fp32``, and the planner's
+choice under ``precision="ieee"``.
 """
 from __future__ import annotations
 
@@ -39,13 +45,17 @@ import torch
 
 from numba_deconv import bench
 from numba_deconv.kernels import gather_mma
+from numba_deconv.plan import Options
 
 
-def provider(base, mode: str, conv_impl: str = "gather", precision: str | None = "tf32"):
+def provider(base, mode: str, conv_impl: str = "gather", precision: str | None = "tf32",
+             split: bool | str = "auto"):
     """A pipeline over a copy of ``base`` in ``mode``, its convolution forced by ``conv_impl``
-    and ``precision`` (default: the tensor-core gather)."""
+    and ``precision`` (default: the tensor-core gather), a strict one's by ``split``
+    (``Options.split_tf32``)."""
     model = bench.NumbaModel(copy.deepcopy(base).train(mode == "train"), conv_impl)
     model.pipe.precision = precision
+    model.pipe.options = Options(split_tf32=split)
     return model.train(mode == "train")
 
 
@@ -89,6 +99,7 @@ SWEEP = [case for case in bench.suite_cases() if case.dtype == "float32"] + [
     _case("c24 d2 k3s2", 24, 24, 3, 2, 2, 4, (12, 16, 16), dilation=2),
     _case("c128 k3s2 b4 32", 128, 128, 3, 2, 1, 4, (16, 32, 32)),
     _case("c96to16 k2s2 small", 96, 16, 2, 2, 0, 4, (8, 3, 10)),
+    _case("c256to64 k4s2", 256, 64, 4, 2, 1, 2, (8, 8, 8)),
 ]
 
 
@@ -99,26 +110,65 @@ def _sweep_models(case: bench.Case, mode: str, base) -> dict:
                                                ("cudnn", "torch", None))}
 
 
-def _compile(index: int) -> str:
+def _strict_models(case: bench.Case, mode: str, base) -> dict:
+    return {name: provider(base, mode, "gather", "ieee", split)
+            for name, split in (("ffma", False), ("3xtf32", True))}
+
+
+def _compile(index: int, strict: bool = False) -> str:
     """One sweep geometry's kernels into the kernel cache (a worker process)."""
     case = SWEEP[index]
     for mode in ("eval", "train"):
         base, x = case.build("cuda")
         with torch.no_grad():
-            for model in _sweep_models(case, mode, base).values():
+            for model in (_strict_models if strict else _sweep_models)(case, mode, base).values():
                 model(x)
     torch.cuda.synchronize()
     return case.name
 
 
+def _compile_all(jobs: int, indices: list[int], strict: bool = False) -> None:
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        for name in pool.map(_compile, indices, [strict] * len(indices)):
+            print(f"compiled {name}", flush=True)
+
+
+def strict_sweep(jobs: int, names: list[str] | None = None) -> None:
+    """Strict float32's table: the FFMA gather, 3xTF32 and eager in strict fp32, the planner's
+    choice under ``precision="ieee"``."""
+    cases = select(names) if names else SWEEP
+    _compile_all(jobs, [SWEEP.index(case) for case in cases], strict=True)
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print("| geometry | mode | outputs | ffma b2b / KB | 3xtf32 b2b / KB | eager strict b2b / KB |"
+          " fastest (b2b) | planner | errors (ffma / 3xtf32 / eager) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case in cases:
+        geom = case.geometry()
+        outputs = case.batch * geom.out_channels * math.prod(geom.output_spatial(case.spatial))
+        for mode in ("eval", "train"):
+            base, x = case.build("cuda")
+            reference = bench.float64_reference(base, x, mode)
+            models = _strict_models(case, mode, base)
+            times = {name: time_call(model, x, reference, reps=50)
+                     for name, model in models.items()}
+            eager = bench.make_provider("torch_strict_fp32", base, mode)
+            with bench.strict_fp32():
+                times["eager"] = time_call(eager, x, reference, reps=50)
+            fastest = min(("ffma", "3xtf32"), key=lambda name: times[name][0])
+            pipe = provider(base, mode, "gather", "ieee").pipe
+            chosen = "3xtf32" if pipe.tensor_cores(x.shape, x.dtype, x.device) else "ffma"
+            cells = " | ".join(f"{times[n][0]:.3f} / {times[n][1]:.3f}"
+                               for n in ("ffma", "3xtf32", "eager"))
+            errors = " / ".join(f"{times[n][2]:.1e}" for n in ("ffma", "3xtf32", "eager"))
+            print(f"| {case.name} | {mode} | {outputs / 1e6:.2f}M | {cells} | {fastest} | "
+                  f"{chosen} | {errors} |", flush=True)
+
+
 def sweep(jobs: int, names: list[str] | None = None) -> None:
     """The sweep's table, over the geometries ``names`` (default: all)."""
     cases = select(names) if names else SWEEP
-    indices = [SWEEP.index(case) for case in cases]
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        for name in pool.map(_compile, indices):
-            print(f"compiled {name}", flush=True)
+    _compile_all(jobs, [SWEEP.index(case) for case in cases])
     print("| geometry | mode | outputs | MACs/output | ffma b2b / KB | tf32 b2b / KB | "
           "cudnn b2b / KB | eager b2b / KB | fastest (b2b) | planner | tf32 error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -171,14 +221,21 @@ def main() -> None:
     parser.add_argument("--modes", default="eval,train")
     parser.add_argument("--tilings", nargs="*", default=[],
                         help="ROWS,ACC_TILES[,phase|mixed] for the tensor-core gather")
+    parser.add_argument("--split", action="store_true",
+                        help="--tilings on split operands (precision='ieee', 3xTF32), not TF32")
     parser.add_argument("--sweep", action="store_true",
                         help="the three convolutions and the planner's choice over SWEEP")
-    parser.add_argument("--jobs", type=int, default=8, help="--sweep's compiling processes")
+    parser.add_argument("--strict", action="store_true",
+                        help="strict float32: the FFMA gather against 3xTF32 over SWEEP")
+    parser.add_argument("--jobs", type=int, default=8,
+                        help="--sweep's and --strict's compiling processes")
     args = parser.parse_args()
     if not torch.cuda.is_available() or bench.is_simulator():
         raise SystemExit("probe_tf32: needs a GPU")
     if args.sweep:
         return sweep(args.jobs, args.rows.split(",") if args.rows else None)
+    if args.strict:
+        return strict_sweep(args.jobs, args.rows.split(",") if args.rows else None)
     cases = select(args.rows.split(",")) if args.rows else bench.suite_cases()
     cases = [case for case in cases if case.dtype == "float32"]
     tilings = [parse_tiling(spec) for spec in args.tilings] or \
@@ -200,8 +257,10 @@ def main() -> None:
                 for name, value in zip(names, tiling):
                     setattr(gather_mma, name, value)
                 how = {None: "", True: " by phase", False: " mixed"}[tiling[2]]
-                rows.append((f"tf32 rows={tiling[0]} acc={tiling[1]}{how}",
-                             time_call(provider(base, mode), x, reference)))
+                tiled = provider(base, mode, "gather", "ieee", True) if args.split \
+                    else provider(base, mode)
+                rows.append((f"{'3xtf32' if args.split else 'tf32'} rows={tiling[0]} "
+                             f"acc={tiling[1]}{how}", time_call(tiled, x, reference)))
             for name, value in zip(names, default):  # the next row's default call
                 setattr(gather_mma, name, value)
             for name, (b2b, kb, error) in rows:
