@@ -102,6 +102,9 @@ WORDS = 8                 # 32-bit words of a column of the input's copy: a chun
 #: operands; m16n8k16, 16 channels a chunk, two to a word), or two TF32 values each (a strict
 #: float32 call's, ``"tf32x3"``: three m16n8k8 a product)
 OPERANDS = ("tf32", "bfloat16", "float16", "tf32x3")
+#: the operands of two half-precision values a word (m16n8k16)
+HALF_OPERAND_KINDS = ("bfloat16", "float16")
+SPLIT = "tf32x3"          # strict float32 as a big and a small TF32 value (3xTF32)
 #: False: half-precision calls on TF32 operands, as float32 calls (probes)
 HALF_OPERANDS = True
 ROWS = 4                  # warps (output rows) per block
@@ -161,11 +164,6 @@ def chunk_channels(operand: str) -> int:
     if operand not in OPERANDS:
         raise ValueError(f"no tensor-core operand {operand!r} (one of {OPERANDS})")
     return 2 * KC if operand in HALF_OPERAND_KINDS else KC
-
-
-#: the operands of two half-precision values a word (m16n8k16)
-HALF_OPERAND_KINDS = ("bfloat16", "float16")
-SPLIT = "tf32x3"          # strict float32 as a big and a small TF32 value (3xTF32)
 
 
 def column_words(operand: str) -> int:
