@@ -6,15 +6,16 @@ backward's gradients) read or write out of bounds, and do their shared-memory ac
     CS=/usr/local/cuda/bin/compute-sanitizer
     PYTHONPATH=$PWD $CS --tool memcheck python3 benchmarks/sanitize_calls.py
     PYTHONPATH=$PWD $CS --tool racecheck --racecheck-report hazard python3 benchmarks/sanitize_calls.py
-        [NAME ...]
+        [NAME ...] [PRECISION ...]
 
 Per geometry of :data:`GEOMETRIES` (ragged channel tiles, rows of one H phase a block, a W
 stride of 5, groups with dilation, 8 output voxels per (sample, channel): ``"ieee"`` takes the
 float64 ``"wide"`` path there, 27 such voxels; small, as the sanitizer slows kernels by
 10-100x; only those named, where names are
-given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather), and
+given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather),
 ``"bfloat16"`` (``"tf32"`` on a bfloat16 input: the tensor-core gather on half-precision
-operands), evaluation, and training with an input that requires grad and a backward (and, on
+operands) and ``"split"`` (``"ieee"`` with ``Options(split_tf32=True)``: the tensor-core gather
+on split operands, 3xTF32; only those named, where precisions are given), evaluation, and training with an input that requires grad and a backward (and, on
 tensor cores, a training forward whose output a second pass of the convolution writes:
 ``Options(second_pass=True)``): one
 ``Pipeline`` call on the specialised kernels; then the generic tier (``specialize=False``:
@@ -49,13 +50,14 @@ GEOMETRIES = [
     bench.Case("short rows", bench._conv(6, 10, 3, 1, 0), 3, (1, 1, 1)),
 ]
 #: relative error against float64 above which a call counts as wrong
-TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3, "bfloat16": 1e-2, "generic": 1e-5}
+TOLERANCE = {"ieee": 1e-5, "tf32": 2e-3, "bfloat16": 1e-2, "split": 1e-5, "generic": 1e-5}
 
 
 def main() -> int:
     if not torch.cuda.is_available() or bench.is_simulator():
         raise SystemExit("sanitize_calls: needs a GPU")
-    names = sys.argv[1:]
+    precisions = [arg for arg in sys.argv[1:] if arg in TOLERANCE] or list(TOLERANCE)
+    names = [arg for arg in sys.argv[1:] if arg not in TOLERANCE]
     unknown = set(names) - {case.name for case in GEOMETRIES}
     if unknown:
         raise SystemExit(f"sanitize_calls: no geometry named {', '.join(sorted(unknown))}")
@@ -63,8 +65,8 @@ def main() -> int:
     for case in GEOMETRIES:
         if names and case.name not in names:
             continue
-        for precision in ("ieee", "tf32", "bfloat16", "generic"):
-            modes = ("eval", "train") + (("second",) if precision in ("tf32", "bfloat16")
+        for precision in precisions:
+            modes = ("eval", "train") + (("second",) if precision in ("tf32", "bfloat16", "split")
                                          else ())
             for mode in modes:
                 train = mode != "eval"
@@ -74,9 +76,11 @@ def main() -> int:
                 if precision == "generic":  # (strict float32 convolution: "ieee"'s tolerance)
                     pipe = Pipeline.from_torch(model, specialize=False)
                 else:
-                    pipe = Pipeline.from_torch(model, precision="ieee" if precision == "ieee"
-                                               else "tf32", specialize=True,
-                                               options=Options(second_pass=mode == "second"))
+                    strict = precision in ("ieee", "split")
+                    pipe = Pipeline.from_torch(model, precision="ieee" if strict else "tf32",
+                                               specialize=True, options=Options(
+                                                   second_pass=mode == "second",
+                                                   split_tf32=precision == "split"))
                 x = x.to(torch.bfloat16 if precision == "bfloat16" else x.dtype)
                 x = x.clone().requires_grad_(mode == "train")
                 # (eval and the second pass record no backward: a call that records one keeps
