@@ -134,6 +134,17 @@ def _compile_all(jobs: int, indices: list[int], strict: bool = False) -> None:
             print(f"compiled {name}", flush=True)
 
 
+def _calls(cases: list[bench.Case]):
+    """Per case and mode: the case, its outputs, the mode, its model, input and float64
+    output."""
+    for case in cases:
+        geom = case.geometry()
+        outputs = case.batch * geom.out_channels * math.prod(geom.output_spatial(case.spatial))
+        for mode in ("eval", "train"):
+            base, x = case.build("cuda")
+            yield case, outputs, mode, base, x, bench.float64_reference(base, x, mode)
+
+
 def strict_sweep(jobs: int, names: list[str] | None = None) -> None:
     """Strict float32's table: the FFMA gather, 3xTF32 and eager in strict fp32, the planner's
     choice under ``precision="ieee"``."""
@@ -143,26 +154,20 @@ def strict_sweep(jobs: int, names: list[str] | None = None) -> None:
     print("| geometry | mode | outputs | ffma b2b / KB | 3xtf32 b2b / KB | eager strict b2b / KB |"
           " fastest (b2b) | planner | errors (ffma / 3xtf32 / eager) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case in cases:
-        geom = case.geometry()
-        outputs = case.batch * geom.out_channels * math.prod(geom.output_spatial(case.spatial))
-        for mode in ("eval", "train"):
-            base, x = case.build("cuda")
-            reference = bench.float64_reference(base, x, mode)
-            models = _strict_models(case, mode, base)
-            times = {name: time_call(model, x, reference, reps=50)
-                     for name, model in models.items()}
-            eager = bench.make_provider("torch_strict_fp32", base, mode)
-            with bench.strict_fp32():
-                times["eager"] = time_call(eager, x, reference, reps=50)
-            fastest = min(("ffma", "3xtf32"), key=lambda name: times[name][0])
-            pipe = provider(base, mode, "gather", "ieee").pipe
-            chosen = "3xtf32" if pipe.tensor_cores(x.shape, x.dtype, x.device) else "ffma"
-            cells = " | ".join(f"{times[n][0]:.3f} / {times[n][1]:.3f}"
-                               for n in ("ffma", "3xtf32", "eager"))
-            errors = " / ".join(f"{times[n][2]:.1e}" for n in ("ffma", "3xtf32", "eager"))
-            print(f"| {case.name} | {mode} | {outputs / 1e6:.2f}M | {cells} | {fastest} | "
-                  f"{chosen} | {errors} |", flush=True)
+    for case, outputs, mode, base, x, reference in _calls(cases):
+        models = _strict_models(case, mode, base)
+        times = {name: time_call(model, x, reference, reps=50) for name, model in models.items()}
+        eager = bench.make_provider("torch_strict_fp32", base, mode)
+        with bench.strict_fp32():
+            times["eager"] = time_call(eager, x, reference, reps=50)
+        fastest = min(("ffma", "3xtf32"), key=lambda name: times[name][0])
+        pipe = provider(base, mode, "gather", "ieee").pipe
+        chosen = "3xtf32" if pipe.tensor_cores(x.shape, x.dtype, x.device) else "ffma"
+        cells = " | ".join(f"{times[n][0]:.3f} / {times[n][1]:.3f}"
+                           for n in ("ffma", "3xtf32", "eager"))
+        errors = " / ".join(f"{times[n][2]:.1e}" for n in ("ffma", "3xtf32", "eager"))
+        print(f"| {case.name} | {mode} | {outputs / 1e6:.2f}M | {cells} | {fastest} | "
+              f"{chosen} | {errors} |", flush=True)
 
 
 def sweep(jobs: int, names: list[str] | None = None) -> None:
@@ -172,23 +177,18 @@ def sweep(jobs: int, names: list[str] | None = None) -> None:
     print("| geometry | mode | outputs | MACs/output | ffma b2b / KB | tf32 b2b / KB | "
           "cudnn b2b / KB | eager b2b / KB | fastest (b2b) | planner | tf32 error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case in cases:
-        geom = case.geometry()
-        outputs = case.batch * geom.out_channels * math.prod(geom.output_spatial(case.spatial))
-        macs = geom.macs(case.batch, case.spatial) / outputs
-        for mode in ("eval", "train"):
-            base, x = case.build("cuda")
-            reference = bench.float64_reference(base, x, mode)
-            times = {name: time_call(model, x, reference, reps=50)
-                     for name, model in _sweep_models(case, mode, base).items()}
-            times["eager"] = time_call(bench.make_provider("torch_eager", base, mode), x,
-                                       reference, reps=50)
-            fastest = min(("ffma", "tf32", "cudnn"), key=lambda name: times[name][0])
-            chosen = planned(bench.make_provider("numba_deconv", base, mode).pipe, x)
-            cells = " | ".join(f"{times[n][0]:.3f} / {times[n][1]:.3f}"
-                               for n in ("ffma", "tf32", "cudnn", "eager"))
-            print(f"| {case.name} | {mode} | {outputs / 1e6:.2f}M | {macs:.0f} | {cells} | "
-                  f"{fastest} | {chosen} | {times['tf32'][2]:.1e} |", flush=True)
+    for case, outputs, mode, base, x, reference in _calls(cases):
+        macs = case.geometry().macs(case.batch, case.spatial) / outputs
+        times = {name: time_call(model, x, reference, reps=50)
+                 for name, model in _sweep_models(case, mode, base).items()}
+        times["eager"] = time_call(bench.make_provider("torch_eager", base, mode), x,
+                                   reference, reps=50)
+        fastest = min(("ffma", "tf32", "cudnn"), key=lambda name: times[name][0])
+        chosen = planned(bench.make_provider("numba_deconv", base, mode).pipe, x)
+        cells = " | ".join(f"{times[n][0]:.3f} / {times[n][1]:.3f}"
+                           for n in ("ffma", "tf32", "cudnn", "eager"))
+        print(f"| {case.name} | {mode} | {outputs / 1e6:.2f}M | {macs:.0f} | {cells} | "
+              f"{fastest} | {chosen} | {times['tf32'][2]:.1e} |", flush=True)
 
 
 def planned(pipe, x) -> str:
