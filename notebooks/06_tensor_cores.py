@@ -524,6 +524,63 @@ if precision.torch_uses_tf32():  # (PyTorch's default)
                        "64 -> 64 channels": "gather_mma", "256 -> 256 channels": "torch"}
 
 # %% [markdown]
+# ## Strict float32 on tensor cores: split operands (3xTF32)
+# A float32 `v` is the sum of two TF32 values: `big = tf32(v)` and `small = tf32(v - big)`
+# (`v - big` is exact in float32 and has at most 13 significant bits, of which `small` keeps 11),
+# within `2^-22 |v|`. Then `a b = a_big b_big + a_big b_small + a_small b_big + a_small b_small`;
+# the last term is at most `2^-22 |a b|` and is left out, so a product costs three `mma`
+# instead of one and lands within float32's order of exact. The tensor cores add each `mma`'s
+# products to its C operand with truncation, so over a long reduction the kernel sums each step's
+# three products from zero and adds the step to its accumulators in float32 (docs/design.md
+# §2.9). Below, the tile from "One warp's tile by hand", by three `mma_tile` launches:
+
+# %%
+from numba import cuda as nb_cuda
+
+
+def split(v):
+    """``v``'s big and small TF32 halves."""
+    big = mma.round_tf32(v)
+    return big, mma.round_tf32(v - big)
+
+
+def tile(a_, b_, c_):
+    """One warp's D = A B + C on the tensor cores (``mma.mma_tile``)."""
+    d_ = nb_cuda.to_device(np.full((1, 16, 8), np.nan, np.float32))
+    mma.mma_tile[1, 32](nb_cuda.to_device(a_[None]), nb_cuda.to_device(b_[None]),
+                        nb_cuda.to_device(np.ascontiguousarray(c_[None])), d_)
+    return d_.copy_to_host()[0]
+
+
+(a_big, a_small), (b_big, b_small) = split(a), split(b)
+assert (np.abs(a_big.astype(np.float64) + a_small - a) <= 2.0**-22 * np.abs(a)).all()
+zero = np.zeros((16, 8), np.float32)
+step = tile(a_big, b_big, tile(a_small, b_big, tile(a_big, b_small, zero)))
+d_split = step + c                                  # the step added in float32
+err_split = np.abs(d_split - exact).max() / np.abs(exact).max()
+print(f"relative error against float64: TF32 {err_tf32:.2e}, split operands {err_split:.2e}, "
+      f"float32 {err_fp32:.2e}")
+assert err_split < 1e-6 < 1e-5 < err_tf32
+
+# %% [markdown]
+# `precision="ieee"` (or PyTorch's strict flag) runs the FFMA gather or the tensor-core gather on
+# split operands, whichever the planner predicts faster (`planner.strict_convolution`;
+# `Options(split_tf32=True / False)` forces either). Measured on an H200
+# (`benchmarks/results/h200_strict_sweep.log`) both are within 1e-6 of float64, and split
+# operands win where the reduction is long: 256 -> 64 channels at kernel 4, 0.121 against the
+# FFMA gather's 0.247 ms; the FFMA gather keeps the default problem (0.237 against 0.296 ms):
+
+# %%
+strict_shapes = {"default problem": ((16, 32, 3, 2, 1), (16, 16, 16, 32, 32)),
+                 "256 -> 64, kernel 4": ((256, 64, 4, 2, 1), (2, 256, 8, 8, 8))}
+strict_choices = {}
+for name, (args, shape) in strict_shapes.items():
+    strict_choices[name], why = planner.strict_convolution(nd.ConvGeometry.create(*args), shape,
+                                                           cuda, False)
+    print(f"{name:20s} -> {strict_choices[name]:10s} ({why.split(': ', 1)[1]})")
+assert strict_choices == {"default problem": "gather", "256 -> 64, kernel 4": "gather_mma"}
+
+# %% [markdown]
 # ## Result
 # * One `mma.sync.m16n8k8` is a warp-wide 16x8x8 multiply-add; lane `l` holds A, B and C/D
 #   elements at rows and columns given by `g = l >> 2` and `t = l & 3` (the drawing), and one
@@ -532,9 +589,10 @@ if precision.torch_uses_tf32():  # (PyTorch's default)
 #   float64 is ~1e-4 to 1e-3 relative, float32's ~1e-7; the package's kernel matches the
 #   fragment-by-fragment computation (exactly under the simulator).
 # * `Pipeline(precision="tf32")` runs the tensor-core gather (`explain` names it) and is within
-#   three times TF32's own error of float64; `precision="ieee"` runs the FFMA gather, within
-#   float32's; the default follows PyTorch's flag and takes the faster of the two where it
-#   allows TF32.
+#   three times TF32's own error of float64; `precision="ieee"` runs the FFMA gather or the
+#   tensor-core gather on split operands (3xTF32: three `mma` a product, each step's sum added in
+#   float32), both within float32's; the default follows PyTorch's flag and takes the faster of
+#   the two where it allows TF32.
 # * A half-precision call on the tensor-core gather multiplies half-precision operands
 #   (`mma.sync.m16n8k16`, 16 input channels a step, two to a register): bfloat16's error, as
 #   eager's autocast; on an H200 the default problem's evaluation under `autocast(bfloat16)`
