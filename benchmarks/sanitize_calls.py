@@ -15,8 +15,8 @@ float64 ``"wide"`` path there, 27 such voxels; small, as the sanitizer slows ker
 given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather),
 ``"bfloat16"`` (``"tf32"`` on a bfloat16 input: the tensor-core gather on half-precision
 operands) and ``"split"`` (``"ieee"`` with ``Options(split_tf32=True)``: the tensor-core gather
-on split operands, 3xTF32; only those named, where precisions are given), evaluation, and training with an input that requires grad and a backward (and, on
-tensor cores, a training forward whose output a second pass of the convolution writes:
+on split operands, 3xTF32; only those named, where precisions are given), evaluation, and
+training with an input that requires grad and a backward (and, on tensor cores, a training forward whose output a second pass of the convolution writes:
 ``Options(second_pass=True)``): one
 ``Pipeline`` call on the specialised kernels; then the generic tier (``specialize=False``:
 ``gather_simple`` and the stored convolution's finish, ``spatial_moments`` and ``scale_centered``,

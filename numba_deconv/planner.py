@@ -492,9 +492,8 @@ def strict_convolution(geom: ConvGeometry, shape: tuple, device: torch.device,
     """``(choice, why)`` for a float32 call in strict float32: ``"gather"`` (the FFMA gather)
     or ``"gather_mma"`` (the tensor-core gather on split operands, ``gather_mma.SPLIT``), the
     latter where predicted ``STRICT_MARGIN`` cheaper (``_call_cost``, as ``convolution``'s
-    candidates); the FFMA
-    gather where the GPU has no TF32 tensor cores (``TF32_CC``) or the kernel does not take the
-    geometry."""
+    candidates); the FFMA gather where the GPU has no TF32 tensor cores (``TF32_CC``) or the
+    kernel does not take the geometry."""
     if capability(device) < TF32_CC:
         return "gather", f"{STRICT_CANDIDATES['gather']}: no TF32 tensor cores on this GPU"
     unsupported = gather_mma.unsupported(geom, "float32")
@@ -520,8 +519,8 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     gather, exact in float32), ``"gather_mma"`` (TF32 tensor cores) or ``"torch"`` (PyTorch's
     convolution and this package's finish; only with ``library``); ``precision="ieee"`` (or
     PyTorch's strict flag) the strict candidates (``strict_convolution``). Where PyTorch's
-    convolution would run in TF32 the cheapest predicted wins, back to back and synchronized together
-    (``_call_cost``: its host time, ``HOST_US`` and what its path adds, and its GPU time);
+    convolution would run in TF32 the cheapest predicted wins, back to back and synchronized
+    together (``_call_cost``: its host time, ``HOST_US`` and what its path adds, and its GPU time);
     PyTorch's only ``MARGIN`` cheaper, and with
     ``MIN_OUTPUTS`` outputs or ``box_sums``' rounds outlasting its call; and always for a call
     of a few output voxels past ``WIDE_LIBRARY_WORK`` (``few_voxels_past``). Elsewhere the
