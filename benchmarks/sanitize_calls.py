@@ -16,9 +16,9 @@ given), ``precision="ieee"`` and ``"tf32"`` (the FFMA and the tensor-core gather
 ``"bfloat16"`` (``"tf32"`` on a bfloat16 input: the tensor-core gather on half-precision
 operands) and ``"split"`` (``"ieee"`` with ``Options(split_tf32=True)``: the tensor-core gather
 on split operands, 3xTF32; only those named, where precisions are given), evaluation, and
-training with an input that requires grad and a backward (and, on tensor cores, a training forward whose output a second pass of the convolution writes:
-``Options(second_pass=True)``): one
-``Pipeline`` call on the specialised kernels; then the generic tier (``specialize=False``:
+training with an input that requires grad and a backward (and, on tensor cores, a training
+forward whose output a second pass of the convolution writes: ``Options(second_pass=True)``):
+one ``Pipeline`` call on the specialised kernels; then the generic tier (``specialize=False``:
 ``gather_simple`` and the stored convolution's finish, ``spatial_moments`` and ``scale_centered``,
 a warp per row on the rows of ``"short rows"``, a block per row on the long rows of the first
 three; ``"few voxels"`` takes the ``"wide"`` path there too) in both modes; each output checked
