@@ -643,6 +643,35 @@ def test_a_recorded_tf32_call_replays_three_launches_and_sees_weight_changes(dev
     assert launches and set(launches) == {3}  # (the recordings of the third call on)
 
 
+# (the Gram path, ~50 s under the simulator, on the GPU profile only: it runs only on request, and
+# the CI run keeps to its 20 minutes)
+@pytest.mark.parametrize("train, variance, second", [
+    pytest.param(False, "auto", False, id="eval"),
+    pytest.param(True, "auto", True, id="train-second-pass"),
+    pytest.param(True, "gram", False, marks=pytest.mark.gpu, id="train-gram")])
+def test_pipeline_on_split_operands(device, train, variance, second):
+    """``precision="ieee"`` on tensor cores (``Options(split_tf32=True)``): in evaluation, in
+    training with its output written by a second pass, on the Gram path (its sums of the
+    unrounded input), with a large per-channel offset: strict float32's tolerance against
+    float64 (1e-5, or three times PyTorch's own float32 error), far inside TF32's."""
+    model = _modules(device, train)
+    options = Options(split_tf32=True, second_pass=second)
+    for offset in (0.5, 300.0):
+        x = torch.randn(2, 5, 2, 3, 3, device=device) + offset
+        want = reference(*(copy.deepcopy(m).double() for m in (model.conv_transpose,
+                                                               model.batch_norm)), x.double())
+        f32 = copy.deepcopy(model).cpu()
+        own = relative_error(reference(f32.conv_transpose, f32.batch_norm, x.cpu()), want.cpu())
+        pipe = Pipeline.from_torch(copy.deepcopy(model), precision="ieee", specialize=True,
+                                   variance=variance, options=options)
+        assert pipe.mma_operand(tuple(x.shape), torch.float32, x.device) == gather_mma.SPLIT
+        with torch.no_grad():
+            got = pipe(x)
+        err = relative_error(got, want)
+        assert err <= max(1e-5, 3 * own) < _tf32_operator_error(model, x), (offset, err, own)
+    assert any("split operands" in note for note in pipe.explain(tuple(x.shape)).notes)
+
+
 def test_strict_and_default_precision_run_the_exact_gather(device):
     model = _modules(device, False)
     x = torch.randn(2, 5, 3, 4, 5, device=device)
