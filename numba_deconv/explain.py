@@ -567,10 +567,14 @@ def _precision_note(pipe, input_shape, dtype: torch.dtype, tensor_cores: bool) -
     asked = "precision=None follows PyTorch's cuDNN flag" if pipe.precision is None \
         else f"precision={pipe.precision!r}"
     strict = dtype == torch.float32 and pipe.strict(tensor_device())
+
+    def strict_choice() -> str:   # (the planner's words for a strict call's choice)
+        return planner.strict_convolution(pipe.geometry, input_shape, tensor_device(),
+                                          folding.uses_batch_statistics(pipe.bn,
+                                                                        pipe.training))[1]
+
     if tensor_cores and strict:
-        why = "Options(split_tf32=True)" if pipe.options.split_tf32 is True else \
-            planner.strict_convolution(pipe.geometry, input_shape, tensor_device(),
-                                       folding.uses_batch_statistics(pipe.bn, pipe.training))[1]
+        why = "Options(split_tf32=True)" if pipe.options.split_tf32 is True else strict_choice()
         return (f"convolution: tensor cores on split operands (3xTF32: each operand a big and a "
                 f"small TF32 value, three mma a product), float32 accumulation, strict float32 "
                 f"({asked}): {why}; box_sums sums the unrounded input and weights")
@@ -583,9 +587,7 @@ def _precision_note(pipe, input_shape, dtype: torch.dtype, tensor_cores: bool) -
     elif strict and pipe.options.split_tf32 is False:
         why = f"{asked}: strict float32, Options(split_tf32=False)"
     elif strict and tensor_device().type == "cuda" and pipe._mma_unsupported is None:
-        why = f"{asked}: " + planner.strict_convolution(
-            pipe.geometry, input_shape, tensor_device(),
-            folding.uses_batch_statistics(pipe.bn, pipe.training))[1]
+        why = f"{asked}: {strict_choice()}"
     elif strict:
         why = f"{asked}: strict float32"
     elif pipe._mma_unsupported is not None:

@@ -487,6 +487,20 @@ STRICT_CANDIDATES = {"gather": "the gather (FFMA, strict float32)",
                                    "float32)"}
 
 
+def _gather_costs(geom: ConvGeometry, shape: tuple, device: torch.device, training: bool,
+                  split: bool = False) -> tuple[dict, float, dict]:
+    """``(times, host, cost)`` of a call with an input of ``shape``: ``predict``'s GPU µs per
+    candidate (the tensor-core gather's on split operands with ``split``), the call's host µs
+    (``HOST_US``) and each gather's cost called both ways (``_call_cost``; the tensor-core
+    gather's with its rounding launch, ``MMA_HOST_US``)."""
+    t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device), split=split)
+    host = HOST_US[bool(training)]
+    cost = {"gather": _call_cost(host, t["gather"])}
+    if "gather_mma" in t:
+        cost["gather_mma"] = _call_cost(host, t["gather_mma"], MMA_HOST_US)
+    return t, host, cost
+
+
 def strict_convolution(geom: ConvGeometry, shape: tuple, device: torch.device,
                        training: bool) -> tuple[str, str]:
     """``(choice, why)`` for a float32 call in strict float32: ``"gather"`` (the FFMA gather)
@@ -499,11 +513,7 @@ def strict_convolution(geom: ConvGeometry, shape: tuple, device: torch.device,
     unsupported = gather_mma.unsupported(geom, "float32")
     if unsupported is not None:
         return "gather", f"{STRICT_CANDIDATES['gather']}: {unsupported}"
-    t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device), split=True)
-    host = HOST_US[bool(training)]
-    cost = {"gather": _call_cost(host, t["gather"])}
-    if "gather_mma" in t:
-        cost["gather_mma"] = _call_cost(host, t["gather_mma"], MMA_HOST_US)
+    _, _, cost = _gather_costs(geom, shape, device, training, split=True)
     choice = "gather_mma" if "gather_mma" in cost \
         and STRICT_MARGIN * cost["gather_mma"] < cost["gather"] else "gather"
     costs = ", ".join(f"{cost[name]:.0f} us on {name.replace('gather_mma', '3xTF32')}"
@@ -538,11 +548,7 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     past = few_voxels_past(geom, shape) if library else ""
     if past:
         return "torch", f"{CANDIDATES['torch']}: {past}"
-    t = predict(geom, shape[0], tuple(shape[2:]), training, peaks_of(device))
-    host = HOST_US[bool(training)]
-    cost = {"gather": _call_cost(host, t["gather"])}
-    if "gather_mma" in t:
-        cost["gather_mma"] = _call_cost(host, t["gather_mma"], MMA_HOST_US)
+    t, host, cost = _gather_costs(geom, shape, device, training)
     choice = min(cost, key=cost.get)
     outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
     torch_cost = _call_cost(host, t["torch"], TORCH_HOST_US)
