@@ -132,6 +132,7 @@ def exact_edges(axis: AxisGeometry, in_size: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)
 def _window_cells(mh: int, qw: int, hpat: tuple, wpat: tuple) -> tuple[bool, ...]:
     """Which cells of the (MH + HWIN - 1) x (QW + WWIN - 1) input window some tap reads."""
     xc = qw + wpat[2] - 1
@@ -642,18 +643,14 @@ def make_gather_kernel(dtype: str, nc: int, mh: int, qw: int, dpat: tuple, hpat:
 def tilings(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_n: int,
             block: int = 128) -> list[GatherTiling]:
     """The register tiles a launch may take, best first: at most 64 accumulators (32 in
-    float64), the most FMAs per load first, ties going to the bigger tile.
-
-    Per step a thread loads its input window (one load per cell a tap reads) and its weights,
-    ``NHT*NWT*ceil(NC/VEC)`` shared-memory loads since NC consecutive weights come as one 16-byte
-    vector; it does ``NC*MH*QW*NHT*NWT`` FMAs. Never more rows, quotients or channels than the
-    output has. On the default problem the first is NC=4, MH=2, QW=2 (18 loads per 144 FMAs),
-    also the fastest tile measured (docs/performance.md). float32 kernels are capped at 128
-    registers (4 blocks of 128 threads per SM, docs/design.md §6); float64 keeps the compiler's
-    register choice. ``gather_launch`` takes the first unless its launch leaves the GPU idle."""
+    float64), the most FMAs per load first (``fmas_per_load``), ties going to the bigger tile.
+    Never more rows, quotients or channels than the output has. On the default problem the
+    first is NC=4, MH=2, QW=2 (18 loads per 144 FMAs), also the fastest tile measured
+    (docs/performance.md). float32 kernels are capped at 128 registers (4 blocks of 128
+    threads per SM, docs/design.md §6); float64 keeps the compiler's register choice.
+    ``gather_launch`` takes the first unless its launch leaves the GPU idle."""
     block = block_size(block)
     budget = 64 if dtype == "float32" else 32
-    vec = 16 // ITEMSIZE[dtype]
     per_cell = hpat[0] * wpat[0]
     taps = len(hpat[1]) * len(wpat[1])
     scored = []
@@ -671,11 +668,20 @@ def tilings(dtype: str, opg: int, hpat: tuple, wpat: tuple, qh_n: int, qw_n: int
                 if (acc > budget or acc + xin + taps * nc > 2 * budget + 32) and \
                         (nc, mh, qw) != (1, 1, 1):
                     continue
-                loads = xin + taps * -(-nc // vec)
-                scored.append(((nc * mh * qw * taps / max(loads, 1), acc), nc, mh, qw))
+                scored.append(((fmas_per_load(dtype, nc, mh, qw, hpat, wpat), acc), nc, mh, qw))
     scored.sort(key=lambda entry: entry[0], reverse=True)  # (stable: ties keep loop order)
     return [GatherTiling(nc, mh, qw, w_lanes(qw_n, qw), block,
                          max_regs=128 if dtype == "float32" else 0) for _, nc, mh, qw in scored]
+
+
+def fmas_per_load(dtype: str, nc: int, mh: int, qw: int, hpat: tuple, wpat: tuple) -> float:
+    """A thread's FMAs per load in one step of the tile ``nc x mh x qw`` (``tilings``' rank):
+    per step a thread loads its input window (one load per cell a tap reads) and its weights,
+    ``NHT*NWT*ceil(NC/VEC)`` shared-memory loads since NC consecutive weights come as one
+    16-byte vector; it does ``NC*MH*QW*NHT*NWT`` FMAs."""
+    taps = len(hpat[1]) * len(wpat[1])
+    loads = sum(_window_cells(mh, qw, hpat, wpat)) + taps * -(-nc // (16 // ITEMSIZE[dtype]))
+    return nc * mh * qw * taps / max(loads, 1)
 
 
 def w_lanes(qw_n: int, qw: int) -> int:
