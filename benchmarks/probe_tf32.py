@@ -100,6 +100,16 @@ SWEEP = [case for case in bench.suite_cases() if case.dtype == "float32"] + [
     _case("c128 k3s2 b4 32", 128, 128, 3, 2, 1, 4, (16, 32, 32)),
     _case("c96to16 k2s2 small", 96, 16, 2, 2, 0, 4, (8, 3, 10)),
     _case("c256to64 k4s2", 256, 64, 4, 2, 1, 2, (8, 8, 8)),
+    # held out of the FFMA gather's small-launch terms (``planner.FFMA_TILE_EXPONENT``,
+    # ``FFMA_CHAIN_NS``): checks of the model, not its fit
+    _case("c96to48 k4s2", 96, 48, 4, 2, 1, 2, (10, 10, 10)),
+    _case("c128to32 k5s2", 128, 32, 5, 2, 2, 1, (8, 8, 8)),
+    _case("c64 k3s1 b2", 64, 64, 3, 1, 1, 2, (8, 8, 8)),
+    _case("c80 k3s2", 80, 80, 3, 2, 1, 2, (12, 12, 12)),
+    _case("c40to72 k5s1", 40, 72, 5, 1, 2, 1, (8, 10, 12)),
+    _case("c112to56 k2s2", 112, 56, 2, 2, 0, 4, (12, 12, 12)),
+    _case("c24to48 k4s2 b8", 24, 48, 4, 2, 1, 8, (8, 16, 16)),
+    _case("c128 k1s1 b4", 128, 128, 1, 1, 0, 4, (8, 16, 16)),
 ]
 
 

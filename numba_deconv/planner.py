@@ -18,8 +18,10 @@ factors) and scaled to other devices by their peaks (``DEVICE_PEAKS``):
 
 * the FFMA gather: ``2 K / (FFMA_EFFICIENCY x FP32 peak)``, ``K`` the multiply-adds
   (``ConvGeometry.macs``), measured at 33-39 TFLOP/s from 32 to 256 channels at k3 s2, less
-  with fewer taps per output or more than 3 taps an axis (``_ffma_taps_factor``), and its
-  output's write (training: a read and a write more, the scale pass);
+  with fewer taps per output or more than 3 taps an axis (``_ffma_taps_factor``) and on the
+  smaller tile a small launch takes to fill the GPU, never less than one thread's chain of
+  multiply-adds (``_ffma_seconds``), and its output's write (training: a read and a write
+  more, the scale pass);
 * the tensor-core gather: its padded multiply-adds (channel tiles of 16, chunks of 8 input
   channels, row segments) at ``MMA_EFFICIENCY`` of the TF32 peak per unit of its fragment reuse,
   the same writes and its epilogue's share more (``MMA_EPILOGUE_PASSES``), and the input's
@@ -127,6 +129,16 @@ FFMA_TAPS = 3.375
 #: multiply-adds): ``(taps / FFMA_TAPS) ** FFMA_TAPS_EXPONENT`` (H200: 15-16 TFLOP/s at one tap
 #: an axis, against 37 at k3 s2).
 FFMA_TAPS_EXPONENT = 0.7
+#: How its rate falls where a small launch takes a smaller tile to fill the GPU
+#: (``gather.gather_launch``'s ``resident``): ``(FMAs per load against the first tile's) **
+#: FFMA_TILE_EXPONENT`` (H200, ``benchmarks/probe_tf32.py``: 0.49-0.66 on the calls of 0.09-0.33
+#: ms whose tile shrinks, 128 -> 64 channels k4 s2 on its 1x8x1 tile at 10 TFLOP/s)
+FFMA_TILE_EXPONENT = 0.5
+#: A multiply-add of one thread's chain, ns, on one accumulator (H200, the 1x1x1 tile at
+#: stride 1: 35-53 ns on the calls of ``results/h200x2_split.log`` of 1300-8200 multiply-adds a
+#: thread): with ``a`` independent accumulators a thread's step takes ``1 / sqrt(a)`` of it
+#: (the same tile at stride 2, four accumulators: 15-24 ns)
+FFMA_CHAIN_NS = 40.0
 #: The tensor-core gather's rate: this fraction of the TF32 peak per unit of a warp's fragment
 #: reuse, ``MT * NQ / (MT + NQ)`` mma per fragment loaded, on the multiply-adds of its padded
 #: tiles ...
@@ -371,13 +383,8 @@ def predict(geom: ConvGeometry, batch: int, in_spatial, training: bool,
     out_bytes = 4.0 * outputs
     writes = (3 if training else 1) * out_bytes / bandwidth
     in_spatial, out_spatial = tuple(in_spatial), tuple(out_spatial)
-    try:
-        ffma_threads = _ffma_threads(geom, batch, in_spatial, out_spatial)
-    except ValueError:  # a grid past the launch limit: the pipeline's own check says so
-        ffma_threads = peaks["sms"] * RESIDENT_THREADS
-    gather_rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
     box = _box_sums_seconds(geom, batch, peaks)
-    times = {"gather": flops / gather_rate * _waves(ffma_threads, peaks) + writes + box}
+    times = {"gather": _ffma_seconds(geom, batch, in_spatial, out_spatial, peaks) + writes + box}
     mma = _mma_seconds(geom, batch, in_spatial, out_spatial, peaks)
     if mma is not None:
         in_bytes = 4.0 * batch * geom.in_channels * math.prod(in_spatial)
@@ -402,15 +409,41 @@ def _box_sums_seconds(geom: ConvGeometry, batch: int, peaks: dict[str, float]) -
     return (shares + last) * BOX_ROUND_US * 1e-6
 
 
-def _ffma_threads(geom: ConvGeometry, batch: int, in_spatial, out_spatial) -> int:
-    """Threads of the FFMA gather's launch with its tile chosen by loads alone: the tile
-    ``FFMA_EFFICIENCY`` is calibrated on. Where the pipeline takes a smaller tile to fill the
-    GPU (``gather.gather_launch``'s ``resident``) the launch runs faster than this predicts;
-    the choice between the paths stays the calibrated one (a smaller tile's rate is not
-    modelled, and on the calls measured where the tile shrinks and tensor cores are chosen,
-    they are the faster: 64 -> 8 channels k3 s1, 64 -> 4 k5 s2; docs/performance.md)."""
-    launch = gather.gather_launch(geom, batch, in_spatial, out_spatial, "float32")
-    return launch.grid * launch.tiling.block
+def _ffma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial: tuple,
+                  peaks: dict[str, float]) -> float:
+    """Seconds of the FFMA gather's multiply-adds on the launch the pipeline takes on a device
+    of ``peaks["sms"]`` SMs (``gather.gather_launch``'s ``resident``): its FLOPs at
+    ``FFMA_EFFICIENCY`` of the FP32 peak, less with fewer or more taps (``_ffma_taps_factor``)
+    and on a smaller tile than the loads-first one it is calibrated on (``(its FMAs per load /
+    the first's) ** FFMA_TILE_EXPONENT``, ``gather.fmas_per_load``), over its waves
+    (``_waves``); and never less than one thread's chain of multiply-adds at ``FFMA_CHAIN_NS``
+    each over the square root of its independent accumulators (a small launch's threads each
+    run a long chain whose latency, not the rate, sets the time)."""
+    flops = 2.0 * geom.macs(batch, in_spatial)
+    outputs = batch * geom.out_channels * math.prod(out_spatial)
+    resident = int(peaks["sms"]) * RESIDENT_THREADS
+    try:
+        first = gather.gather_launch(geom, batch, in_spatial, out_spatial, "float32")
+        taken = gather.gather_launch(geom, batch, in_spatial, out_spatial, "float32",
+                                     resident=resident)
+    except ValueError:  # a grid past the launch limit: the pipeline's own check says so
+        return flops / (FFMA_EFFICIENCY * peaks["fp32"])
+    t = taken.tiling
+    rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
+    if t != first.tiling:
+        rate *= (_fmas_per_load(taken) / _fmas_per_load(first)) ** FFMA_TILE_EXPONENT
+    threads = taken.grid * t.block
+    sd, sh, sw = geom.stride
+    busy = gather._busy_threads(geom, batch, t, out_spatial[0], -(-out_spatial[1] // sh),
+                                -(-out_spatial[2] // sw))
+    accumulators = t.nc * t.mh * t.qw * taken.hpat[0] * taken.wpat[0]
+    chain = flops / 2 / max(busy, 1) * FFMA_CHAIN_NS * 1e-9 / math.sqrt(accumulators)
+    return max(flops / rate * _waves(threads, peaks), chain)
+
+
+def _fmas_per_load(launch) -> float:
+    t = launch.tiling
+    return gather.fmas_per_load("float32", t.nc, t.mh, t.qw, launch.hpat, launch.wpat)
 
 
 def _ffma_taps_factor(geom: ConvGeometry, flops: float, outputs: int) -> float:
