@@ -7,7 +7,8 @@ evaluation and training, back to back and KernelBench-style, and how far is each
     PYTHONPATH=$PWD python3 benchmarks/probe_half.py [--rows default,tiny]
         [--dtypes bfloat16,float16] [--modes eval,train] [--tf32-operands]
 
-Per float32 suite row (``bench --suite``'s, without its training step), autocast dtype and
+Per float32 suite row (``bench --suite``'s, without its training step; ``--rows`` also takes
+the geometries of ``probe_tf32.SWEEP`` by name), autocast dtype and
 mode: numba_deconv as ``ModelNew`` runs it and eager, each wrapped in ``bench.Autocast`` and
 called under ``torch.no_grad()``; medians of 100 calls per method after 10 untimed
 (``bench.time_back_to_back``, ``bench.time_kernelbench``), and each output's relative error
@@ -25,6 +26,8 @@ import torch
 
 from numba_deconv import bench
 from numba_deconv.kernels import gather_mma
+
+import probe_tf32
 
 PROVIDERS = ("numba_deconv", "torch_eager")
 TF32_OPERANDS = "numba_deconv_tf32"  # (``--tf32-operands``)
@@ -52,7 +55,8 @@ def measure(case: bench.Case, dtype: torch.dtype, mode: str, providers=PROVIDERS
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", help="float32 suite rows, comma-separated (default: all)")
+    parser.add_argument("--rows", help="float32 suite rows or probe_tf32.SWEEP geometries, "
+                        "comma-separated (default: the suite's)")
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--modes", default="eval,train")
     parser.add_argument("--tf32-operands", action="store_true",
@@ -61,7 +65,7 @@ def main() -> None:
     providers = PROVIDERS + ((TF32_OPERANDS,) if args.tf32_operands else ())
     if not torch.cuda.is_available() or bench.is_simulator():
         raise SystemExit("probe_half: needs a GPU")
-    cases = bench.select_cases(args.rows.split(",")) if args.rows else bench.suite_cases()
+    cases = probe_tf32.select(args.rows.split(",")) if args.rows else bench.suite_cases()
     cases = [case for case in cases if case.dtype == "float32"]
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     print("| row | autocast | mode | numba_deconv b2b / KB ms | eager b2b / KB ms "
