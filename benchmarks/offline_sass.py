@@ -3,13 +3,13 @@
 Answers: does a kernel change keep the register cap without spilling, and what does it do to
 the instruction mix? Covers the default problem's gather kernel (``eval``, ``train``: the
 centred-square epilogue, ``scaled``: the Gram path's scaled epilogue), the tensor-core
-gather's (``mma``, ``mma-train``), ``gram_sums`` (``gram``, the default problem's or a small
+gather's (``mma``, ``mma-train``: the default problem's or another suite row's, ``--row``), ``gram_sums`` (``gram``, the default problem's or a small
 one's with four teams per slot) and ``box_sums`` (``box``, the default problem's).
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
     python benchmarks/offline_sass.py [eval|train|scaled|mma|mma-train] [--out PREFIX]
-    python benchmarks/offline_sass.py mma|mma-train --operand bfloat16|float16|tf32x3
-        [--out PREFIX]
+    python benchmarks/offline_sass.py mma|mma-train [--operand bfloat16|float16|tf32x3]
+        [--row decoder_k2s2] [--out PREFIX]
     python benchmarks/offline_sass.py gram [--case default|small] [--dtype float32|float64]
         [--out PREFIX]
     python benchmarks/offline_sass.py box [--dtype float32|float64] [--out PREFIX]
@@ -101,11 +101,12 @@ def compile_gather(mode: str, prefix: str) -> tuple[str, str]:
     return assemble(cuda.compile_ptx(kernel.py_func, sig, cc=CC)[0], prefix, tiling.max_regs)
 
 
-def compile_gather_mma(mode: str, prefix: str, operand: str = "tf32") -> tuple[str, str]:
-    """PTX, ptxas' report and the SASS of the default problem's tensor-core gather in ``mode``
-    (``eval``, ``train``), at its GPU tiling, on ``operand``'s operands
-    (``gather_mma.OPERANDS``; a half dtype's evaluation stores its output in that dtype, as a
-    half-precision call's does)."""
+def compile_gather_mma(mode: str, prefix: str, operand: str = "tf32",
+                       row: str = "default") -> tuple[str, str]:
+    """PTX, ptxas' report and the SASS of a suite row's tensor-core gather (``row``: the
+    default problem's) in ``mode`` (``eval``, ``train``), at its GPU tiling, on ``operand``'s
+    operands (``gather_mma.OPERANDS``; a half dtype's evaluation stores its output in that
+    dtype, as a half-precision call's does)."""
     stand_in_device()
     import numba
     from numba import cuda, float32, float64, int32, uint16
@@ -113,7 +114,7 @@ def compile_gather_mma(mode: str, prefix: str, operand: str = "tf32") -> tuple[s
     from numba_deconv import bench
     from numba_deconv.kernels import gather_mma
 
-    case = bench.default_case()
+    case = bench.select_cases([row])[0]
     geom = case.geometry()
     out_spatial = tuple(a.output_size(n) for a, n in zip(geom.axes(), case.spatial))
     launch = gather_mma.mma_launch(geom, case.batch, case.spatial, out_spatial, operand=operand)
@@ -220,6 +221,8 @@ def main() -> None:
     parser.add_argument("--operand", default="tf32",
                         choices=("tf32", "bfloat16", "float16", "tf32x3"),
                         help="mma, mma-train: the tensor-core operands' precision")
+    parser.add_argument("--row", default="default",
+                        help="mma, mma-train: the suite row whose kernel to compile")
     parser.add_argument("--out", default="gather_sm90")
     args = parser.parse_args()
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")  # the real compiler, no device needed
@@ -229,7 +232,7 @@ def main() -> None:
         report, sass = compile_box_sums(args.dtype, args.out)
     elif args.mode.startswith("mma"):
         report, sass = compile_gather_mma("train" if args.mode == "mma-train" else "eval",
-                                          args.out, args.operand)
+                                          args.out, args.operand, args.row)
     else:
         report, sass = compile_gather(args.mode, args.out)
     print("\n".join(line.strip() for line in report.splitlines()
