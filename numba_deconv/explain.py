@@ -34,7 +34,9 @@ the peaks come from :data:`DEVICE_PEAKS`, matched by device name, or from the ar
 On a real GPU the report adds, per kernel, registers per thread, static shared memory per
 block, local memory (spill) bytes per thread and the theoretical occupancy those imply, and with
 ``measure=True`` CUDA-event timings: the whole call (median of ``repeats``) and each kernel
-launch (the pipeline's launch functions wrapped by events, median over the same calls).
+launch (the pipeline's launch functions wrapped by events, median over the same calls), and each
+convolution the planner chose among (``candidates``: a pipeline over the same modules forced
+onto it, timed back to back and KernelBench-style beside the planner's predicted cost).
 Under the simulator those columns are empty and the report says so.
 """
 
@@ -88,6 +90,19 @@ class StageRow:
 
 
 @dataclass
+class Candidate:
+    """One convolution the planner chose among (``planner.candidate_costs``): its predicted
+    cost, and with ``measure=True`` its call timed back to back and KernelBench-style."""
+
+    name: str                         # "gather", "gather_mma" or "torch"
+    label: str                        # in words
+    predicted_us: float               # back to back and synchronized together (the planner's)
+    chosen: bool
+    b2b_us: float | None = None       # median call time, back to back (measure=True)
+    kb_us: float | None = None        # ... and with a synchronize after every call
+
+
+@dataclass
 class ExplainReport:
     """The plan for one input shape; ``str()`` renders a table, ``to_dict()`` a JSON-able dict."""
 
@@ -106,6 +121,7 @@ class ExplainReport:
     memory_floor_us: float
     measured_us: float | None = None  # median whole-call time (measure=True on a GPU)
     notes: list[str] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)
 
     @property
     def total_flops(self) -> int:
@@ -167,6 +183,14 @@ class ExplainReport:
             lines.append(f"measured whole call: {self.measured_us:.1f} us = "
                          f"{self.measured_us / self.floor_us:.1f}x the floor")
         lines += self.notes
+        if self.candidates:
+            lines.append("the convolutions chosen among (µs, back to back + KernelBench-style, "
+                         "as the planner costs them):")
+            for c in self.candidates:
+                timed = "" if c.b2b_us is None else \
+                    f"; measured {c.b2b_us:.1f} + {c.kb_us:.1f} = {c.b2b_us + c.kb_us:.1f}"
+                lines.append(f"  {c.label}: predicted {c.predicted_us:.1f}{timed}"
+                             + ("  <- chosen" if c.chosen else ""))
         return "\n".join(lines)
 
 
@@ -611,7 +635,9 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
     ``planner.DEFAULT_DEVICE`` under the simulator); ``peak_flops`` / ``bandwidth`` override it.
     On a GPU the pipeline is traced once on a random input (compiling its kernels, leaving the
     running statistics untouched) to read each kernel's resources; ``measure=True`` also times
-    the whole call and each launch (median of ``repeats``, CUDA events).
+    the whole call and each launch (median of ``repeats``, CUDA events), and each convolution
+    the planner chose among, both ways (``ExplainReport.candidates``, listed with their
+    predicted costs wherever the planner chose).
     """
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -715,6 +741,10 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
     if path in GATHER_PATHS:
         report.notes.append(_precision_note(pipe, input_shape, dtype, tensor_cores))
+    if path in GATHER_PATHS + ("torch",) and pipe.conv_impl == "auto":
+        report.candidates = _candidates(pipe, input_shape, dtype, batch_stats,
+                                        "torch" if path == "torch"
+                                        else "gather_mma" if tensor_cores else "gather")
     if batch_stats and path in ("epilogue", "gram"):
         gram_path, why = pipe.variance_path()
         if gram_path:
@@ -772,7 +802,59 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
                 and not planner.tf32_refusal(dtype, device, None):
             record = grad_choice.measure(pipe.geometry, tuple(input_shape), dtype, device)
             report.notes.append(_measured_grads(record, "measured now"))
+        for candidate in report.candidates:
+            candidate.b2b_us, candidate.kb_us = _time_candidate(pipe, candidate.name, x,
+                                                                repeats)
     return report
+
+
+def _candidates(pipe, input_shape, dtype: torch.dtype, batch_stats: bool,
+                chosen: str) -> list[Candidate]:
+    """The convolutions the planner chose among for this call, with their predicted costs
+    (none where nothing was chosen: float64, a precision set to TF32, ...)."""
+    device = tensor_device()
+    costs = planner.candidate_costs(pipe.geometry, input_shape, dtype, device, pipe.precision,
+                                    batch_stats, pipe.library_candidate)
+    strict = pipe.strict(device)
+    labels = planner.STRICT_CANDIDATES if strict else planner.CANDIDATES
+    return [Candidate(name, labels[name], cost, name == chosen)
+            for name, cost in costs.items()]
+
+
+def _forced(pipe, name: str):
+    """A pipeline over ``pipe``'s modules, in its mode, whose convolution is candidate
+    ``name`` (``Candidate.name``), on the specialised kernels."""
+    from dataclasses import replace
+
+    from .pipeline import Pipeline
+
+    strict = pipe.strict(tensor_device())
+    kw = dict(variance=pipe.variance, graphs=pipe.graphs, specialize=True)
+    if name == "torch":
+        forced = Pipeline(pipe.conv, pipe.bn, conv_impl="torch", precision=pipe.precision,
+                          options=pipe.options, **kw)
+    elif name == "gather_mma":
+        forced = Pipeline(pipe.conv, pipe.bn, conv_impl="gather",
+                          precision="ieee" if strict else "tf32",
+                          options=replace(pipe.options, split_tf32=True) if strict
+                          else pipe.options, **kw)
+    else:
+        forced = Pipeline(pipe.conv, pipe.bn, conv_impl="gather", precision="ieee",
+                          options=replace(pipe.options, split_tf32=False), **kw)
+    return forced.train(pipe.training)
+
+
+def _time_candidate(pipe, name: str, x, repeats: int) -> tuple[float, float]:
+    """Median µs of candidate ``name``'s calls on ``x``, back to back and KernelBench-style
+    (``bench.time_back_to_back``, ``time_kernelbench``), the running statistics untouched."""
+    from . import bench
+
+    forced = _forced(pipe, name)
+    call = lambda: forced(x)  # noqa: E731
+    with _saved_bn_state(pipe.bn), torch.no_grad():
+        b2b = bench.time_back_to_back(call, warmup=3, reps=repeats).median_ms
+        kb = bench.time_kernelbench(call, warmup=3, reps=repeats).median_ms
+    return 1e3 * b2b, 1e3 * kb
 
 
 def _measured_grads(record: dict, where: str) -> str:

@@ -534,6 +534,29 @@ def _gather_costs(geom: ConvGeometry, shape: tuple, device: torch.device, traini
     return t, host, cost
 
 
+def candidate_costs(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
+                    device: torch.device, precision, training: bool,
+                    library: bool = True) -> dict[str, float]:
+    """The convolutions ``convolution`` chooses among for an input of ``shape``, each with its
+    predicted cost (µs back to back and synchronized together, ``_call_cost``): in strict float32
+    the FFMA gather and (where the kernel and the GPU take it) the tensor-core gather on split
+    operands; where PyTorch's convolution would run in TF32, the FFMA gather, the TF32 gather
+    and (``library``) PyTorch's convolution with this package's finish (``"torch"``). Empty
+    where nothing is chosen (float64, ``precision="tf32"``, a GPU without TF32 tensor cores
+    outside strict float32)."""
+    refused = tf32_refusal(dtype, device, precision)
+    strict = refused and dtype == torch.float32 and precision != "tf32"
+    if strict and capability(device) >= TF32_CC \
+            and gather_mma.unsupported(geom, "float32") is None:
+        return _gather_costs(geom, shape, device, training, split=True)[2]
+    if refused or precision == "tf32":
+        return {}
+    t, host, cost = _gather_costs(geom, shape, device, training)
+    if library:
+        cost["torch"] = _call_cost(host, t["torch"], TORCH_HOST_US)
+    return cost
+
+
 def strict_convolution(geom: ConvGeometry, shape: tuple, device: torch.device,
                        training: bool) -> tuple[str, str]:
     """``(choice, why)`` for a float32 call in strict float32: ``"gather"`` (the FFMA gather)

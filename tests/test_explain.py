@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import numba_deconv as nd
-from numba_deconv.explain import (DEVICE_PEAKS, _resources, device_peaks, explain,
+from numba_deconv import planner
+from numba_deconv.explain import (DEVICE_PEAKS, Candidate, _resources, device_peaks, explain,
                                   theoretical_occupancy)
 from numba_deconv import tensor_device
 
@@ -176,6 +177,43 @@ def test_gpu_resources_and_timings(conv_impl, training):
     assert report.measured_us > 0
     assert "measured whole call" in str(report)
     for k, v in pipe.bn.state_dict().items():  # timing in training mode leaves the stats alone
+        assert torch.equal(v, before[k]), k
+
+
+def test_the_candidates_render():
+    """The convolutions chosen among: each one's predicted cost, its measured one where timed,
+    and which was chosen."""
+    report = explain(make_pipe("gather", False), SHAPE)
+    report.candidates = [Candidate("gather", "the gather (FFMA)", 120.0, False, 50.0, 71.5),
+                         Candidate("gather_mma", "the gather on tensor cores (TF32)", 90.0, True)]
+    text = str(report)
+    assert "  the gather (FFMA): predicted 120.0; measured 50.0 + 71.5 = 121.5\n" in text + "\n"
+    assert "  the gather on tensor cores (TF32): predicted 90.0  <- chosen" in text
+    assert json.dumps(report.to_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [None, "ieee"])
+def test_measure_times_the_convolutions_chosen_among(precision):
+    """``measure=True`` times every candidate of the planner's choice in both methods, on the
+    pipeline's modules in its mode, and leaves the running statistics as they were; the one
+    the call runs is marked."""
+    device = tensor_device()
+    conv = nn.ConvTranspose3d(16, 24, 3, stride=2, padding=1).to(device)
+    bn = nn.BatchNorm3d(24).to(device)
+    pipe = nd.Pipeline(conv, bn, precision=precision).train(True)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    shape = (2, 16, 5, 6, 7)
+    report = explain(pipe, shape, measure=True, repeats=5)
+    strict = bool(planner.tf32_refusal(torch.float32, device, precision))
+    assert {c.name for c in report.candidates} == \
+        ({"gather", "gather_mma"} if strict else {"gather", "gather_mma", "torch"})
+    chosen = [c.name for c in report.candidates if c.chosen]
+    assert chosen == [planner.convolution(pipe.geometry, shape, torch.float32, device,
+                                          precision, True)[0]]
+    assert all(c.predicted_us > 0 and c.b2b_us > 0 and c.kb_us > 0 for c in report.candidates)
+    assert "<- chosen" in str(report)
+    for k, v in bn.state_dict().items():
         assert torch.equal(v, before[k]), k
 
 

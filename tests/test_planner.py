@@ -538,6 +538,35 @@ def test_strict_float32_on_the_suite(on_h200):
             assert (choice == "gather_mma") == split, (name, training)
 
 
+def test_the_candidates_are_what_the_choices_compare(on_h200, monkeypatch):
+    """``candidate_costs`` (``explain``'s list) holds what ``convolution`` chooses among at the
+    costs it compares: under PyTorch's TF32 flag the two gathers and PyTorch's convolution (not
+    where it is no candidate), in strict float32 the FFMA gather and split operands; nothing
+    where nothing is chosen (float64, ``precision="tf32"``, a GPU without TF32 tensor cores)."""
+    flag = [True]
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: flag[0])
+    geom, shape = ConvGeometry.create(16, 32, 3, 2, 1), (16, 16, 16, 32, 32)
+    costs = planner.candidate_costs(geom, shape, torch.float32, CUDA, None, False)
+    assert set(costs) == {"gather", "gather_mma", "torch"}
+    assert planner.convolution(geom, shape, torch.float32, CUDA, None, False)[0] \
+        == min(costs, key=costs.get)
+    assert set(planner.candidate_costs(geom, shape, torch.float32, CUDA, None, False,
+                                       library=False)) == {"gather", "gather_mma"}
+    for asked, allowed in (("ieee", True), (None, False)):
+        flag[0] = allowed
+        for name in ("default", "c128to64 k4s2", "k4s2p1"):
+            g, sh = _strict_case(name)
+            costs = planner.candidate_costs(g, sh, torch.float32, CUDA, asked, True)
+            assert set(costs) == {"gather", "gather_mma"}
+            split = planner.strict_convolution(g, sh, CUDA, True)[0] == "gather_mma"
+            assert split == (planner.STRICT_MARGIN * costs["gather_mma"] < costs["gather"])
+    flag[0] = True
+    assert planner.candidate_costs(geom, shape, torch.float64, CUDA, None, False) == {}
+    assert planner.candidate_costs(geom, shape, torch.float32, CUDA, "tf32", False) == {}
+    monkeypatch.setattr(planner, "capability", lambda device: (7, 0))
+    assert planner.candidate_costs(geom, shape, torch.float32, CUDA, "ieee", False) == {}
+
+
 def test_the_pipeline_follows_the_strict_choice(on_h200, monkeypatch):
     """In strict float32 (``precision="ieee"``, or PyTorch's flag against TF32) ``tensor_cores``
     follows ``planner.strict_convolution`` and the operands are split (3xTF32), reported as
