@@ -421,27 +421,28 @@ def _ffma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial
     run a long chain whose latency, not the rate, sets the time)."""
     flops = 2.0 * geom.macs(batch, in_spatial)
     outputs = batch * geom.out_channels * math.prod(out_spatial)
+    rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
     resident = int(peaks["sms"]) * RESIDENT_THREADS
     try:
         first = gather.gather_launch(geom, batch, in_spatial, out_spatial, "float32")
         taken = gather.gather_launch(geom, batch, in_spatial, out_spatial, "float32",
                                      resident=resident)
     except ValueError:  # a grid past the launch limit: the pipeline's own check says so
-        return flops / (FFMA_EFFICIENCY * peaks["fp32"])
+        return flops / rate
     t = taken.tiling
-    rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
     if t != first.tiling:
         rate *= (_fmas_per_load(taken) / _fmas_per_load(first)) ** FFMA_TILE_EXPONENT
     threads = taken.grid * t.block
-    sd, sh, sw = geom.stride
-    busy = gather._busy_threads(geom, batch, t, out_spatial[0], -(-out_spatial[1] // sh),
-                                -(-out_spatial[2] // sw))
+    _, sh, sw = geom.stride
+    busy = gather.busy_threads(geom, batch, t, out_spatial[0], -(-out_spatial[1] // sh),
+                               -(-out_spatial[2] // sw))
     accumulators = t.nc * t.mh * t.qw * taken.hpat[0] * taken.wpat[0]
     chain = flops / 2 / max(busy, 1) * FFMA_CHAIN_NS * 1e-9 / math.sqrt(accumulators)
     return max(flops / rate * _waves(threads, peaks), chain)
 
 
 def _fmas_per_load(launch) -> float:
+    """The FFMA gather's FMAs per load on a launch's tile (``gather.fmas_per_load``)."""
     t = launch.tiling
     return gather.fmas_per_load("float32", t.nc, t.mh, t.qw, launch.hpat, launch.wpat)
 
