@@ -1,10 +1,11 @@
 """Registers, spills and SASS of a kernel for sm_90 without a GPU.
 
-Answers: does a kernel change keep the register cap without spilling, and what does it do to
-the instruction mix? Covers the default problem's gather kernel (``eval``, ``train``: the
-centred-square epilogue, ``scaled``: the Gram path's scaled epilogue), the tensor-core
-gather's (``mma``, ``mma-train``: the default problem's or another suite row's, ``--row``), ``gram_sums`` (``gram``, the default problem's or a small
-one's with four teams per slot) and ``box_sums`` (``box``, the default problem's).
+Answers: does a kernel change keep the register cap without spilling, and what does it do to the
+instruction mix? Covers the default problem's gather kernel (``eval``, ``train``: the centred-
+square epilogue, ``scaled``: the Gram path's scaled epilogue), the tensor-core gather's
+(``mma``, ``mma-train``: the default problem's or another suite row's, ``--row``), ``gram_sums``
+(``gram``, the default problem's or a small one's with four teams per slot) and ``box_sums``
+(``box``, the default problem's).
 
     pip install -e '.[sass]'          # libNVVM, NVRTC and ptxas (CUDA 12), nvdisasm
     python benchmarks/offline_sass.py [eval|train|scaled|mma|mma-train] [--out PREFIX]

@@ -184,7 +184,7 @@ class ExplainReport:
                          f"{self.measured_us / self.floor_us:.1f}x the floor")
         lines += self.notes
         if self.candidates:
-            lines.append("the convolutions chosen among (µs, back to back + KernelBench-style, "
+            lines.append("the convolutions chosen among (us, back to back + KernelBench-style, "
                          "as the planner costs them):")
             for c in self.candidates:
                 timed = "" if c.b2b_us is None else \
@@ -741,7 +741,7 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
             report.notes.append(f"specialize='auto': a call of this shape now runs {now}")
     if path in GATHER_PATHS:
         report.notes.append(_precision_note(pipe, input_shape, dtype, tensor_cores))
-    if path in GATHER_PATHS + ("torch",) and pipe.conv_impl == "auto":
+    if path in GATHER_PATHS + ("torch",):
         report.candidates = _candidates(pipe, input_shape, dtype, batch_stats,
                                         "torch" if path == "torch"
                                         else "gather_mma" if tensor_cores else "gather")
@@ -802,54 +802,66 @@ def explain(pipe, input_shape, dtype: torch.dtype = torch.float32, measure: bool
                 and not planner.tf32_refusal(dtype, device, None):
             record = grad_choice.measure(pipe.geometry, tuple(input_shape), dtype, device)
             report.notes.append(_measured_grads(record, "measured now"))
+        strict = pipe.strict(device)
         for candidate in report.candidates:
-            candidate.b2b_us, candidate.kb_us = _time_candidate(pipe, candidate.name, x,
-                                                                repeats)
+            candidate.b2b_us, candidate.kb_us = _time_candidate(pipe, candidate.name, strict,
+                                                                x, repeats)
     return report
 
 
 def _candidates(pipe, input_shape, dtype: torch.dtype, batch_stats: bool,
                 chosen: str) -> list[Candidate]:
-    """The convolutions the planner chose among for this call, with their predicted costs
-    (none where nothing was chosen: float64, a precision set to TF32, ...)."""
+    """The convolutions the planner chose among for this call by their predicted costs
+    (``Pipeline.convolution``, ``planner.candidate_costs``), ``chosen`` the one it runs; none
+    where nothing was chosen so: float64, ``precision="tf32"``, ``conv_impl`` the scatter or
+    PyTorch's, ``Options(split_tf32=...)`` set in strict float32, a call of a few output voxels
+    that PyTorch's convolution takes outright."""
     device = tensor_device()
+    strict = pipe.strict(device)
+    if pipe.conv_impl not in ("auto", "gather") or (strict and pipe.options.split_tf32 != "auto"):
+        return []
     costs = planner.candidate_costs(pipe.geometry, input_shape, dtype, device, pipe.precision,
                                     batch_stats, pipe.library_candidate)
-    strict = pipe.strict(device)
     labels = planner.STRICT_CANDIDATES if strict else planner.CANDIDATES
     return [Candidate(name, labels[name], cost, name == chosen)
             for name, cost in costs.items()]
 
 
-def _forced(pipe, name: str):
-    """A pipeline over ``pipe``'s modules, in its mode, whose convolution is candidate
-    ``name`` (``Candidate.name``), on the specialised kernels."""
+def _forced(pipe, name: str, strict: bool):
+    """A pipeline over ``pipe``'s modules, in its mode and process group, whose convolution is
+    candidate ``name`` (``Candidate.name``; ``strict``: strict float32's), on the specialised
+    kernels."""
     from dataclasses import replace
 
     from .pipeline import Pipeline
 
-    strict = pipe.strict(tensor_device())
-    kw = dict(variance=pipe.variance, graphs=pipe.graphs, specialize=True)
+    kw = dict(variance=pipe.variance, graphs=pipe.graphs, specialize=True,
+              process_group=pipe.process_group)
     if name == "torch":
-        forced = Pipeline(pipe.conv, pipe.bn, conv_impl="torch", precision=pipe.precision,
+        forced = Pipeline(pipe.conv, pipe.bn, conv_impl="torch", options=pipe.options, **kw)
+    elif name == "gather_mma" and not strict:
+        forced = Pipeline(pipe.conv, pipe.bn, conv_impl="gather", precision="tf32",
                           options=pipe.options, **kw)
-    elif name == "gather_mma":
-        forced = Pipeline(pipe.conv, pipe.bn, conv_impl="gather",
-                          precision="ieee" if strict else "tf32",
-                          options=replace(pipe.options, split_tf32=True) if strict
-                          else pipe.options, **kw)
-    else:
+    else:   # the FFMA gather, or strict float32's split operands: "ieee", the split forced
         forced = Pipeline(pipe.conv, pipe.bn, conv_impl="gather", precision="ieee",
-                          options=replace(pipe.options, split_tf32=False), **kw)
+                          options=replace(pipe.options, split_tf32=name == "gather_mma"), **kw)
     return forced.train(pipe.training)
 
 
-def _time_candidate(pipe, name: str, x, repeats: int) -> tuple[float, float]:
-    """Median µs of candidate ``name``'s calls on ``x``, back to back and KernelBench-style
-    (``bench.time_back_to_back``, ``time_kernelbench``), the running statistics untouched."""
+def _time_candidate(pipe, name: str, strict: bool, x,
+                    repeats: int) -> tuple[float | None, float | None]:
+    """Median us of candidate ``name``'s calls on ``x``, back to back and KernelBench-style
+    (``bench.time_back_to_back``, ``time_kernelbench``), the running statistics untouched;
+    ``(None, None)`` where the pipeline forced onto it would run another convolution."""
     from . import bench
 
-    forced = _forced(pipe, name)
+    forced = _forced(pipe, name, strict)
+    shape, dtype, device = x.shape, x.dtype, x.device
+    runs = forced.path(shape, dtype, device) == "torch" if name == "torch" else \
+        forced.path(shape, dtype, device) in GATHER_PATHS \
+        and forced.tensor_cores(shape, dtype, device) == (name == "gather_mma")
+    if not runs:
+        return None, None
     call = lambda: forced(x)  # noqa: E731
     with _saved_bn_state(pipe.bn), torch.no_grad():
         b2b = bench.time_back_to_back(call, warmup=3, reps=repeats).median_ms

@@ -800,7 +800,9 @@ class Pipeline:
     def explain(self, input_shape, dtype: torch.dtype = torch.float32, measure: bool = False):
         """The plan for ``input_shape``: stages, kernels, launch shapes, resources and floors.
 
-        See ``numba_deconv.explain``; with ``measure=True`` (GPU only) each stage is timed too.
+        See ``numba_deconv.explain``; it lists the convolutions the planner chose among with
+        their predicted costs, and with ``measure=True`` (GPU only) times each stage and each of
+        those convolutions too.
         """
         from .explain import explain  # explain reads the pipeline; keep the import one-way
 

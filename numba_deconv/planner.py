@@ -135,9 +135,9 @@ FFMA_TAPS_EXPONENT = 0.7
 #: ms whose tile shrinks, 128 -> 64 channels k4 s2 on its 1x8x1 tile at 10 TFLOP/s)
 FFMA_TILE_EXPONENT = 0.5
 #: A multiply-add of one thread's chain, ns, on one accumulator (H200, the 1x1x1 tile at
-#: stride 1: 35-53 ns on the calls of ``results/h200x2_split.log`` of 1300-8200 multiply-adds a
-#: thread): with ``a`` independent accumulators a thread's step takes ``1 / sqrt(a)`` of it
-#: (the same tile at stride 2, four accumulators: 15-24 ns)
+#: stride 1: 35-53 ns on the calls of ``results/h200x2_split.log`` of 666-8192 multiply-adds a
+#: thread, 67 on one of 275): with ``a`` independent accumulators a thread's step takes
+#: ``1 / sqrt(a)`` of it (the same tile at stride 2, four accumulators: 15-24 ns)
 FFMA_CHAIN_NS = 40.0
 #: The tensor-core gather's rate: this fraction of the TF32 peak per unit of a warp's fragment
 #: reuse, ``MT * NQ / (MT + NQ)`` mma per fragment loaded, on the multiply-adds of its padded
@@ -420,6 +420,8 @@ def _ffma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial
     each over the square root of its independent accumulators (a small launch's threads each
     run a long chain whose latency, not the rate, sets the time)."""
     flops = 2.0 * geom.macs(batch, in_spatial)
+    if flops == 0:   # (no tap lands inside the output)
+        return 0.0
     outputs = batch * geom.out_channels * math.prod(out_spatial)
     rate = FFMA_EFFICIENCY * _ffma_taps_factor(geom, flops, outputs) * peaks["fp32"]
     resident = int(peaks["sms"]) * RESIDENT_THREADS
@@ -432,13 +434,9 @@ def _ffma_seconds(geom: ConvGeometry, batch: int, in_spatial: tuple, out_spatial
     t = taken.tiling
     if t != first.tiling:
         rate *= (_fmas_per_load(taken) / _fmas_per_load(first)) ** FFMA_TILE_EXPONENT
-    threads = taken.grid * t.block
-    _, sh, sw = geom.stride
-    busy = gather.busy_threads(geom, batch, t, out_spatial[0], -(-out_spatial[1] // sh),
-                               -(-out_spatial[2] // sw))
-    accumulators = t.nc * t.mh * t.qw * taken.hpat[0] * taken.wpat[0]
-    chain = flops / 2 / max(busy, 1) * FFMA_CHAIN_NS * 1e-9 / math.sqrt(accumulators)
-    return max(flops / rate * _waves(threads, peaks), chain)
+    chain = flops / 2 / max(taken.busy, 1) * FFMA_CHAIN_NS * 1e-9 \
+        / math.sqrt(taken.accumulators)
+    return max(flops / rate * _waves(taken.grid * t.block, peaks), chain)
 
 
 def _fmas_per_load(launch) -> float:
@@ -535,27 +533,47 @@ def _gather_costs(geom: ConvGeometry, shape: tuple, device: torch.device, traini
     return t, host, cost
 
 
+def _strict(refused: str, dtype: torch.dtype, precision) -> bool:
+    """Whether a call whose PyTorch convolution would not run in TF32 (``refused``, from
+    ``tf32_refusal``) is a float32 call in strict float32: PyTorch's flag, cuDNN off, or
+    ``precision="ieee"``."""
+    return bool(refused) and dtype == torch.float32 and precision != "tf32"
+
+
+def _no_split(geom: ConvGeometry, device: torch.device) -> str:
+    """Why strict float32 has no tensor-core candidate here ('' where it has)."""
+    if capability(device) < TF32_CC:
+        return "no TF32 tensor cores on this GPU"
+    return gather_mma.unsupported(geom, "float32") or ""
+
+
+def _tf32_costs(geom: ConvGeometry, shape: tuple, device: torch.device,
+                training: bool) -> tuple[dict, float, dict, float]:
+    """``_gather_costs`` where PyTorch's convolution would run in TF32, and that
+    convolution's cost with this package's finish (its dispatch, ``TORCH_HOST_US``)."""
+    t, host, cost = _gather_costs(geom, shape, device, training)
+    return t, host, cost, _call_cost(host, t["torch"], TORCH_HOST_US)
+
+
 def candidate_costs(geom: ConvGeometry, shape: tuple, dtype: torch.dtype,
                     device: torch.device, precision, training: bool,
                     library: bool = True) -> dict[str, float]:
-    """The convolutions ``convolution`` chooses among for an input of ``shape``, each with its
-    predicted cost (µs back to back and synchronized together, ``_call_cost``): in strict float32
-    the FFMA gather and (where the kernel and the GPU take it) the tensor-core gather on split
-    operands; where PyTorch's convolution would run in TF32, the FFMA gather, the TF32 gather
-    and (``library``) PyTorch's convolution with this package's finish (``"torch"``). Empty
-    where nothing is chosen (float64, ``precision="tf32"``, a GPU without TF32 tensor cores
-    outside strict float32)."""
+    """The convolutions ``convolution`` chooses among by their predicted costs for an input of
+    ``shape``, each with its cost (us back to back and synchronized together, ``_call_cost``):
+    in strict float32 the FFMA gather and the tensor-core gather on split operands (where the
+    kernel and the GPU take it); where PyTorch's convolution would run in TF32, the FFMA
+    gather, the TF32 gather and (``library``) PyTorch's convolution with this package's finish
+    (``"torch"``). Empty where no costs decide (float64, ``precision="tf32"``, a GPU without
+    TF32 tensor cores, a call of a few output voxels that PyTorch's convolution takes
+    outright: ``few_voxels_past``)."""
     refused = tf32_refusal(dtype, device, precision)
-    strict = refused and dtype == torch.float32 and precision != "tf32"
-    if strict and capability(device) >= TF32_CC \
-            and gather_mma.unsupported(geom, "float32") is None:
-        return _gather_costs(geom, shape, device, training, split=True)[2]
-    if refused or precision == "tf32":
+    if _strict(refused, dtype, precision):
+        return {} if _no_split(geom, device) else \
+            _gather_costs(geom, shape, device, training, split=True)[2]
+    if refused or (library and few_voxels_past(geom, shape)):
         return {}
-    t, host, cost = _gather_costs(geom, shape, device, training)
-    if library:
-        cost["torch"] = _call_cost(host, t["torch"], TORCH_HOST_US)
-    return cost
+    _, _, cost, torch_cost = _tf32_costs(geom, shape, device, training)
+    return cost | {"torch": torch_cost} if library else cost
 
 
 def strict_convolution(geom: ConvGeometry, shape: tuple, device: torch.device,
@@ -565,11 +583,9 @@ def strict_convolution(geom: ConvGeometry, shape: tuple, device: torch.device,
     latter where predicted ``STRICT_MARGIN`` cheaper (``_call_cost``, as ``convolution``'s
     candidates); the FFMA gather where the GPU has no TF32 tensor cores (``TF32_CC``) or the
     kernel does not take the geometry."""
-    if capability(device) < TF32_CC:
-        return "gather", f"{STRICT_CANDIDATES['gather']}: no TF32 tensor cores on this GPU"
-    unsupported = gather_mma.unsupported(geom, "float32")
-    if unsupported is not None:
-        return "gather", f"{STRICT_CANDIDATES['gather']}: {unsupported}"
+    absent = _no_split(geom, device)
+    if absent:
+        return "gather", f"{STRICT_CANDIDATES['gather']}: {absent}"
     _, _, cost = _gather_costs(geom, shape, device, training, split=True)
     choice = "gather_mma" if "gather_mma" in cost \
         and STRICT_MARGIN * cost["gather_mma"] < cost["gather"] else "gather"
@@ -591,9 +607,9 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     PyTorch's only ``MARGIN`` cheaper, and with
     ``MIN_OUTPUTS`` outputs or ``box_sums``' rounds outlasting its call; and always for a call
     of a few output voxels past ``WIDE_LIBRARY_WORK`` (``few_voxels_past``). Elsewhere the
-    FFMA gather."""
+    FFMA gather. ``candidate_costs`` lists what it compares."""
     refused = tf32_refusal(dtype, device, precision)
-    if refused and dtype == torch.float32 and precision != "tf32":
+    if _strict(refused, dtype, precision):
         # strict float32 (the flag, cuDNN off, or "ieee")
         choice, why = strict_convolution(geom, shape, device, training)
         return choice, f"{why}; {refused}"
@@ -605,10 +621,9 @@ def convolution(geom: ConvGeometry, shape: tuple, dtype: torch.dtype, device: to
     past = few_voxels_past(geom, shape) if library else ""
     if past:
         return "torch", f"{CANDIDATES['torch']}: {past}"
-    t, host, cost = _gather_costs(geom, shape, device, training)
+    t, host, cost, torch_cost = _tf32_costs(geom, shape, device, training)
     choice = min(cost, key=cost.get)
     outputs = shape[0] * geom.out_channels * math.prod(geom.output_spatial(shape[2:]))
-    torch_cost = _call_cost(host, t["torch"], TORCH_HOST_US)
     box = _box_sums_seconds(geom, shape[0], peaks_of(device)) * 1e6
     costs = "predicted " + ", ".join(f"{cost[name]:.0f} us on {SHORT[name]}" for name in cost) \
         + f", {torch_cost:.0f} us on cuDNN (back to back and synchronized together)"

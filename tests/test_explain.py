@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 import numba_deconv as nd
+from numba_deconv.plan import Options
 from numba_deconv import planner
-from numba_deconv.explain import (DEVICE_PEAKS, Candidate, _resources, device_peaks, explain,
-                                  theoretical_occupancy)
+from numba_deconv.explain import (DEVICE_PEAKS, Candidate, _forced, _resources, device_peaks,
+                                  explain, theoretical_occupancy)
 from numba_deconv import tensor_device
 
 
@@ -192,6 +193,34 @@ def test_the_candidates_render():
     assert json.dumps(report.to_dict())
 
 
+@pytest.mark.parametrize("kw, listed", [
+    (dict(), {"gather", "gather_mma", "torch"}),
+    (dict(conv_impl="gather"), {"gather", "gather_mma"}),
+    (dict(precision="ieee"), {"gather", "gather_mma"}), (dict(precision="tf32"), set()),
+    (dict(conv_impl="scatter"), set()), (dict(conv_impl="torch"), set()),
+    (dict(precision="ieee", options=Options(split_tf32=True)), set()),
+    (dict(dtype=torch.float64), set())],
+    ids=["auto", "gather", "ieee", "tf32", "scatter", "torch", "split forced", "float64"])
+def test_the_candidates_are_where_the_planner_chooses(kw, listed, monkeypatch):
+    """The convolutions listed are those the pipeline's planner chooses among (on a CUDA
+    device object under PyTorch's TF32 flag: nothing runs there): none where the convolution
+    is asked for or float64 has one."""
+    from numba_deconv import explain as explain_mod, precision
+
+    monkeypatch.setattr(explain_mod, "tensor_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(planner, "peaks_of", lambda device: planner.DEVICE_PEAKS["H200"])
+    monkeypatch.setattr(planner, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(precision, "torch_uses_tf32", lambda: True)
+    dtype = kw.pop("dtype", torch.float32)
+    conv = nn.ConvTranspose3d(16, 32, 3, stride=2, padding=1).to(dtype)
+    pipe = nd.Pipeline(conv, nn.BatchNorm3d(32).to(dtype), **kw)
+    shape = (16, 16, 16, 32, 32)
+    got = explain_mod._candidates(pipe, shape, dtype, False, "gather_mma")
+    assert {c.name for c in got} == listed
+    assert all(c.predicted_us > 0 for c in got)
+    assert [c.name for c in got if c.chosen] == (["gather_mma"] if listed else [])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", [None, "ieee"])
 def test_measure_times_the_convolutions_chosen_among(precision):
@@ -213,6 +242,14 @@ def test_measure_times_the_convolutions_chosen_among(precision):
                                           precision, True)[0]]
     assert all(c.predicted_us > 0 and c.b2b_us > 0 and c.kb_us > 0 for c in report.candidates)
     assert "<- chosen" in str(report)
+    for c in report.candidates:   # each timed on a pipeline that runs it
+        forced = _forced(pipe, c.name, strict)
+        if c.name == "torch":
+            assert forced.path(shape, torch.float32, device) == "torch"
+        else:
+            assert forced.tensor_cores(shape, torch.float32, device) == (c.name == "gather_mma")
+            assert forced.mma_operand(shape, torch.float32, device) == (
+                "" if c.name == "gather" else "tf32x3" if strict else "tf32")
     for k, v in bn.state_dict().items():
         assert torch.equal(v, before[k]), k
 

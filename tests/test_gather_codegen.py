@@ -270,7 +270,7 @@ def test_busy_threads_count_the_threads_with_outputs():
         qd_n, qh_n, qw_n = -(-out_d // stride), 5, 7
         rows = sum(1 for rd in range(stride) for qd in range(qd_n) if qd * stride + rd < out_d)
         want = 3 * 2 * -(-3 // 2) * rows * -(-qh_n // 2) * -(-qw_n // 3)
-        assert gather.busy_threads(geom, 3, tiling, out_d, qh_n, qw_n) == want
+        assert gather._busy_threads(geom, 3, tiling, out_d, qh_n, qw_n) == want
         assert rows == out_d <= stride * qd_n
 
 

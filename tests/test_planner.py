@@ -16,7 +16,7 @@ from torch import nn
 from numba_deconv import Pipeline, bench, planner, precision, testing
 from numba_deconv.backend import tensor_device
 from numba_deconv.geometry import ConvGeometry
-from numba_deconv.kernels import conv_grads
+from numba_deconv.kernels import conv_grads, gather
 from numba_deconv.kernels import launch
 from numba_deconv.plan import Options
 
@@ -216,8 +216,12 @@ def test_the_ffma_gathers_small_launches(row, gpu_blocks):
     0.55x-1.45x of its time (the rate alone predicts 0.17x-0.81x)."""
     cin, cout, k, s, p, batch, spatial, us = row
     geom = ConvGeometry.create(cin, cout, k, s, p)
-    predicted = planner._ffma_seconds(geom, batch, spatial, geom.output_spatial(spatial),
-                                      planner.DEVICE_PEAKS["H200"]) * 1e6
+    h200 = planner.DEVICE_PEAKS["H200"]
+    out_spatial = geom.output_spatial(spatial)
+    tiling = gather.gather_launch(geom, batch, spatial, out_spatial, "float32",
+                                  resident=int(h200["sms"]) * gather.RESIDENT_THREADS).tiling
+    assert (tiling.nc, tiling.mh, tiling.qw) == (1, 1, 1)
+    predicted = planner._ffma_seconds(geom, batch, spatial, out_spatial, h200) * 1e6
     assert 0.55 * us <= predicted <= 1.45 * us, predicted
 
 

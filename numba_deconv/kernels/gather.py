@@ -800,6 +800,13 @@ class GatherLaunch:
     wide: bool         # some tensor has 2**31 elements or more: 64-bit offsets
     chunked: bool      # several chunks of input channels (compile-time)
     edges: tuple = (1, 1)  # ``patch_edges`` (compile-time)
+    busy: int = 0      # threads with outputs to compute (``_busy_threads``)
+
+    @property
+    def accumulators(self) -> int:
+        """A thread's accumulators: its tile's outputs in every H and W phase."""
+        t = self.tiling
+        return t.nc * t.mh * t.qw * self.hpat[0] * self.wpat[0]
 
     @property
     def arrangement(self) -> tuple:
@@ -825,7 +832,7 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                   resident: int = 0) -> GatherLaunch:
     """Grid, tiling and run-time sizes for one input shape (``tiling`` overrides the choice;
     ``heavy_first``: ``tail_order``'s). The tile is the first of ``tilings`` unless its launch
-    has fewer threads with work (``busy_threads``) than ``resident`` (``resident_threads``:
+    has fewer threads with work (``_busy_threads``) than ``resident`` (``resident_threads``:
     what the GPU holds) and each of them at least ``MIN_CHAIN_MACS`` multiply-adds: then the
     tile whose launch comes nearest to filling the GPU, the most FMAs per load among equals. A
     call of few outputs and many input channels or taps has few threads, each a long chain of
@@ -842,11 +849,11 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
     if tiling is None:
         candidates = tilings(dtype, opg, h_plan.pattern, w_plan.pattern, qh_n, qw_n)
         tiling = candidates[0]
-        busy = busy_threads(geom, batch, tiling, od, qh_n, qw_n)
+        busy = _busy_threads(geom, batch, tiling, od, qh_n, qw_n)
         if resident and busy < resident \
                 and geom.macs(batch, in_spatial) >= MIN_CHAIN_MACS * busy:
             tiling = max(candidates, key=lambda t: min(
-                resident, busy_threads(geom, batch, t, od, qh_n, qw_n)))
+                resident, _busy_threads(geom, batch, t, od, qh_n, qw_n)))
     if tiling.block % 32 or tiling.block % tiling.lanes or tiling.lanes & (tiling.lanes - 1):
         raise ValueError(f"invalid gather tiling {tiling}: block must be a multiple of 32 and of "
                          "lanes, lanes a power of two")
@@ -883,11 +890,12 @@ def gather_launch(geom, batch: int, in_spatial, out_spatial, dtype: str,
                batch * geom.out_channels * math.prod(out_spatial), n_wph) >= NARROW_LIMIT
     return GatherLaunch(tiling, h_plan.pattern, w_plan.pattern, w_plan.shift, d_plan.pattern,
                         exact, dims, grid, slots, ci_chunk * per_ci * item, wide,
-                        ci_chunk < ipg, patch_edges(tiling, (sh, sw), (oh, ow)))
+                        ci_chunk < ipg, patch_edges(tiling, (sh, sw), (oh, ow)),
+                        _busy_threads(geom, batch, tiling, od, qh_n, qw_n))
 
 
-def busy_threads(geom, batch: int, tiling: GatherTiling, od: int, qh_n: int,
-                 qw_n: int) -> int:
+def _busy_threads(geom, batch: int, tiling: GatherTiling, od: int, qh_n: int,
+                  qw_n: int) -> int:
     """Threads of a launch with ``tiling`` that have outputs to compute: one per (sample,
     channel tile, output D row, group of H and W quotients); a block's rows and lanes past the
     output's edge have none (a D row is one phase's quotient: the phases' rows add up to the
