@@ -96,7 +96,8 @@ class Candidate:
 
     name: str                         # "gather", "gather_mma" or "torch"
     label: str                        # in words
-    predicted_us: float               # back to back and synchronized together (the planner's)
+    predicted_us: float               # back to back and synchronized together (the planner's,
+                                      # for the device the call runs on, whatever device_name)
     chosen: bool
     b2b_us: float | None = None       # median call time, back to back (measure=True)
     kb_us: float | None = None        # ... and with a synchronize after every call
