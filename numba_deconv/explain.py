@@ -858,8 +858,8 @@ def _time_candidate(pipe, name: str, strict: bool, x,
 
     forced = _forced(pipe, name, strict)
     shape, dtype, device = x.shape, x.dtype, x.device
-    runs = forced.path(shape, dtype, device) == "torch" if name == "torch" else \
-        forced.path(shape, dtype, device) in GATHER_PATHS \
+    path = forced.path(shape, dtype, device)
+    runs = path == "torch" if name == "torch" else path in GATHER_PATHS \
         and forced.tensor_cores(shape, dtype, device) == (name == "gather_mma")
     if not runs:
         return None, None
