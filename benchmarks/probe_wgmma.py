@@ -40,29 +40,16 @@ from llvmlite import ir  # noqa: E402
 from numba import cuda, float32, types, uint32, uint64  # noqa: E402
 from numba.cuda.extending import intrinsic  # noqa: E402
 
+from numba_deconv.kernels.ptx import instruction  # noqa: E402
+
 THREADS = 128   # a warpgroup
 SWIZZLE_32B = 3  # the descriptor's swizzle mode field (bits 62-63)
+HOPPER = (9, 0)
 
-
-def _statement(text: str):
-    """An intrinsic emitting one operand-free PTX statement (a memory clobber)."""
-    @intrinsic
-    def impl(typingctx):
-        def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
-                               side_effect=True)
-            builder.call(asm, [])
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return impl
-
-
-fence = _statement("wgmma.fence.sync.aligned;")
-commit = _statement("wgmma.commit_group.sync.aligned;")
-wait_all = _statement("wgmma.wait_group.sync.aligned 0;")
-proxy_fence = _statement("fence.proxy.async.shared::cta;")
+fence = instruction("wgmma.fence.sync.aligned;", HOPPER)
+commit = instruction("wgmma.commit_group.sync.aligned;", HOPPER)
+wait_all = instruction("wgmma.wait_group.sync.aligned 0;", HOPPER)
+proxy_fence = instruction("fence.proxy.async.shared::cta;", HOPPER)
 
 
 @intrinsic
@@ -189,7 +176,7 @@ def relative(got: np.ndarray, want: np.ndarray) -> float:
 def main() -> None:
     from numba.cuda.core import config
 
-    if not cuda.is_available() or cuda.get_current_device().compute_capability != (9, 0):
+    if not cuda.is_available() or cuda.get_current_device().compute_capability != HOPPER:
         raise SystemExit("probe_wgmma: needs a GPU of compute capability 9.0")
     config.FORCE_CUDA_CC = (9, 0, "a")    # wgmma exists only in sm_90a's PTX
     rng = np.random.default_rng(0)
